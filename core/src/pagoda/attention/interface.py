@@ -1,0 +1,117 @@
+"""The interface attention-backend plugins implement, and the batch layout they read.
+
+KV cache layout (per layer, owned by the model runner):
+    kv_cache: Tensor[2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache[0] holds keys, kv_cache[1] values. Token ``t`` of a sequence lives in
+    block ``block_table[t // block_size]`` at offset ``t % block_size``; its flat
+    *slot* is ``block_id * block_size + offset``.
+
+The batch is flat: the new tokens of every scheduled sequence are concatenated
+(no padding to a rectangle), sequence ``i`` owning rows
+``query_start_loc[i]:query_start_loc[i+1]``. A decode is a sequence with one new
+token; a prefill (or a chunk of one) may sit on top of already cached tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a model's attention layers need; a backend says whether it can serve it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device_type: str
+    block_size: int
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """The flat batch layout, the same for every layer of one step.
+
+    All tensors live on the model's device. ``extra`` is filled by the
+    backend's ``prepare`` with whatever it precomputes once per step.
+    """
+
+    num_seqs: int
+    num_tokens: int
+    # [num_seqs + 1] int32: cumulative new-token counts (row offsets into the batch)
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: tokens in the KV cache after this step (cached + new)
+    seq_lens: torch.Tensor
+    # [num_seqs, max_blocks] int32: KV block ids of each sequence (padding: 0)
+    block_tables: torch.Tensor
+    # [num_tokens] int64: slot each new token's K/V is written to (-1: skip)
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, for backends that plan on the CPU without syncing.
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+    # True when every sequence has exactly one new token.
+    is_all_decode: bool = False
+    extra: dict[str, Any] | None = None
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def context_lens(self) -> torch.Tensor:
+        """Tokens already cached before this step."""
+        return self.seq_lens - self.query_lens
+
+
+class AttentionBackend:
+    """One attention implementation. Instances are created once per engine."""
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    @classmethod
+    def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
+        """Why this backend cannot serve ``spec``; an empty list means it can."""
+        return []
+
+    @classmethod
+    def preferred_block_sizes(cls) -> tuple[int, ...]:
+        return (16,)
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """Precompute per-step data (once per step, shared by all layers)."""
+        return metadata
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Write the new K/V into ``kv_cache`` at ``slot_mapping``, then attend.
+
+        Returns [num_tokens, num_heads, head_dim]. Causal: a new token at
+        absolute position p (= context_len + its index among the new tokens)
+        attends to cached and new tokens at positions <= p (and > p - window
+        with a sliding window).
+        """
+        raise NotImplementedError

@@ -1,0 +1,163 @@
+"""Engine configuration as pydantic models.
+
+Every engine argument is declared once, on ``EngineArgs``; the CLI, ``LLM(...)``
+and the server all build their engine from it. Names follow vLLM's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+DTypeName = Literal["auto", "float32", "float", "bfloat16", "float16", "half"]
+
+
+class ModelConfig(_Config):
+    model: str | None = Field(None, description="Path to a HF model directory or a .gguf file; None = the embedded default model (SmolLM2-135M-Instruct).")
+    tokenizer: str | None = Field(None, description="Tokenizer path; defaults to the model's.")
+    dtype: DTypeName = Field("auto", description="Weights and activations dtype.")
+    seed: int = Field(0, description="Random seed for sampling.")
+    max_model_len: int | None = Field(None, gt=0, description="Context length (prompt + output); defaults to the model's.")
+    hf_overrides: dict[str, Any] | None = Field(None, description="Values that override the model's config.json (e.g. architectures).")
+    skip_tokenizer_init: bool = Field(False, description="Do not load a tokenizer; prompts must be token ids.")
+    trust_remote_code: bool = Field(False, description="Accepted for vLLM compatibility; remote code is never executed.")
+    served_model_name: str | None = Field(None, description="Model name the server reports; defaults to the model path.")
+    max_logprobs: int = Field(20, ge=0, description="Largest number of logprobs a request may ask for.")
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field("raw_logprobs", description="What logprobs report.")
+
+
+class CacheConfig(_Config):
+    block_size: int | None = Field(None, gt=0, description="Tokens per KV cache block; None = the platform's default (16 on GPUs).")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    num_kv_blocks: int | None = Field(None, gt=0, description="Override of the computed number of KV cache blocks (vLLM: num_gpu_blocks_override).")
+    kv_cache_memory_bytes: int | None = Field(None, gt=0, description="Absolute KV cache budget in bytes.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of GPU memory the engine may use (GPU platforms).")
+    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="KV cache dtype; auto = the model dtype.")
+
+
+class SchedulerConfig(_Config):
+    max_num_seqs: int = Field(256, gt=0, description="Most requests in one step.")
+    max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget of one step; None = a platform default.")
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of waiting requests.")
+
+
+class ParallelConfig(_Config):
+    tensor_parallel_size: int = Field(1, gt=0, description="Tensor-parallel ranks (only 1 so far).")
+    pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline-parallel stages (only 1 so far).")
+
+    @model_validator(mode="after")
+    def _single_rank(self) -> ParallelConfig:
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be 1: parallelism is not implemented yet")
+        return self
+
+
+class DeviceConfig(_Config):
+    device: str = Field("auto", description="Platform to run on: auto, cpu, cuda, rocm, tpu (or PAGODA_DEVICE).")
+
+
+class LoadConfig(_Config):
+    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = Field("auto", description="Weight format.")
+    download_dir: str | None = Field(None, description="Unused: pagoda never downloads weights.")
+
+
+class EngineConfig(_Config):
+    """Everything an engine (and each of its worker processes) needs; picklable."""
+
+    model_config_: ModelConfig = Field(alias="model_config")
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    load_config: LoadConfig
+    # Decided once in the main process and replayed in workers.
+    plugins: list[str] | None = None
+    registered_models: dict[str, str] = Field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), populate_by_name=True)
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.model_config_
+
+
+_SECTIONS: dict[str, type[_Config]] = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+    "device_config": DeviceConfig,
+    "load_config": LoadConfig,
+}
+
+
+def _engine_arg_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for section in _SECTIONS.values():
+        for name, info in section.model_fields.items():
+            fields[name] = (info.annotation, info)
+    return fields
+
+
+class EngineArgs(_Config):
+    """The flat list of engine arguments (what ``LLM(...)`` and the CLI take)."""
+
+    model: str | None = ModelConfig.model_fields["model"]
+    tokenizer: str | None = ModelConfig.model_fields["tokenizer"]
+    dtype: DTypeName = ModelConfig.model_fields["dtype"]
+    seed: int = ModelConfig.model_fields["seed"]
+    max_model_len: int | None = ModelConfig.model_fields["max_model_len"]
+    hf_overrides: dict[str, Any] | None = ModelConfig.model_fields["hf_overrides"]
+    skip_tokenizer_init: bool = ModelConfig.model_fields["skip_tokenizer_init"]
+    trust_remote_code: bool = ModelConfig.model_fields["trust_remote_code"]
+    served_model_name: str | None = ModelConfig.model_fields["served_model_name"]
+    max_logprobs: int = ModelConfig.model_fields["max_logprobs"]
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = ModelConfig.model_fields["logprobs_mode"]
+    block_size: int | None = CacheConfig.model_fields["block_size"]
+    enable_prefix_caching: bool = CacheConfig.model_fields["enable_prefix_caching"]
+    num_kv_blocks: int | None = CacheConfig.model_fields["num_kv_blocks"]
+    kv_cache_memory_bytes: int | None = CacheConfig.model_fields["kv_cache_memory_bytes"]
+    gpu_memory_utilization: float = CacheConfig.model_fields["gpu_memory_utilization"]
+    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = CacheConfig.model_fields["cache_dtype"]
+    max_num_seqs: int = SchedulerConfig.model_fields["max_num_seqs"]
+    max_num_batched_tokens: int | None = SchedulerConfig.model_fields["max_num_batched_tokens"]
+    enable_chunked_prefill: bool = SchedulerConfig.model_fields["enable_chunked_prefill"]
+    scheduling_policy: Literal["fcfs", "priority"] = SchedulerConfig.model_fields["scheduling_policy"]
+    tensor_parallel_size: int = ParallelConfig.model_fields["tensor_parallel_size"]
+    pipeline_parallel_size: int = ParallelConfig.model_fields["pipeline_parallel_size"]
+    device: str = DeviceConfig.model_fields["device"]
+    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = LoadConfig.model_fields["load_format"]
+    download_dir: str | None = LoadConfig.model_fields["download_dir"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_aliases(cls, data: Any) -> Any:
+        # vLLM's name for the block-count override.
+        if isinstance(data, dict) and "num_gpu_blocks_override" in data:
+            data = dict(data)
+            value = data.pop("num_gpu_blocks_override")
+            data.setdefault("num_kv_blocks", value)
+        return data
+
+    def create_engine_config(self) -> EngineConfig:
+        values = self.model_dump()
+        sections = {
+            key: section(**{k: values[k] for k in section.model_fields})
+            for key, section in _SECTIONS.items()
+        }
+        return EngineConfig(**sections)
+
+
+assert set(EngineArgs.model_fields) == set(_engine_arg_fields()), "EngineArgs drifted from the config sections"
+
+
+class AsyncEngineArgs(EngineArgs):
+    """Same fields as EngineArgs (vLLM keeps both names)."""

@@ -1,0 +1,79 @@
+"""Turn ``EngineArgs`` fields into CLI options, so the CLI never re-declares them."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import typing
+from typing import Any, Callable
+
+import typer
+
+from pagoda.config import EngineArgs
+
+
+def _option_for(name: str, info: Any) -> tuple[Any, Any]:
+    flag = "--" + name.replace("_", "-")
+    annotation = info.annotation
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    help_text = info.description or ""
+    default = info.default
+    if annotation is bool:
+        return bool, typer.Option(default, f"{flag}/--no-{name.replace('_', '-')}", help=help_text)
+    if origin is typing.Literal:
+        return str, typer.Option(default, flag, help=f"{help_text} One of: {', '.join(map(str, args))}.")
+    inner = [a for a in args if a is not type(None)] or [annotation]
+    base = inner[0]
+    if typing.get_origin(base) is typing.Literal:
+        return str | None, typer.Option(default, flag, help=help_text)  # type: ignore[return-value]
+    if base in (int, float, str):
+        return (base | None) if type(None) in args else base, typer.Option(default, flag, help=help_text)
+    # dicts (hf_overrides) travel as JSON text
+    return str | None, typer.Option(None, flag, help=f"{help_text} (JSON)")  # type: ignore[return-value]
+
+
+def engine_args_from_cli(values: dict[str, Any]) -> EngineArgs:
+    cleaned: dict[str, Any] = {}
+    for name, info in EngineArgs.model_fields.items():
+        if name not in values:
+            continue
+        value = values[name]
+        if isinstance(value, str) and info.annotation not in (str, str | None) and "dict" in str(info.annotation):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise typer.BadParameter(f"--{name.replace('_', '-')} must be JSON: {exc}") from exc
+        cleaned[name] = value
+    return EngineArgs(**cleaned)
+
+
+def with_engine_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: append every EngineArgs field as a keyword option of the command.
+
+    The wrapped function receives them in ``engine_args: EngineArgs``.
+    """
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(func)
+        own = [p for p in sig.parameters.values() if p.name != "engine_args"]
+        extra: list[inspect.Parameter] = []
+        for name, info in EngineArgs.model_fields.items():
+            if name in exclude or name in sig.parameters:
+                continue
+            annotation, default = _option_for(name, info)
+            extra.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
+
+        def wrapper(**kwargs: Any) -> Any:
+            engine_kwargs = {p.name: kwargs.pop(p.name) for p in extra}
+            if "model" in sig.parameters and "model" in kwargs:
+                engine_kwargs["model"] = kwargs["model"]
+            kwargs["engine_args"] = engine_args_from_cli(engine_kwargs)
+            return func(**kwargs)
+
+        wrapper.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
+        wrapper.__name__ = func.__name__
+        wrapper.__doc__ = func.__doc__
+        return wrapper
+
+    return decorate

@@ -1,0 +1,42 @@
+"""What a model-family plugin's model class implements.
+
+A model is written for the engine: it takes the flat token batch (no padding),
+absolute positions and the step's ``AttentionMetadata``, and uses
+``pagoda.attention.Attention`` layers for paged attention.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+    from pagoda.attention import AttentionMetadata
+
+
+@runtime_checkable
+class CausalLMModel(Protocol):
+    """Constructor: ``cls(hf_config: PretrainedConfig, dtype: torch.dtype)`` on the meta or target device."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, absolute positions
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (only rows that sample are passed)."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Consume (HF parameter name, tensor) pairs; return the parameter names loaded."""
+        ...
+
+
+def config_for(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """The text config of a possibly multimodal config."""
+    return getattr(hf_config, "text_config", None) or hf_config

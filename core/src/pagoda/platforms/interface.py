@@ -1,0 +1,102 @@
+"""The interface every hardware platform plugin implements."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagoda.config import EngineConfig
+
+
+class Platform:
+    """One kind of device. Subclasses live in platform plugins.
+
+    ``probe`` must be cheap and honest: it may import the device runtime but must
+    not initialise a device, and it says *why* the platform cannot run here.
+    """
+
+    name: ClassVar[str] = "base"
+    device_type: ClassVar[str] = "cpu"
+    # False for platforms whose code has never run on real hardware (shown by
+    # `pagoda plugins list` and the docs).
+    verified_on_hardware: ClassVar[bool] = True
+    # Distribution that provides this platform (for install hints).
+    package: ClassVar[str] = "pagoda-core"
+    default_block_size: ClassVar[int] = 16
+    supports_graphs: ClassVar[bool] = False
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        """(True, "") if this platform can run here, else (False, reason)."""
+        raise NotImplementedError
+
+    # -- configuration ------------------------------------------------------
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        """Fill platform defaults (block size, dtype, KV budget) and reject what it cannot run."""
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        import torch
+
+        return [torch.float32]
+
+    def resolve_dtype(self, requested: str, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """Map ``dtype='auto'|'float32'|...`` to a torch dtype this platform runs."""
+        import torch
+
+        names = {
+            "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+        }
+        if requested == "auto":
+            dtype = checkpoint_dtype or torch.float32
+            if dtype not in self.supported_dtypes():
+                dtype = torch.float32
+        else:
+            if requested not in names:
+                raise ValueError(
+                    f"dtype={requested!r} is not one of 'auto', {', '.join(repr(n) for n in names)}"
+                )
+            dtype = names[requested]
+        if dtype not in self.supported_dtypes():
+            supported = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes())
+            raise ValueError(f"dtype {dtype} is not supported on platform {self.name!r} (supported: {supported})")
+        return dtype
+
+    def attention_backend_preference(self) -> list[str]:
+        """Attention backends in the order this platform prefers them."""
+        return []
+
+    def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
+        """Absolute KV cache budget in bytes when the user gave none."""
+        raise NotImplementedError
+
+    # -- runtime -------------------------------------------------------------
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device(self.device_type)
+
+    def init_worker(self, config: EngineConfig) -> None:
+        """Per-process set-up before the model loads (threads, device selection)."""
+
+    def seed_everything(self, seed: int) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        random.seed(seed)
+        np.random.seed(seed % (2**32))
+        torch.manual_seed(seed)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on CPU)."""
+
+    def memory_stats(self) -> dict[str, Any]:
+        return {}
+
+    def describe(self) -> str:
+        return self.name

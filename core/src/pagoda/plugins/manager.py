@@ -1,0 +1,338 @@
+"""Loads plugins from entry points into one pluggy manager and freezes their specs.
+
+We read entry points ourselves rather than through pluggy's
+``load_setuptools_entrypoints``: that one keys plugins by entry-point name (a
+second distribution with the same name is silently dropped) and lets one import
+error abort every plugin after it. Here each plugin gets a record with its
+status, error and traceback, and a broken plugin never takes down the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import pluggy
+
+from pagoda.plugins import hookspecs
+from pagoda.plugins.specs import (
+    AttentionBackendSpec,
+    IOProcessorSpec,
+    LogitsProcessorSpec,
+    ModelSpec,
+    PlatformSpec,
+    PluginInfo,
+    QuantizationSpec,
+)
+
+logger = logging.getLogger(__name__)
+
+# MAJOR.MINOR. A plugin written for 1.x loads on any core 1.y with y >= x;
+# core adds hooks and hook arguments only additively within a major version.
+API_VERSION = "1.0"
+API_VERSION_ATTR = "PAGODA_PLUGIN_API_VERSION"
+PLUGINS_ENV = "PAGODA_PLUGINS"
+
+# One entry-point group per kind, so `pagoda plugins list` can show kinds
+# without importing anything and a process can load only what it needs.
+ENTRY_POINT_GROUPS: dict[str, str] = {
+    "platform": "pagoda.platforms",
+    "model_family": "pagoda.model_families",
+    "attention_backend": "pagoda.attention_backends",
+    "quantization": "pagoda.quantization",
+    "io_processor": "pagoda.io_processors",
+    "logits_processor": "pagoda.logits_processors",
+    "general": "pagoda.general",
+}
+
+# hook name -> (spec type, how a spec is shown in `provides`)
+_REGISTER_HOOKS: dict[str, tuple[type, str]] = {
+    "pagoda_register_platforms": (PlatformSpec, "name"),
+    "pagoda_register_model_families": (ModelSpec, "architecture"),
+    "pagoda_register_attention_backends": (AttentionBackendSpec, "name"),
+    "pagoda_register_quantization_methods": (QuantizationSpec, "name"),
+    "pagoda_register_io_processors": (IOProcessorSpec, "name"),
+    "pagoda_register_logits_processors": (LogitsProcessorSpec, "name"),
+}
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be selected, loaded or used."""
+
+
+class PluginSelectionError(PluginError):
+    """``PAGODA_PLUGINS`` names a plugin that is not installed."""
+
+
+def supported_api_versions() -> str:
+    major, minor = API_VERSION.split(".")
+    return f"{major}.0 to {major}.{minor}"
+
+
+def check_api_version(declared: object) -> str | None:
+    """Return why ``declared`` is incompatible with this core, or None if it is fine."""
+    if declared is None:
+        return (
+            f"the plugin does not declare {API_VERSION_ATTR}; "
+            f"this pagoda-core supports plugin API {supported_api_versions()}"
+        )
+    try:
+        major, minor = (int(p) for p in str(declared).split("."))
+    except ValueError:
+        return f"{API_VERSION_ATTR}={declared!r} is not of the form 'MAJOR.MINOR'"
+    core_major, core_minor = (int(p) for p in API_VERSION.split("."))
+    if major != core_major or minor > core_minor:
+        return (
+            f"the plugin targets plugin API {declared} but this pagoda-core "
+            f"(plugin API {API_VERSION}) supports {supported_api_versions()}"
+        )
+    return None
+
+
+def requested_plugin_names(env: dict[str, str] | None = None) -> list[str] | None:
+    """Names from ``PAGODA_PLUGINS``: None (unset) means all, [] means none."""
+    env = os.environ if env is None else env
+    raw = env.get(PLUGINS_ENV)
+    if raw is None:
+        return None
+    return [n.strip() for n in raw.split(",") if n.strip()]
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    name: str
+    kind: str
+    group: str
+    value: str
+    distribution: str | None
+    version: str | None
+    entry_point: Any
+
+
+def _discover(kinds: Iterable[str]) -> list[_Candidate]:
+    from importlib_metadata import entry_points
+
+    found: list[_Candidate] = []
+    for kind in kinds:
+        group = ENTRY_POINT_GROUPS[kind]
+        for ep in entry_points(group=group):
+            dist = getattr(ep, "dist", None)
+            found.append(
+                _Candidate(
+                    name=ep.name,
+                    kind=kind,
+                    group=group,
+                    value=ep.value,
+                    distribution=dist.name if dist is not None else None,
+                    version=dist.version if dist is not None else None,
+                    entry_point=ep,
+                )
+            )
+    # Several dists may install the same distribution twice on sys.path (e.g. an
+    # editable and a regular install); keep one record per (dist, group, name).
+    unique: dict[tuple[Any, ...], _Candidate] = {}
+    for c in found:
+        unique.setdefault((c.distribution, c.group, c.name, c.value), c)
+    return list(unique.values())
+
+
+class PluginManager:
+    """The process's plugins: one pluggy manager plus a record per plugin."""
+
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
+        self.infos: list[PluginInfo] = []
+        self._specs: dict[str, list[Any]] | None = None
+        self._objects: dict[str, Any] = {}
+        self.entry_points_loaded = False
+
+    # -- registration -------------------------------------------------------
+    def register(
+        self,
+        plugin: Any,
+        name: str,
+        kind: str = "general",
+        distribution: str | None = None,
+        version: str | None = None,
+        entry_point: str | None = None,
+    ) -> PluginInfo:
+        """Register an object (module or instance) carrying ``@hookimpl`` functions.
+
+        The API version is checked first; an incompatible plugin is recorded
+        and refused, never half-registered.
+        """
+        declared = getattr(plugin, API_VERSION_ATTR, None)
+        info = PluginInfo(
+            name=name,
+            kind=kind,
+            distribution=distribution,
+            version=version,
+            api_version=None if declared is None else str(declared),
+            status="loaded",
+            entry_point=entry_point,
+        )
+        problem = check_api_version(declared)
+        if problem is not None:
+            info.status = "incompatible"
+            info.error = f"plugin {name!r} refused: {problem}"
+            logger.error(info.error)
+            self.infos.append(info)
+            return info
+        key = f"{distribution or 'in-process'}::{kind}::{name}"
+        try:
+            self._pm.register(plugin, name=key)
+            self._pm.check_pending()
+        except Exception as exc:  # a misspelled hook, a bad signature
+            if self._pm.is_registered(plugin):
+                self._pm.unregister(plugin)
+            info.status = "error"
+            info.error = f"{type(exc).__name__}: {exc}"
+            info.traceback = traceback.format_exc()
+            self.infos.append(info)
+            return info
+        self._objects[key] = plugin
+        self.infos.append(info)
+        self._specs = None
+        return info
+
+    def load_entry_points(
+        self,
+        names: list[str] | None | str = "env",
+        kinds: Iterable[str] | None = None,
+    ) -> None:
+        """Discover and register installed plugins.
+
+        ``names``: ``"env"`` reads ``PAGODA_PLUGINS``; None loads all; a list
+        loads exactly those (an unknown name is an error).
+        """
+        selected = requested_plugin_names() if names == "env" else names
+        kinds = list(ENTRY_POINT_GROUPS) if kinds is None else list(kinds)
+        candidates = _discover(kinds)
+        if selected is not None:
+            known = {c.name for c in candidates} | {c.distribution for c in candidates if c.distribution}
+            unknown = [n for n in selected if n not in known]
+            if unknown:
+                available = ", ".join(sorted({c.name for c in candidates})) or "(none installed)"
+                raise PluginSelectionError(
+                    f"{PLUGINS_ENV} names plugin(s) that are not installed: "
+                    f"{', '.join(unknown)}. Installed plugins: {available}"
+                )
+        for c in candidates:
+            if selected is not None and c.name not in selected and c.distribution not in selected:
+                self.infos.append(
+                    PluginInfo(
+                        name=c.name, kind=c.kind, distribution=c.distribution,
+                        version=c.version, api_version=None, status="disabled",
+                        error=f"not selected by {PLUGINS_ENV}", entry_point=c.value,
+                    )
+                )
+                continue
+            try:
+                obj = c.entry_point.load()
+            except Exception as exc:
+                self.infos.append(
+                    PluginInfo(
+                        name=c.name, kind=c.kind, distribution=c.distribution,
+                        version=c.version, api_version=None, status="error",
+                        error=f"failed to import {c.value}: {type(exc).__name__}: {exc}",
+                        traceback=traceback.format_exc(), entry_point=c.value,
+                    )
+                )
+                logger.warning("plugin %s (%s) failed to import: %s", c.name, c.distribution, exc)
+                continue
+            self.register(
+                obj, name=c.name, kind=c.kind, distribution=c.distribution,
+                version=c.version, entry_point=c.value,
+            )
+        self.entry_points_loaded = True
+        self._specs = None
+
+    # -- frozen registries --------------------------------------------------
+    def _collect(self) -> dict[str, list[Any]]:
+        if self._specs is not None:
+            return self._specs
+        specs: dict[str, list[Any]] = {hook: [] for hook in _REGISTER_HOOKS}
+        infos_by_key = {
+            f"{i.distribution or 'in-process'}::{i.kind}::{i.name}": i
+            for i in self.infos
+            if i.status == "loaded"
+        }
+        for key, plugin in self._objects.items():
+            info = infos_by_key.get(key)
+            if info is None:
+                continue
+            provided: list[tuple[str, list[Any]]] = []
+            try:
+                for hook, (spec_type, label) in _REGISTER_HOOKS.items():
+                    fn = getattr(plugin, hook, None)
+                    if fn is None:
+                        continue
+                    result = list(fn() or [])
+                    for item in result:
+                        if not isinstance(item, spec_type):
+                            raise TypeError(
+                                f"{hook} returned {type(item).__name__}, expected {spec_type.__name__}"
+                            )
+                    provided.append((hook, result))
+            except Exception as exc:
+                info.status = "error"
+                info.error = f"a registration hook failed: {type(exc).__name__}: {exc}"
+                info.traceback = traceback.format_exc()
+                continue
+            info.provides = []
+            for hook, result in provided:
+                label = _REGISTER_HOOKS[hook][1]
+                specs[hook].extend(result)
+                info.provides.extend(f"{hook.removeprefix('pagoda_register_')}:{getattr(s, label)}" for s in result)
+        self._specs = specs
+        return specs
+
+    def _by_name(self, hook: str, attr: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for spec in self._collect()[hook]:
+            key = getattr(spec, attr)
+            # First one wins; a second provider of the same name is reported, never
+            # silently swapped in.
+            if key in out:
+                logger.warning("%s %r is provided twice; keeping the first", hook, key)
+                continue
+            out[key] = spec
+        return out
+
+    def platforms(self) -> dict[str, PlatformSpec]:
+        return self._by_name("pagoda_register_platforms", "name")
+
+    def model_families(self) -> dict[str, ModelSpec]:
+        return self._by_name("pagoda_register_model_families", "architecture")
+
+    def attention_backends(self) -> dict[str, AttentionBackendSpec]:
+        return self._by_name("pagoda_register_attention_backends", "name")
+
+    def quantization_methods(self) -> dict[str, QuantizationSpec]:
+        return self._by_name("pagoda_register_quantization_methods", "name")
+
+    def io_processors(self) -> dict[str, IOProcessorSpec]:
+        return self._by_name("pagoda_register_io_processors", "name")
+
+    def logits_processors(self) -> dict[str, LogitsProcessorSpec]:
+        return self._by_name("pagoda_register_logits_processors", "name")
+
+    def loaded_names(self) -> list[str]:
+        return [i.name for i in self.infos if i.status == "loaded" and i.distribution]
+
+    def failed(self, kind: str | None = None) -> list[PluginInfo]:
+        return [
+            i for i in self.infos
+            if i.status in ("error", "incompatible") and (kind is None or i.kind == kind)
+        ]
+
+    def startup(self, config: Any = None) -> None:
+        self._pm.hook.pagoda_startup(config=config)
+
+    @property
+    def hook(self) -> Any:
+        return self._pm.hook

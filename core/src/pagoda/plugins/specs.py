@@ -1,0 +1,109 @@
+"""Small, picklable descriptions that plugins hand to core.
+
+Heavy code (model classes, kernels, device runtimes) is referenced by a
+``"module:Attr"`` string and imported only when chosen, so discovering plugins
+stays cheap and never touches a device.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def import_object(ref: str) -> Any:
+    """Import ``"package.module:Attr.sub"`` and return the attribute."""
+    module_name, _, attr_path = ref.partition(":")
+    if not module_name or not attr_path:
+        raise ValueError(f"expected 'module:Attr', got {ref!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class PlatformSpec:
+    """A hardware platform. ``cls`` names a ``pagoda.platforms.Platform`` subclass."""
+
+    name: str
+    cls: str
+    device_type: str
+    # Distribution a user installs to get this platform (used in error messages).
+    package: str
+    # Higher wins when several platforms can run here and none is forced.
+    priority: int = 0
+    verified_on_hardware: bool = True
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One architecture name (as in a HF ``config.json``) and its implementation."""
+
+    architecture: str
+    cls: str
+    # "generate" for decoders; "embed", "classify", ... for pooling models.
+    runner: str = "generate"
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+
+@dataclass(frozen=True)
+class AttentionBackendSpec:
+    name: str
+    cls: str
+    # Device types the backend can run on ("cpu", "cuda", ...).
+    device_types: tuple[str, ...] = ("cpu",)
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    name: str
+    cls: str
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+
+@dataclass(frozen=True)
+class IOProcessorSpec:
+    name: str
+    cls: str
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+
+@dataclass(frozen=True)
+class LogitsProcessorSpec:
+    """A logits processor that requests can ask for by name."""
+
+    name: str
+    cls: str
+
+    def load(self) -> Any:
+        return import_object(self.cls)
+
+
+@dataclass
+class PluginInfo:
+    """What ``pagoda plugins list`` shows for one plugin."""
+
+    name: str
+    kind: str
+    distribution: str | None
+    version: str | None
+    api_version: str | None
+    status: str  # "loaded" | "error" | "incompatible" | "disabled"
+    error: str | None = None
+    traceback: str | None = None
+    provides: list[str] = field(default_factory=list)
+    entry_point: str | None = None

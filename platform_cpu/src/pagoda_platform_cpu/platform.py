@@ -1,0 +1,118 @@
+"""The CPU platform: torch on the host's cores."""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from pagoda.platforms import Platform
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagoda.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+THREADS_ENV = "PAGODA_CPU_THREADS"
+KVCACHE_SPACE_ENV = "PAGODA_CPU_KVCACHE_SPACE"  # GiB, as VLLM_CPU_KVCACHE_SPACE
+DEFAULT_KVCACHE_GIB = 4.0
+GiB = 1 << 30
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_native_bf16() -> bool:
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    verified_on_hardware = True
+    package = "pagoda-platform-cpu"
+    default_block_size = 16
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        try:
+            import torch  # noqa: F401
+        except ImportError as exc:
+            return False, f"torch is not importable: {exc}"
+        return True, ""
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        import torch
+
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    def resolve_dtype(self, requested: str, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        import torch
+
+        if requested == "auto":
+            # bf16 only pays where the CPU computes it natively (AVX512-BF16 / AMX);
+            # on AVX2 it is emulated and slower than fp32, whatever the checkpoint holds.
+            dtype = torch.bfloat16 if has_native_bf16() else torch.float32
+            logger.info(
+                "dtype=auto on CPU: %s (native bf16: %s; checkpoint dtype: %s)",
+                dtype, has_native_bf16(), checkpoint_dtype,
+            )
+            return dtype
+        return super().resolve_dtype(requested, checkpoint_dtype)
+
+    def attention_backend_preference(self) -> list[str]:
+        return ["torch_paged"]
+
+    def num_threads(self) -> int:
+        raw = os.environ.get(THREADS_ENV)
+        if raw:
+            try:
+                n = int(raw)
+            except ValueError as exc:
+                raise ValueError(f"{THREADS_ENV}={raw!r} is not an integer") from exc
+            if n <= 0:
+                raise ValueError(f"{THREADS_ENV} must be positive, got {n}")
+            return n
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
+        if config.cache_config.kv_cache_memory_bytes is not None:
+            return config.cache_config.kv_cache_memory_bytes
+        raw = os.environ.get(KVCACHE_SPACE_ENV)
+        if raw:
+            try:
+                gib = float(raw)
+            except ValueError as exc:
+                raise ValueError(f"{KVCACHE_SPACE_ENV}={raw!r} is not a number of GiB") from exc
+            if gib <= 0:
+                raise ValueError(f"{KVCACHE_SPACE_ENV} must be positive, got {raw}")
+            return int(gib * GiB)
+        return int(DEFAULT_KVCACHE_GIB * GiB)
+
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        if config.cache_config.block_size is None:
+            config.cache_config.block_size = self.default_block_size
+
+    def init_worker(self, config: EngineConfig) -> None:
+        import torch
+
+        n = self.num_threads()
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        logger.info("CPU platform: %d torch threads", n)
+
+    def describe(self) -> str:
+        return f"cpu ({self.num_threads()} threads, native bf16: {has_native_bf16()})"

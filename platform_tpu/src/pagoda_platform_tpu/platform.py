@@ -1,0 +1,67 @@
+"""The TPU platform on torch_xla. Not verified on hardware."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING
+
+from pagoda.platforms import Platform
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagoda.config import EngineConfig
+
+
+class TpuPlatform(Platform):
+    name = "tpu"
+    device_type = "xla"
+    verified_on_hardware = False
+    package = "pagoda-platform-tpu"
+    default_block_size = 16
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        if importlib.util.find_spec("torch_xla") is None:
+            return False, "torch_xla is not installed (pip install torch_xla[tpu])"
+        # Checking for TPU chips through the accel device nodes avoids initialising
+        # the XLA runtime, which would grab the device.
+        if not (os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0") or os.environ.get("TPU_NAME")):
+            return False, "no TPU device found (/dev/accel* absent and TPU_NAME unset)"
+        return True, ""
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        import torch
+
+        return [torch.float32, torch.bfloat16]
+
+    def attention_backend_preference(self) -> list[str]:
+        return ["xla_paged", "torch_paged"]
+
+    def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
+        if config.cache_config.kv_cache_memory_bytes is not None:
+            return config.cache_config.kv_cache_memory_bytes
+        import torch_xla.core.xla_model as xm  # type: ignore[import-not-found]
+
+        mem = xm.get_memory_info(xm.xla_device())
+        total = int(mem.get("bytes_limit", mem.get("kb_total", 0) * 1024))
+        used = int(mem.get("bytes_used", 0))
+        return max(int(total * config.cache_config.gpu_memory_utilization) - used - activation_bytes, 0)
+
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        if config.cache_config.block_size is None:
+            config.cache_config.block_size = self.default_block_size
+        # XLA recompiles per shape; chunked prefill keeps step shapes bounded.
+        config.scheduler_config.enable_chunked_prefill = True
+
+    def device(self) -> torch.device:
+        import torch_xla.core.xla_model as xm  # type: ignore[import-not-found]
+
+        return xm.xla_device()
+
+    def synchronize(self) -> None:
+        import torch_xla.core.xla_model as xm  # type: ignore[import-not-found]
+
+        xm.mark_step()
+        xm.wait_device_ops()
