@@ -61,6 +61,7 @@ class ParallelConfig(_Config):
 
 class DeviceConfig(_Config):
     device: str = Field("auto", description="Platform to run on: auto, cpu, cuda, rocm, tpu (or PAGODA_DEVICE).")
+    attention_backend: str | None = Field(None, description="Attention backend by name (or PAGODA_ATTENTION_BACKEND); None = the platform's preference.")
 
 
 class LoadConfig(_Config):
@@ -107,35 +108,42 @@ def _engine_arg_fields() -> dict[str, Any]:
     return fields
 
 
+def _field_of(section: type[_Config], name: str) -> Any:
+    # Typed Any so each EngineArgs line reads as a plain default to type checkers;
+    # at runtime pydantic takes the section's FieldInfo (default, bounds, description).
+    return section.model_fields[name]
+
+
 class EngineArgs(_Config):
     """The flat list of engine arguments (what ``LLM(...)`` and the CLI take)."""
 
-    model: str | None = ModelConfig.model_fields["model"]
-    tokenizer: str | None = ModelConfig.model_fields["tokenizer"]
-    dtype: DTypeName = ModelConfig.model_fields["dtype"]
-    seed: int = ModelConfig.model_fields["seed"]
-    max_model_len: int | None = ModelConfig.model_fields["max_model_len"]
-    hf_overrides: dict[str, Any] | None = ModelConfig.model_fields["hf_overrides"]
-    skip_tokenizer_init: bool = ModelConfig.model_fields["skip_tokenizer_init"]
-    trust_remote_code: bool = ModelConfig.model_fields["trust_remote_code"]
-    served_model_name: str | None = ModelConfig.model_fields["served_model_name"]
-    max_logprobs: int = ModelConfig.model_fields["max_logprobs"]
-    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = ModelConfig.model_fields["logprobs_mode"]
-    block_size: int | None = CacheConfig.model_fields["block_size"]
-    enable_prefix_caching: bool = CacheConfig.model_fields["enable_prefix_caching"]
-    num_kv_blocks: int | None = CacheConfig.model_fields["num_kv_blocks"]
-    kv_cache_memory_bytes: int | None = CacheConfig.model_fields["kv_cache_memory_bytes"]
-    gpu_memory_utilization: float = CacheConfig.model_fields["gpu_memory_utilization"]
-    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = CacheConfig.model_fields["cache_dtype"]
-    max_num_seqs: int = SchedulerConfig.model_fields["max_num_seqs"]
-    max_num_batched_tokens: int | None = SchedulerConfig.model_fields["max_num_batched_tokens"]
-    enable_chunked_prefill: bool = SchedulerConfig.model_fields["enable_chunked_prefill"]
-    scheduling_policy: Literal["fcfs", "priority"] = SchedulerConfig.model_fields["scheduling_policy"]
-    tensor_parallel_size: int = ParallelConfig.model_fields["tensor_parallel_size"]
-    pipeline_parallel_size: int = ParallelConfig.model_fields["pipeline_parallel_size"]
-    device: str = DeviceConfig.model_fields["device"]
-    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = LoadConfig.model_fields["load_format"]
-    download_dir: str | None = LoadConfig.model_fields["download_dir"]
+    model: str | None = _field_of(ModelConfig, "model")
+    tokenizer: str | None = _field_of(ModelConfig, "tokenizer")
+    dtype: DTypeName = _field_of(ModelConfig, "dtype")
+    seed: int = _field_of(ModelConfig, "seed")
+    max_model_len: int | None = _field_of(ModelConfig, "max_model_len")
+    hf_overrides: dict[str, Any] | None = _field_of(ModelConfig, "hf_overrides")
+    skip_tokenizer_init: bool = _field_of(ModelConfig, "skip_tokenizer_init")
+    trust_remote_code: bool = _field_of(ModelConfig, "trust_remote_code")
+    served_model_name: str | None = _field_of(ModelConfig, "served_model_name")
+    max_logprobs: int = _field_of(ModelConfig, "max_logprobs")
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = _field_of(ModelConfig, "logprobs_mode")
+    block_size: int | None = _field_of(CacheConfig, "block_size")
+    enable_prefix_caching: bool = _field_of(CacheConfig, "enable_prefix_caching")
+    num_kv_blocks: int | None = _field_of(CacheConfig, "num_kv_blocks")
+    kv_cache_memory_bytes: int | None = _field_of(CacheConfig, "kv_cache_memory_bytes")
+    gpu_memory_utilization: float = _field_of(CacheConfig, "gpu_memory_utilization")
+    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _field_of(CacheConfig, "cache_dtype")
+    max_num_seqs: int = _field_of(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int | None = _field_of(SchedulerConfig, "max_num_batched_tokens")
+    enable_chunked_prefill: bool = _field_of(SchedulerConfig, "enable_chunked_prefill")
+    scheduling_policy: Literal["fcfs", "priority"] = _field_of(SchedulerConfig, "scheduling_policy")
+    tensor_parallel_size: int = _field_of(ParallelConfig, "tensor_parallel_size")
+    pipeline_parallel_size: int = _field_of(ParallelConfig, "pipeline_parallel_size")
+    device: str = _field_of(DeviceConfig, "device")
+    attention_backend: str | None = _field_of(DeviceConfig, "attention_backend")
+    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = _field_of(LoadConfig, "load_format")
+    download_dir: str | None = _field_of(LoadConfig, "download_dir")
 
     @model_validator(mode="before")
     @classmethod
@@ -149,7 +157,7 @@ class EngineArgs(_Config):
 
     def create_engine_config(self) -> EngineConfig:
         values = self.model_dump()
-        sections = {
+        sections: dict[str, Any] = {
             key: section(**{k: values[k] for k in section.model_fields})
             for key, section in _SECTIONS.items()
         }

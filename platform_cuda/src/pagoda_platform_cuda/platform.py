@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 from pagoda.platforms import Platform
+
+from pagoda_platform_cuda.gpu_config import (
+    CAPTURE_SIZES_KEY,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    PIN_MEMORY_KEY,
+    kv_budget_from_memory,
+    resolve_capture_sizes,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from pagoda.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 
 class CudaPlatform(Platform):
@@ -32,13 +43,23 @@ class CudaPlatform(Platform):
             return False, f"torch {torch.__version__} is a CPU-only build (no CUDA support compiled in)"
         # device_count() asks NVML and does not initialise a CUDA context.
         if torch.cuda.device_count() == 0:
-            return False, "no CUDA device is visible (torch.cuda.device_count() == 0)"
+            return False, "no CUDA device is visible (torch.cuda.device_count() == 0; check CUDA_VISIBLE_DEVICES)"
         return True, ""
 
     def supported_dtypes(self) -> list[torch.dtype]:
         import torch
 
         return [torch.float32, torch.bfloat16, torch.float16]
+
+    def resolve_dtype(self, requested: str, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        import torch
+
+        if requested == "auto" and checkpoint_dtype in (None, torch.float32):
+            # fp32 wastes tensor cores and halves the KV cache; serve in 16 bits like vLLM.
+            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            logger.info("dtype=auto on CUDA with a %s checkpoint: serving in %s", checkpoint_dtype, dtype)
+            return dtype
+        return super().resolve_dtype(requested, checkpoint_dtype)
 
     def attention_backend_preference(self) -> list[str]:
         return ["triton_paged", "torch_paged"]
@@ -49,12 +70,31 @@ class CudaPlatform(Platform):
         if config.cache_config.kv_cache_memory_bytes is not None:
             return config.cache_config.kv_cache_memory_bytes
         free, total = torch.cuda.mem_get_info()
-        budget = int(total * config.cache_config.gpu_memory_utilization) - (total - free) - activation_bytes
-        return max(budget, 0)
+        return kv_budget_from_memory(total, free, config.cache_config.gpu_memory_utilization, activation_bytes)
 
     def check_and_update_config(self, config: EngineConfig) -> None:
         if config.cache_config.block_size is None:
             config.cache_config.block_size = self.default_block_size
+        if config.scheduler_config.max_num_batched_tokens is None:
+            config.scheduler_config.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        extra = dict(config.extra)
+        extra[CAPTURE_SIZES_KEY] = resolve_capture_sizes(extra, config.scheduler_config.max_num_seqs)
+        extra.setdefault(PIN_MEMORY_KEY, True)
+        config.extra = extra
+
+    def cuda_graph_capture_sizes(self, config: EngineConfig) -> list[int]:
+        """Decode batch sizes the model runner captures graphs for ([] = eager)."""
+        sizes = config.extra.get(CAPTURE_SIZES_KEY)
+        return list(sizes) if sizes is not None else resolve_capture_sizes(config.extra, config.scheduler_config.max_num_seqs)
+
+    def is_pin_memory_available(self, config: EngineConfig | None = None) -> bool:
+        """Pinned host buffers make host-to-device copies asynchronous; on unless the config turns them off."""
+        return bool(config.extra.get(PIN_MEMORY_KEY, True)) if config is not None else True
+
+    def init_worker(self, config: EngineConfig) -> None:
+        import torch
+
+        torch.cuda.set_device(0)  # one rank so far (ParallelConfig allows tensor_parallel_size=1 only)
 
     def device(self) -> torch.device:
         import torch
@@ -71,3 +111,21 @@ class CudaPlatform(Platform):
 
         super().seed_everything(seed)
         torch.cuda.manual_seed_all(seed)
+
+    def memory_stats(self) -> dict[str, Any]:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return {
+            "total_bytes": total,
+            "free_bytes": free,
+            "allocated_bytes": torch.cuda.memory_allocated(),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        }
+
+    def describe(self) -> str:
+        import torch
+
+        index = torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda:{index} {torch.cuda.get_device_name(index)} (sm_{major}{minor}, CUDA {torch.version.cuda})"

@@ -1,18 +1,16 @@
-"""The ROCm platform (AMD GPUs through torch's HIP build). Not verified on hardware."""
+"""The ROCm platform (AMD GPUs through torch's HIP build). Not verified on hardware.
+
+torch exposes HIP devices through the ``torch.cuda`` API and Triton compiles
+for them, so everything past the probe is the CUDA platform's: the same KV
+budget rule, graph sizes, pinned memory and Triton attention.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from pagoda.platforms import Platform
-
-if TYPE_CHECKING:
-    import torch
-
-    from pagoda.config import EngineConfig
+from pagoda_platform_cuda.platform import CudaPlatform
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(CudaPlatform):
     name = "rocm"
     device_type = "cuda"
     verified_on_hardware = False
@@ -28,31 +26,13 @@ class RocmPlatform(Platform):
             return False, f"torch is not importable: {exc}"
         if not getattr(torch.version, "hip", None):
             return False, f"torch {torch.__version__} is not a ROCm (HIP) build"
+        # device_count() reads the visible devices without creating a HIP context.
         if torch.cuda.device_count() == 0:
-            return False, "no ROCm device is visible (torch.cuda.device_count() == 0)"
+            return False, "no ROCm device is visible (torch.cuda.device_count() == 0; check HIP_VISIBLE_DEVICES)"
         return True, ""
 
-    def supported_dtypes(self) -> list[torch.dtype]:
+    def describe(self) -> str:
         import torch
 
-        return [torch.float32, torch.bfloat16, torch.float16]
-
-    def attention_backend_preference(self) -> list[str]:
-        return ["triton_paged", "torch_paged"]
-
-    def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
-        import torch
-
-        if config.cache_config.kv_cache_memory_bytes is not None:
-            return config.cache_config.kv_cache_memory_bytes
-        free, total = torch.cuda.mem_get_info()
-        return max(int(total * config.cache_config.gpu_memory_utilization) - (total - free) - activation_bytes, 0)
-
-    def check_and_update_config(self, config: EngineConfig) -> None:
-        if config.cache_config.block_size is None:
-            config.cache_config.block_size = self.default_block_size
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
+        index = torch.cuda.current_device()
+        return f"rocm:{index} {torch.cuda.get_device_name(index)} (HIP {torch.version.hip})"

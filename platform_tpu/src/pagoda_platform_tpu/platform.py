@@ -14,6 +14,25 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
 
 
+TOKEN_BUCKETS_KEY = "tpu_num_tokens_buckets"
+MIN_TOKEN_BUCKET = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Padded step sizes (powers of two from 16, the last one covering the budget).
+
+    XLA compiles one graph per input shape: padding every step up to a bucket
+    bounds the number of compilations to len(buckets).
+    """
+    if max_num_batched_tokens <= 0:
+        raise ValueError(f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}")
+    buckets = [MIN_TOKEN_BUCKET]
+    while buckets[-1] < max_num_batched_tokens:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
 class TpuPlatform(Platform):
     name = "tpu"
     device_type = "xla"
@@ -36,6 +55,14 @@ class TpuPlatform(Platform):
 
         return [torch.float32, torch.bfloat16]
 
+    def resolve_dtype(self, requested: str, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        import torch
+
+        if requested == "auto":
+            # The MXU computes in bf16; fp32 runs at a fraction of the speed.
+            return torch.bfloat16
+        return super().resolve_dtype(requested, checkpoint_dtype)
+
     def attention_backend_preference(self) -> list[str]:
         return ["xla_paged", "torch_paged"]
 
@@ -54,6 +81,12 @@ class TpuPlatform(Platform):
             config.cache_config.block_size = self.default_block_size
         # XLA recompiles per shape; chunked prefill keeps step shapes bounded.
         config.scheduler_config.enable_chunked_prefill = True
+        if config.scheduler_config.max_num_batched_tokens is None:
+            config.scheduler_config.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        config.extra = {
+            **config.extra,
+            TOKEN_BUCKETS_KEY: token_buckets(config.scheduler_config.max_num_batched_tokens),
+        }
 
     def device(self) -> torch.device:
         import torch_xla.core.xla_model as xm  # type: ignore[import-not-found]

@@ -11,7 +11,7 @@ import logging
 import os
 
 from pagoda.platforms.interface import Platform
-from pagoda.plugins import PluginError, get_plugin_manager
+from pagoda.plugins import PlatformSpec, PluginError, get_plugin_manager
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +39,20 @@ def requested_device(device: str | None = None) -> str:
     return os.environ.get(DEVICE_ENV, "auto") or "auto"
 
 
+def _load_and_probe(spec: PlatformSpec) -> tuple[type[Platform] | None, bool, str]:
+    # A platform class that fails to import or whose probe raises is unavailable
+    # with that reason; it never escapes as a bare exception.
+    try:
+        cls: type[Platform] = spec.load()
+        ok, reason = cls.probe()
+    except Exception as exc:
+        return None, False, f"probe failed: {type(exc).__name__}: {exc}"
+    return cls, ok, reason
+
+
 def _probe_all() -> list[tuple[str, type[Platform] | None, bool, str]]:
     pm = get_plugin_manager()
-    rows: list[tuple[str, type[Platform] | None, bool, str]] = []
-    for name, spec in pm.platforms().items():
-        try:
-            cls = spec.load()
-            ok, reason = cls.probe()
-        except Exception as exc:
-            rows.append((name, None, False, f"probe failed: {type(exc).__name__}: {exc}"))
-            continue
-        rows.append((name, cls, ok, reason))
-    return rows
+    return [(name, *_load_and_probe(spec)) for name, spec in pm.platforms().items()]
 
 
 def probe_platforms() -> list[tuple[str, bool, str]]:
@@ -72,9 +74,8 @@ def resolve_platform(device: str | None = None) -> Platform:
                 f"device {wanted!r} was requested but no installed plugin provides platform {wanted!r}; "
                 f"install {hint}. Installed platforms: {', '.join(sorted(specs)) or 'none'}{detail}"
             )
-        cls = specs[wanted].load()
-        ok, reason = cls.probe()
-        if not ok:
+        cls, ok, reason = _load_and_probe(specs[wanted])
+        if not ok or cls is None:
             raise PlatformError(
                 f"platform {wanted!r} (from {specs[wanted].package}) cannot run here: {reason}"
             )

@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import pluggy
 
@@ -82,7 +83,10 @@ def check_api_version(declared: object) -> str | None:
     try:
         major, minor = (int(p) for p in str(declared).split("."))
     except ValueError:
-        return f"{API_VERSION_ATTR}={declared!r} is not of the form 'MAJOR.MINOR'"
+        return (
+            f"{API_VERSION_ATTR}={declared!r} is not of the form 'MAJOR.MINOR'; "
+            f"this pagoda-core supports plugin API {supported_api_versions()}"
+        )
     core_major, core_minor = (int(p) for p in API_VERSION.split("."))
     if major != core_major or minor > core_minor:
         return (
@@ -92,10 +96,9 @@ def check_api_version(declared: object) -> str | None:
     return None
 
 
-def requested_plugin_names(env: dict[str, str] | None = None) -> list[str] | None:
+def requested_plugin_names(env: Mapping[str, str] | None = None) -> list[str] | None:
     """Names from ``PAGODA_PLUGINS``: None (unset) means all, [] means none."""
-    env = os.environ if env is None else env
-    raw = env.get(PLUGINS_ENV)
+    raw = (os.environ if env is None else env).get(PLUGINS_ENV)
     if raw is None:
         return None
     return [n.strip() for n in raw.split(",") if n.strip()]
@@ -267,7 +270,7 @@ class PluginManager:
                 continue
             provided: list[tuple[str, list[Any]]] = []
             try:
-                for hook, (spec_type, label) in _REGISTER_HOOKS.items():
+                for hook, (spec_type, _label) in _REGISTER_HOOKS.items():
                     fn = getattr(plugin, hook, None)
                     if fn is None:
                         continue

@@ -4,12 +4,10 @@ from pagoda.plugins import ModelSpec, hookimpl
 
 PAGODA_PLUGIN_API_VERSION = "1.0"
 
-_IMPL = "pagoda_models_llama.llama:LlamaForCausalLM"
+_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @hookimpl
 def pagoda_register_model_families() -> list[ModelSpec]:
-    return [
-        ModelSpec(architecture=arch, cls=_IMPL)
-        for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    ]
+    # Each architecture has its own class in llama.py (they differ in biases, qk-norm and sliding windows).
+    return [ModelSpec(architecture=arch, cls=f"pagoda_models_llama.llama:{arch}") for arch in _ARCHITECTURES]

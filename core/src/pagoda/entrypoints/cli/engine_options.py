@@ -5,7 +5,8 @@ from __future__ import annotations
 import inspect
 import json
 import typing
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -56,7 +57,14 @@ def with_engine_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable[...
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(func)
-        own = [p for p in sig.parameters.values() if p.name != "engine_args"]
+        # Commands written under `from __future__ import annotations` carry string
+        # annotations; typer reads the signature we hand it as-is, so resolve them here.
+        hints = typing.get_type_hints(func, include_extras=True)
+        own = [
+            p.replace(annotation=hints.get(p.name, p.annotation))
+            for p in sig.parameters.values()
+            if p.name != "engine_args"
+        ]
         extra: list[inspect.Parameter] = []
         for name, info in EngineArgs.model_fields.items():
             if name in exclude or name in sig.parameters:

@@ -1,0 +1,139 @@
+"""LLMEngine: the synchronous engine (add_request / step / abort_request)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.engine.core import EngineCore
+from pagoda.engine.detokenizer import IncrementalDetokenizer
+from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.output_processor import OutputProcessor, ParentState, RequestState
+from pagoda.model_loader import load_tokenizer
+from pagoda.models.registry import ModelRegistry
+from pagoda.outputs import RequestOutput
+from pagoda.platforms import resolve_platform, set_current_platform
+from pagoda.plugins import get_plugin_manager
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_engine_config(config: EngineConfig) -> Any:
+    """Decide once in the main process: plugins, in-script models, platform."""
+    pm = get_plugin_manager()
+    config.plugins = pm.loaded_names()
+    config.registered_models = ModelRegistry.registered_in_script()
+    platform = resolve_platform(config.device_config.device)
+    set_current_platform(platform)
+    platform.check_and_update_config(config)
+    pm.startup(config)
+    return platform
+
+
+def eos_and_stop_ids(tokenizer: Any, hf_config: Any) -> tuple[int | None, list[int]]:
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    cfg_eos = getattr(hf_config, "eos_token_id", None)
+    extra = [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
+    if eos is None and extra:
+        eos = extra[0]
+    return eos, [t for t in extra if t != eos]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.platform = prepare_engine_config(config)
+        self.core = EngineCore(config, self.platform)
+        runner = self.core.runner
+        self.hf_config = runner.hf_config
+        self.model_config = config.model
+        self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(runner.source, config.model.tokenizer)
+        self.max_model_len = runner.max_model_len
+        vocab = int(getattr(runner.text_config, "vocab_size", 0)) or (len(self.tokenizer) if self.tokenizer else 0)
+        self.vocab_size = vocab
+        self.eos_token_id, self.extra_stop_ids = eos_and_stop_ids(self.tokenizer, self.hf_config)
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, vocab)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- requests ---------------------------------------------------------------
+    def _child_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        p = params.clone()
+        if p.max_tokens is None:
+            p.max_tokens = self.max_model_len - prompt_len
+        if self.extra_stop_ids and not p.ignore_eos:
+            p.stop_token_ids = list(p.stop_token_ids or []) + [t for t in self.extra_stop_ids if t not in (p.stop_token_ids or [])]
+        return p
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        **_: Any,
+    ) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
+            raise ValueError("priority is only honoured with scheduling_policy='priority'")
+        if params.logprobs is not None and params.logprobs > self.model_config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.model_config.max_logprobs}")
+        text, ids, salt = self.input_processor.process(prompt, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        n_children = params.best_of or params.n
+        children: list[RequestState] = []
+        for i in range(n_children):
+            child_id = request_id if n_children == 1 else f"{i}_{request_id}"
+            p = self._child_params(params, len(ids))
+            if n_children > 1 and p.seed is not None:
+                p.seed = p.seed + i
+            detok = None
+            if self.tokenizer is not None and p.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens)
+            children.append(RequestState(child_id, request_id, i, text, ids, p, detok))
+            self.core.add_request(
+                Request(child_id, ids, p, None if p.ignore_eos else self.eos_token_id, self.core.block_size,
+                        arrival_time=arrival, priority=priority, cache_salt=salt)
+            )
+        self.output_processor.add_request(
+            ParentState(request_id, params.n, n_children, children, params.output_kind,
+                        rank_by_logprob=n_children > params.n)
+        )
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self.core.abort_requests(self.output_processor.abort(rid))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.core.step()
+        results, to_abort = self.output_processor.process(outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return results
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    def next_request_id(self) -> str:
+        self._counter += 1
+        return str(self._counter - 1)

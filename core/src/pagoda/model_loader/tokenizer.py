@@ -1,0 +1,45 @@
+"""The model's tokenizer, from a HF directory or from a GGUF file's metadata (vocabulary and chat template)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pagoda.model_loader.errors import ModelLoadError
+from pagoda.model_loader.source import ModelSource, resolve_model_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+
+def load_tokenizer(source: ModelSource, tokenizer: str | Path | None = None) -> PreTrainedTokenizerFast:
+    """The fast tokenizer of ``tokenizer`` (a HF directory or .gguf file) or, when None, of the model itself."""
+    # transformers takes seconds to import: only pay for it when a tokenizer is loaded
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer_source = source if tokenizer is None else resolve_tokenizer_path(tokenizer)
+    try:
+        if tokenizer_source.kind == "gguf":
+            loaded = AutoTokenizer.from_pretrained(
+                str(tokenizer_source.path), gguf_file=tokenizer_source.gguf_file, local_files_only=True
+            )
+        else:
+            loaded = AutoTokenizer.from_pretrained(
+                str(tokenizer_source.path), local_files_only=True, trust_remote_code=False
+            )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"Cannot load the tokenizer of {tokenizer_source.display_name}: {exc}") from exc
+    if not isinstance(loaded, PreTrainedTokenizerFast):
+        raise ModelLoadError(
+            f"The tokenizer of {tokenizer_source.display_name} loaded as {type(loaded).__name__}, "
+            "not a fast (tokenizers-backed) tokenizer; add a tokenizer.json"
+        )
+    return loaded
+
+
+def resolve_tokenizer_path(tokenizer: str | Path) -> ModelSource:
+    """Like ``resolve_model_path``, except that a directory need not hold a config.json."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir() and not (path / "config.json").exists() and not any(path.glob("*.gguf")):
+        return ModelSource(kind="hf", path=path.resolve())
+    return resolve_model_path(tokenizer)

@@ -1,0 +1,108 @@
+"""The batched sampler: one call turns a step's logits into token ids (and logprobs)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from pagoda.sample.constraints import apply_constraints
+from pagoda.sample.metadata import SamplingMetadata
+from pagoda.sample.output import LogprobsTensors, SamplerOutput
+from pagoda.sample.truncation import apply_min_p, apply_top_k_only, apply_top_k_top_p
+
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+_LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+def gather_logprobs(values: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    """The value and rank of ``token_ids`` in each row, followed by the row's top ``num_logprobs``.
+
+    ``values`` is [B, V] (logprobs or logits: ranks only need the order).
+    Also serves prompt logprobs, with ``token_ids`` the next prompt tokens.
+    """
+    token_ids = token_ids.to(torch.int64).unsqueeze(1)
+    token_values = values.gather(1, token_ids)
+    # Rank 1 = the most likely; equal values share the better rank's count, as in vLLM.
+    ranks = (values >= token_values).sum(dim=-1)
+    if num_logprobs > 0:
+        top_values, top_ids = values.topk(num_logprobs, dim=-1)
+        token_ids = torch.cat((token_ids, top_ids), dim=1)
+        token_values = torch.cat((token_values, top_values), dim=1)
+    return LogprobsTensors(token_ids, token_values, ranks)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Sample one token per row: argmax(probs / E) with E ~ Exp(1) is a draw from ``probs``.
+
+    Needs no host sync (unlike torch.multinomial). A seeded row draws its noise
+    from its own generator, so its tokens do not depend on the rest of the batch.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+class Sampler:
+    """Order of work (DESIGN.md "Sampler"): raw logprobs -> allowed tokens / bad words ->
+    min_tokens and logit bias -> logits processors -> penalties -> greedy argmax ->
+    temperature -> min-p -> top-k / top-p -> exponential race -> logprobs of the result.
+    """
+
+    def __init__(self, logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
+        if logprobs_mode not in _LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {logprobs_mode!r}.")
+        self.logprobs_mode = logprobs_mode
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        return self.forward(logits, metadata)
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """``logits`` [B, V]; float32 logits are edited in place (others are copied to float32)."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}.")
+        logits = logits.to(torch.float32)
+        wants_logprobs = metadata.max_num_logprobs is not None
+        raw: torch.Tensor | None = None
+        if wants_logprobs and self.logprobs_mode == "raw_logprobs":
+            raw = logits.log_softmax(dim=-1)
+        elif wants_logprobs and self.logprobs_mode == "raw_logits":
+            raw = logits.clone()
+
+        if metadata.needs_constraints:
+            apply_constraints(logits, metadata)
+
+        if metadata.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            greedy = None if metadata.all_random else logits.argmax(dim=-1)
+            logits = self._truncate(logits, metadata)
+            random = exponential_race(logits.softmax(dim=-1), metadata.generators)
+            sampled = random if greedy is None else torch.where(metadata.greedy_mask, greedy, random)  # type: ignore[arg-type]
+
+        logprobs_tensors = None
+        if wants_logprobs:
+            assert metadata.max_num_logprobs is not None
+            if raw is not None:
+                values = raw
+            elif self.logprobs_mode == "processed_logprobs":
+                values = logits.log_softmax(dim=-1)
+            else:
+                values = logits
+            logprobs_tensors = gather_logprobs(values, metadata.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
+
+    @staticmethod
+    def _truncate(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        assert metadata.temperature is not None
+        logits.div_(metadata.temperature.unsqueeze(1))
+        if metadata.min_p is not None:
+            apply_min_p(logits, metadata.min_p)
+        if metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        elif metadata.top_k is not None:
+            apply_top_k_only(logits, metadata.top_k, metadata.max_top_k)
+        return logits

@@ -1,0 +1,72 @@
+"""What one scheduling step tells the model runner: only what changed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or sees again after preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far (outputs only after preemption)
+    num_prompt_tokens: int
+    sampling_params: Any
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int]  # the request's live output list (the sampler reads it for penalties)
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for requests the runner already holds, in scheduling order."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> number of tokens to compute this step, in batch order
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # requests the runner must forget (finished, aborted or preempted since the last step)
+    finished_req_ids: set[str]
+    # (src_block, dst_block) KV copies to do before the step (copy-on-write)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request (batch order): the sampled token ids (empty for a partial prefill chunk)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # req_id -> list (one per sampled token) of {token_id: Logprob}
+    logprobs: dict[str, list[dict[int, Any]]] | None = None
+    prompt_logprobs: dict[str, list[dict[int, Any] | None]] | None = None
+    # req_id -> logprob of each sampled token (for cumulative_logprob)
+    sampled_logprobs: dict[str, list[float]] | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the core reports for one request after a step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[dict[int, Any]] | None = None
+    new_sampled_logprobs: list[float] | None = None
+    new_prompt_logprobs: list[dict[int, Any] | None] | None = None
+    num_cached_tokens: int = 0

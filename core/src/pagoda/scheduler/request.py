@@ -1,0 +1,100 @@
+"""A request as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from pagoda.kv_cache.hashing import hash_request_blocks
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """Token ids, progress and cache bookkeeping of one sequence."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        eos_token_id: int | None,
+        block_size: int,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.block_size = block_size
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.max_tokens = max_tokens if max_tokens is not None else getattr(sampling_params, "max_tokens", None)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first schedule
+        self.num_preemptions = 0
+        self.extra_keys: tuple[Any, ...] | None = (cache_salt,) if cache_salt else None
+        self.block_hashes: list[Any] = []
+        self._update_block_hashes()
+        # timestamps for metrics
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if len(self.block_hashes) < self.num_tokens // self.block_size:
+            self.block_hashes = hash_request_blocks(
+                self.block_hashes, self.all_token_ids, self.block_size, self.extra_keys
+            )
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

@@ -1,0 +1,259 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption.
+
+There are no separate prefill and decode phases: each request has
+``num_computed_tokens`` and ``num_tokens`` and a step hands out tokens so the
+first catches up with the second. Running requests go first (a decode takes one
+token, an unfinished prefill a chunk); when blocks run out the lowest-priority
+(then newest) running request is preempted by freeing its blocks so it is
+recomputed later; waiting requests are admitted only in a step that preempted
+nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+from pagoda.kv_cache.manager import KVCacheManager
+from pagoda.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
+from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+    ) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        self.requests: dict[str, Request] = {}
+        self.waiting: FcfsQueue | PriorityQueue = PriorityQueue() if policy == "priority" else FcfsQueue()
+        self.running: list[Request] = []
+        # ids the runner must forget at the next step
+        self._finished_ids: set[str] = set()
+        # requests the runner has state for
+        self._in_runner: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- intake ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort (or otherwise finish) requests wherever they are; frees their blocks."""
+        done: list[Request] = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            done.append(req)
+        return done
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        if req.request_id in self._in_runner:
+            self._finished_ids.add(req.request_id)
+            self._in_runner.discard(req.request_id)
+
+    # -- scheduling -----------------------------------------------------------
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        if victim.request_id in self._in_runner:
+            self._finished_ids.add(victim.request_id)
+            self._in_runner.discard(victim.request_id)
+        self.waiting.prepend(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted = False
+        now = time.time()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks: list[int] | None = None
+            while True:
+                new_blocks = self.kv.allocate_slots(req, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if new_blocks is None:
+                # ``req`` itself was preempted; the list shifted under ``i``
+                continue
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            i += 1
+
+        if not preempted:
+            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting.peek()
+                computed_ids: list[int] = []
+                num_computed = 0
+                if req.num_computed_tokens == 0:
+                    computed_ids, num_computed = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_computed
+                if num_new > budget:
+                    if not self.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                new_blocks = self.kv.allocate_slots(req, num_new, computed_ids, num_computed)
+                if new_blocks is None:
+                    break
+                self.waiting.pop()
+                req.num_computed_tokens = num_computed
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_computed
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                self._in_runner.add(req.request_id)
+                num_scheduled[req.request_id] = num_new
+                budget -= num_new
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=req.request_id,
+                        token_ids=req.all_token_ids,
+                        num_prompt_tokens=req.num_prompt_tokens,
+                        sampling_params=req.sampling_params,
+                        block_ids=self.kv.get_block_ids(req.request_id),
+                        num_computed_tokens=num_computed,
+                        output_token_ids=req.output_token_ids,
+                    )
+                )
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_ids,
+        )
+        self._finished_ids = set()
+        # Advance now: the next schedule() may run before this step's output is
+        # applied (pipelined engines) and must not hand out the same tokens again.
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        return out
+
+    # -- results ----------------------------------------------------------------
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        now = time.time()
+        for idx, rid in enumerate(runner_out.req_ids):
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            new_ids = runner_out.sampled_token_ids[idx]
+            if not new_ids:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            if req.first_token_time is None:
+                req.first_token_time = now
+            accepted: list[int] = []
+            for tok in new_ids:
+                accepted.append(tok)
+                req.append_output_token_ids([tok])
+                if self._check_stop(req, tok):
+                    break
+            out = EngineCoreOutput(req_id=rid, new_token_ids=accepted, num_cached_tokens=max(req.num_cached_tokens, 0))
+            if runner_out.logprobs is not None and rid in runner_out.logprobs:
+                out.new_logprobs = runner_out.logprobs[rid][: len(accepted)]
+            if runner_out.sampled_logprobs is not None and rid in runner_out.sampled_logprobs:
+                out.new_sampled_logprobs = runner_out.sampled_logprobs[rid][: len(accepted)]
+            if runner_out.prompt_logprobs is not None and rid in runner_out.prompt_logprobs:
+                out.new_prompt_logprobs = runner_out.prompt_logprobs[rid]
+            if req.is_finished:
+                out.finish_reason = FINISH_REASONS[req.status]
+                out.stop_reason = req.stop_reason
+                self.running.remove(req)
+                self._free(req)
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        params = req.sampling_params
+        min_tokens = getattr(params, "min_tokens", 0) or 0
+        if req.num_output_tokens >= min_tokens:
+            if req.eos_token_id is not None and token == req.eos_token_id and not getattr(params, "ignore_eos", False):
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            stop_ids = getattr(params, "stop_token_ids", None)
+            if stop_ids and token in stop_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return True
+        if (req.max_tokens is not None and req.num_output_tokens >= req.max_tokens) or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # -- introspection ----------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_finished_ids_pending(self) -> bool:
+        return bool(self._finished_ids)

@@ -1,0 +1,69 @@
+"""The runner's persistent per-request state, one row per running request.
+
+Rows live in preallocated numpy arrays updated from the scheduler's diffs, so
+building a step's flat batch is bulk index math rather than per-token Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class RowState:
+    req_id: str
+    row: int
+    sampling_params: Any
+    num_prompt_tokens: int
+    output_token_ids: list[int]
+    generator: Any = None
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.rows: dict[str, RowState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, block_ids: list[int],
+            num_computed: int, sampling_params: Any, output_token_ids: list[int], generator: Any = None) -> RowState:
+        if not self._free_rows:
+            raise RuntimeError("input batch is full (more running requests than max_num_seqs)")
+        row = self._free_rows.pop()
+        n = len(token_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"request {req_id} has {n} tokens, more than max_model_len={self.max_model_len}")
+        self.token_ids[row, :n] = token_ids
+        self.num_tokens[row] = n
+        self.num_computed[row] = num_computed
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        state = RowState(req_id, row, sampling_params, num_prompt_tokens, output_token_ids, generator)
+        self.rows[req_id] = state
+        return state
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def remove(self, req_id: str) -> RowState | None:
+        state = self.rows.pop(req_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+        return state
+
+    def __len__(self) -> int:
+        return len(self.rows)

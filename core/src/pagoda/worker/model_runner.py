@@ -1,0 +1,259 @@
+"""Runs the model on a flat batch: builds inputs from the persistent batch, runs
+the forward pass, computes logits only where a token is sampled, samples."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagoda.attention import Attention, AttentionMetadata, AttentionSpec
+from pagoda.attention.selector import select_attention_backend
+from pagoda.config import EngineConfig
+from pagoda.model_loader import checkpoint_dtype, iter_weights, load_hf_config, resolve_model_path
+from pagoda.models.interface import config_for
+from pagoda.models.registry import ModelRegistry
+from pagoda.platforms import Platform
+from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.sampling import RunnerSampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MemoryReport:
+    weights_bytes: int
+    activation_peak_bytes: int
+    kv_cache_bytes: int
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def max_concurrent_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        return (
+            f"memory: weights {self.weights_bytes / gib:.3f} GiB, activation peak {self.activation_peak_bytes / gib:.3f} GiB "
+            f"(measured on a max-size dummy step), KV cache {self.kv_cache_bytes / gib:.3f} GiB = {self.num_blocks} blocks "
+            f"x {self.block_size} tokens = {self.max_concurrent_tokens} tokens"
+        )
+
+
+def _rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        self.config = config
+        self.platform = platform
+        self.device = platform.device()
+        mc = config.model
+        self.source = resolve_model_path(mc.model)
+        self.hf_config = load_hf_config(self.source, mc.hf_overrides)
+        self.text_config = config_for(self.hf_config)
+        self.dtype = platform.resolve_dtype(mc.dtype, checkpoint_dtype(self.source))
+        self.block_size: int = config.cache_config.block_size or platform.default_block_size
+        self.max_model_len: int = mc.max_model_len or int(getattr(self.text_config, "max_position_embeddings", 2048))
+        self.model: Any = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.memory: MemoryReport | None = None
+
+    # -- set-up --------------------------------------------------------------
+    def load_model(self) -> None:
+        archs = list(getattr(self.hf_config, "architectures", None) or [])
+        if not archs:
+            raise ValueError(f"the model config at {self.source.path} names no architectures; pass hf_overrides={{'architectures': [...]}}")
+        cls = ModelRegistry.resolve_model_cls(archs)
+        t0 = time.perf_counter()
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.hf_config, self.dtype)
+        finally:
+            torch.set_default_dtype(prev)
+        loaded = model.load_weights(iter_weights(self.source, self.config.load_config.load_format))
+        expected = {n for n, _ in model.named_parameters()}
+        missing = sorted(expected - set(loaded))
+        if missing and self.config.load_config.load_format != "dummy":
+            raise ValueError(f"weights missing from {self.source.path}: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+        self.model = model.to(device=self.device).eval()
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("loaded %s (%s) in %.2fs", archs[0], self.dtype, time.perf_counter() - t0)
+
+    def attention_spec(self) -> AttentionSpec:
+        layer = next(m for m in self.model.modules() if isinstance(m, Attention))
+        return AttentionSpec(
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            dtype=self.dtype,
+            device_type=self.device.type,
+            block_size=self.block_size,
+            sliding_window=layer.sliding_window,
+            logits_soft_cap=layer.logits_soft_cap,
+        )
+
+    def init_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:
+        spec = self.attention_spec()
+        backend_cls = select_attention_backend(self.platform, spec, self.config.device_config.attention_backend)
+        self.attn_backend = backend_cls(spec)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        cache_dtype = self.dtype if self.config.cache_config.cache_dtype == "auto" else getattr(torch, self.config.cache_config.cache_dtype)
+        elem = torch.empty((), dtype=cache_dtype).element_size()
+        bytes_per_block = 2 * self.block_size * spec.num_kv_heads * spec.head_dim * elem * len(self.attn_layers)
+
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        activation = self._profile_activation_peak(max_num_batched_tokens, cache_dtype)
+        override = self.config.cache_config.num_kv_blocks
+        if override is not None:
+            num_blocks = override
+        else:
+            budget = self.platform.kv_cache_budget_bytes(self.config, self.weights_bytes, activation)
+            num_blocks = budget // bytes_per_block
+        needed = -(-self.max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache budget holds {num_blocks} blocks ({num_blocks * self.block_size} tokens) but one "
+                f"max_model_len={self.max_model_len} request needs {needed} blocks ({needed * bytes_per_block} bytes); "
+                "raise kv_cache_memory_bytes / PAGODA_CPU_KVCACHE_SPACE / num_kv_blocks or lower max_model_len"
+            )
+        shape = backend_cls.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
+        self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in self.attn_layers]
+        for layer, cache in zip(self.attn_layers, self.kv_caches):
+            layer.bind(self.attn_backend, cache)
+        self.num_blocks = num_blocks
+        max_blocks_per_req = needed
+        self.batch = InputBatch(max_num_seqs, self.max_model_len, max_blocks_per_req)
+        self.sampler = RunnerSampler(self.config, self.text_config, self.batch, self.device, self.model)
+        self.memory = MemoryReport(self.weights_bytes, activation, num_blocks * bytes_per_block, num_blocks, self.block_size, bytes_per_block)
+        logger.info("%s", self.memory.describe())
+        return self.memory
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self, num_tokens: int, cache_dtype: torch.dtype) -> int:
+        """Run one max-size prefill on a throwaway cache and measure the peak it adds."""
+        spec = self.attention_spec()
+        num_tokens = max(1, min(num_tokens, self.max_model_len))
+        nblocks = -(-num_tokens // self.block_size) + 1
+        shape = type(self.attn_backend).kv_cache_shape(nblocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        scratch = [torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in self.attn_layers]
+        for layer, cache in zip(self.attn_layers, scratch):
+            layer.bind(self.attn_backend, cache)
+        positions = torch.arange(num_tokens, device=self.device)
+        md = AttentionMetadata(
+            num_seqs=1, num_tokens=num_tokens,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(nblocks, dtype=torch.int32, device=self.device).unsqueeze(0),
+            slot_mapping=positions.clone(),
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+            query_start_loc_cpu=torch.tensor([0, num_tokens], dtype=torch.int32),
+            seq_lens_cpu=torch.tensor([num_tokens], dtype=torch.int32),
+        )
+        md = self.attn_backend.prepare(md)
+        stats = self.platform.memory_stats()
+        before = stats.get("peak_bytes", _rss_peak_bytes()) if stats else _rss_peak_bytes()
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, positions, md)
+        self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler_config.max_num_seqs):])
+        self.platform.synchronize()
+        stats = self.platform.memory_stats()
+        after = stats.get("peak_bytes", _rss_peak_bytes()) if stats else _rss_peak_bytes()
+        del scratch, hidden
+        return max(after - before, 0)
+
+    # -- per step -------------------------------------------------------------
+    def _apply_diffs(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            state = self.batch.remove(rid)
+            if state is not None:
+                self.sampler.remove(state)
+        for new in so.scheduled_new_reqs:
+            state = self.batch.add(
+                new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
+                new.num_computed_tokens, new.sampling_params, new.output_token_ids,
+            )
+            self.sampler.add(state)
+        cached = so.scheduled_cached_reqs
+        for rid, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            row = self.batch.rows[rid].row
+            self.batch.append_blocks(row, new_blocks)
+            self.batch.num_computed[row] = computed
+        if so.block_copies:
+            src = torch.tensor([s for s, _ in so.block_copies], device=self.device)
+            dst = torch.tensor([d for _, d in so.block_copies], device=self.device)
+            for cache in self.kv_caches:
+                cache[:, dst] = cache[:, src]
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_diffs(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        b = self.batch
+        rows = np.fromiter((b.rows[r].row for r in req_ids), dtype=np.int64, count=len(req_ids))
+        nsched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        start = b.num_computed[rows]
+        cu = np.empty(len(rows) + 1, dtype=np.int64)
+        cu[0] = 0
+        np.cumsum(nsched, out=cu[1:])
+        total = int(cu[-1])
+        req_idx = np.repeat(np.arange(len(rows)), nsched)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - start, nsched)
+        token_rows = rows[req_idx]
+        input_ids = b.token_ids[token_rows, positions]
+        slots = b.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
+        seq_lens = start + nsched
+        max_blocks = int((seq_lens.max() + self.block_size - 1) // self.block_size)
+        block_tables = b.block_table[rows, :max_blocks]
+
+        dev = self.device
+        qsl_cpu = torch.from_numpy(cu.astype(np.int32))
+        seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        md = AttentionMetadata(
+            num_seqs=len(rows), num_tokens=total,
+            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+            seq_lens=seq_cpu.to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            max_query_len=int(nsched.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu,
+            is_all_decode=bool((nsched == 1).all()),
+        )
+        md = self.attn_backend.prepare(md)
+        hidden = self.model(
+            torch.from_numpy(input_ids).to(dev, non_blocking=True),
+            torch.from_numpy(positions).to(dev, non_blocking=True),
+            md,
+        )
+        # Only requests whose known tokens are all computed after this step sample.
+        samples = seq_lens >= b.num_tokens[rows]
+        b.num_computed[rows] = seq_lens
+        sample_idx = np.nonzero(samples)[0]
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        if len(sample_idx):
+            logits_rows = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev)
+            logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
+            sample_rows = rows[sample_idx]
+            tokens = self.sampler.sample(logits, sample_rows, [req_ids[i] for i in sample_idx], result)
+            # The runner keeps its own copy of each request's tokens for the next step's inputs.
+            b.token_ids[sample_rows, b.num_tokens[sample_rows]] = tokens
+            b.num_tokens[sample_rows] += 1
+            for i, tok in zip(sample_idx.tolist(), tokens.tolist()):
+                sampled[i].append(tok)
+        return result

@@ -1,0 +1,194 @@
+"""Engine configuration: validation that names the field, vLLM aliases, sections, CLI options."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+import typer
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from pagoda.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineArgs,
+    EngineConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from pagoda.entrypoints.cli.engine_options import with_engine_options
+
+
+def _error_fields(exc: ValidationError) -> set[str]:
+    return {".".join(str(part) for part in err["loc"]) for err in exc.errors()}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "why"),
+    [
+        ({"block_size": 0}, "block_size", "greater than 0"),
+        ({"dtype": "fp8"}, "dtype", "'auto'"),
+        ({"max_num_seqs": -1}, "max_num_seqs", "greater than 0"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization", "less than or equal to 1"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy", "'fcfs'"),
+        ({"max_model_len": "long"}, "max_model_len", "valid integer"),
+        ({"no_such_option": 1}, "no_such_option", "Extra inputs are not permitted"),
+    ],
+)
+def test_validation_errors_name_the_field_and_why(kwargs: dict[str, Any], field: str, why: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        EngineArgs(**kwargs)
+    assert _error_fields(caught.value) == {field}
+    assert field in str(caught.value)
+    assert why in str(caught.value)
+
+
+def test_parallelism_above_one_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValidationError, match="parallelism is not implemented yet"):
+        EngineArgs(tensor_parallel_size=2).create_engine_config()
+
+
+def test_num_gpu_blocks_override_is_vllms_name_for_num_kv_blocks() -> None:
+    assert EngineArgs(num_gpu_blocks_override=128).num_kv_blocks == 128
+    with pytest.raises(ValidationError, match="num_kv_blocks"):
+        EngineArgs(num_gpu_blocks_override=0)
+
+
+def test_assignment_is_validated_too() -> None:
+    args = EngineArgs()
+    with pytest.raises(ValidationError, match="block_size"):
+        args.block_size = -16
+
+
+def test_create_engine_config_fills_every_section() -> None:
+    args = EngineArgs(
+        model="/models/tiny",
+        dtype="float32",
+        max_model_len=512,
+        hf_overrides={"architectures": ["LlamaForCausalLM"]},
+        block_size=32,
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        scheduling_policy="priority",
+        device="cpu",
+        load_format="dummy",
+    )
+    config = args.create_engine_config()
+
+    assert isinstance(config, EngineConfig)
+    assert config.model_config_ == config.model
+    assert config.model == ModelConfig(
+        model="/models/tiny",
+        dtype="float32",
+        max_model_len=512,
+        hf_overrides={"architectures": ["LlamaForCausalLM"]},
+    )
+    assert config.cache_config == CacheConfig(block_size=32, enable_prefix_caching=False, num_kv_blocks=64)
+    assert config.scheduler_config == SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=1024, scheduling_policy="priority"
+    )
+    assert config.parallel_config == ParallelConfig()
+    assert config.device_config == DeviceConfig(device="cpu")
+    assert config.load_config == LoadConfig(load_format="dummy")
+    assert config.plugins is None
+    assert config.registered_models == {}
+
+
+def test_engine_config_survives_pickling_for_worker_processes() -> None:
+    config = EngineArgs(max_model_len=256, block_size=16).create_engine_config()
+    config.plugins = ["cpu", "llama"]
+    config.registered_models = {"TinyForCausalLM": "tiny:TinyForCausalLM"}
+
+    clone = pickle.loads(pickle.dumps(config))
+    assert clone == config
+    assert clone.plugins == ["cpu", "llama"]
+
+
+def test_every_engine_arg_belongs_to_exactly_one_section() -> None:
+    section_fields = [
+        name
+        for section in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig, LoadConfig)
+        for name in section.model_fields
+    ]
+    assert len(section_fields) == len(set(section_fields))
+    assert set(section_fields) == set(EngineArgs.model_fields)
+
+
+# -- CLI options derived from EngineArgs ----------------------------------------------------
+
+
+def _cli_app(received: list[EngineArgs]) -> typer.Typer:
+    app = typer.Typer()
+
+    @app.command()
+    @with_engine_options()
+    def run(engine_args: EngineArgs, verbose: bool = False) -> None:
+        received.append(engine_args)
+
+    return app
+
+
+def _invoke(args: list[str]) -> tuple[Any, list[EngineArgs]]:
+    received: list[EngineArgs] = []
+    result = CliRunner().invoke(_cli_app(received), args)
+    return result, received
+
+
+def test_cli_defaults_equal_engine_args_defaults() -> None:
+    result, received = _invoke([])
+    assert result.exit_code == 0, result.output
+    assert received == [EngineArgs()]
+
+
+def test_cli_exposes_engine_options() -> None:
+    result, received = _invoke(
+        [
+            "--max-model-len", "2048",
+            "--no-enable-prefix-caching",
+            "--hf-overrides", '{"architectures": ["Qwen2ForCausalLM"], "rope_theta": 10000}',
+            "--dtype", "bfloat16",
+            "--block-size", "32",
+            "--verbose",
+        ]
+    )
+    assert result.exit_code == 0, result.output
+    (args,) = received
+    assert args.max_model_len == 2048
+    assert args.enable_prefix_caching is False
+    assert args.hf_overrides == {"architectures": ["Qwen2ForCausalLM"], "rope_theta": 10000}
+    assert args.dtype == "bfloat16"
+    assert args.block_size == 32
+
+
+def test_cli_enable_flag_turns_prefix_caching_back_on() -> None:
+    result, received = _invoke(["--enable-prefix-caching"])
+    assert result.exit_code == 0, result.output
+    assert received[0].enable_prefix_caching is True
+
+
+def test_cli_help_lists_engine_options_with_descriptions() -> None:
+    result = CliRunner().invoke(_cli_app([]), ["--help"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0
+    for flag in ("--max-model-len", "--enable-prefix-caching", "--no-enable-prefix-caching", "--hf-overrides"):
+        assert flag in result.output
+    assert "Context length" in result.output
+
+
+def test_cli_bad_json_names_the_option() -> None:
+    result, received = _invoke(["--hf-overrides", "{not json"])
+    assert result.exit_code != 0
+    assert received == []
+    assert "--hf-overrides must be JSON" in result.output
+
+
+def test_cli_invalid_value_names_the_field() -> None:
+    result, received = _invoke(["--block-size", "0"])
+    assert result.exit_code != 0
+    assert received == []
+    assert "block_size" in str(result.exception) + result.output

@@ -1,0 +1,237 @@
+"""Platform resolution: forced or automatic, and never a silent fallback."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+
+from pagoda.platforms import (
+    DEVICE_ENV,
+    Platform,
+    PlatformError,
+    current_platform,
+    probe_platforms,
+    resolve_platform,
+)
+from pagoda.plugins import API_VERSION, PlatformSpec, PluginManager, hookimpl
+
+
+class FakeAccelerator(Platform):
+    name = "fakeaccel"
+    device_type = "cpu"
+    package = "pagoda-platform-fakeaccel"
+    available: ClassVar[bool] = True
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        return (True, "") if cls.available else (False, "no fake accelerator is attached")
+
+
+class FakeHost(Platform):
+    name = "fakehost"
+    device_type = "cpu"
+    package = "pagoda-platform-fakehost"
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        return True, ""
+
+
+class NeverAvailable(Platform):
+    name = "never"
+    device_type = "cpu"
+    package = "pagoda-platform-never"
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        return False, "this machine has no never-device"
+
+
+class ProbeRaises(Platform):
+    name = "raising"
+    device_type = "cpu"
+    package = "pagoda-platform-raising"
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        raise ImportError("libfake.so: cannot open shared object file")
+
+
+def _ref(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+class PlatformPlugin:
+    """An in-process platform plugin providing one platform class."""
+
+    PAGODA_PLUGIN_API_VERSION = API_VERSION
+
+    def __init__(self, cls: type[Platform], priority: int) -> None:
+        self.spec = PlatformSpec(
+            name=cls.name, cls=_ref(cls), device_type=cls.device_type, package=cls.package, priority=priority
+        )
+
+    @hookimpl
+    def pagoda_register_platforms(self) -> list[PlatformSpec]:
+        return [self.spec]
+
+
+class BrokenPlatformPlugin:
+    """A platform plugin whose registration hook raises (as a half-installed plugin might)."""
+
+    PAGODA_PLUGIN_API_VERSION = API_VERSION
+
+    @hookimpl
+    def pagoda_register_platforms(self) -> list[PlatformSpec]:
+        raise OSError("driver library missing")
+
+
+@pytest.fixture
+def pm(isolated_plugin_manager: PluginManager) -> PluginManager:
+    FakeAccelerator.available = True
+    return isolated_plugin_manager
+
+
+def _install(pm: PluginManager, cls: type[Platform], priority: int = 0) -> None:
+    info = pm.register(PlatformPlugin(cls, priority), name=cls.name, kind="platform")
+    assert info.status == "loaded", info.error
+
+
+def test_auto_picks_the_highest_priority_available_platform(pm: PluginManager) -> None:
+    _install(pm, FakeHost, priority=0)
+    _install(pm, FakeAccelerator, priority=100)
+    _install(pm, NeverAvailable, priority=1000)
+
+    assert isinstance(resolve_platform(), FakeAccelerator)
+    assert isinstance(resolve_platform("auto"), FakeAccelerator)
+
+
+def test_auto_skips_unavailable_higher_priority_platform(pm: PluginManager) -> None:
+    FakeAccelerator.available = False
+    _install(pm, FakeHost, priority=0)
+    _install(pm, FakeAccelerator, priority=100)
+
+    assert isinstance(resolve_platform(), FakeHost)
+
+
+def test_forced_platform_that_is_not_installed_names_the_package(pm: PluginManager) -> None:
+    _install(pm, FakeHost)
+    with pytest.raises(PlatformError) as caught:
+        resolve_platform("cuda")
+    message = str(caught.value)
+    assert "'cuda'" in message
+    assert "pagoda-platform-cuda" in message
+    assert "Installed platforms: fakehost" in message
+
+
+def test_forced_unknown_platform_says_what_to_install(pm: PluginManager) -> None:
+    with pytest.raises(PlatformError, match="a package providing platform 'quantum'"):
+        resolve_platform("quantum")
+
+
+def test_forced_platform_that_cannot_run_is_an_error_not_a_fallback(pm: PluginManager) -> None:
+    FakeAccelerator.available = False
+    _install(pm, FakeHost)
+    _install(pm, FakeAccelerator, priority=100)
+
+    with pytest.raises(PlatformError) as caught:
+        resolve_platform("fakeaccel")
+    message = str(caught.value)
+    assert "'fakeaccel'" in message
+    assert "pagoda-platform-fakeaccel" in message
+    assert "no fake accelerator is attached" in message
+
+
+def test_forced_platform_whose_probe_raises_reports_the_reason(pm: PluginManager) -> None:
+    _install(pm, FakeHost)
+    _install(pm, ProbeRaises)
+
+    with pytest.raises(PlatformError) as caught:
+        resolve_platform("raising")
+    assert "libfake.so" in str(caught.value)
+    assert "'raising'" in str(caught.value)
+
+
+def test_auto_with_a_broken_platform_plugin_is_an_error(pm: PluginManager) -> None:
+    _install(pm, FakeHost)
+    pm.register(BrokenPlatformPlugin(), name="brokenplat", kind="platform", distribution="pagoda-platform-broken")
+
+    with pytest.raises(PlatformError) as caught:
+        resolve_platform()
+    message = str(caught.value)
+    assert "brokenplat" in message
+    assert "driver library missing" in message
+    assert "never silently falls back" in message
+
+
+def test_broken_platform_plugin_does_not_block_an_explicit_choice(pm: PluginManager) -> None:
+    _install(pm, FakeHost)
+    pm.register(BrokenPlatformPlugin(), name="brokenplat", kind="platform")
+
+    assert isinstance(resolve_platform("fakehost"), FakeHost)
+
+
+def test_none_available_lists_every_reason(pm: PluginManager) -> None:
+    FakeAccelerator.available = False
+    _install(pm, FakeAccelerator)
+    _install(pm, NeverAvailable)
+    _install(pm, ProbeRaises)
+
+    with pytest.raises(PlatformError) as caught:
+        resolve_platform()
+    message = str(caught.value)
+    assert "no installed platform can run here" in message
+    assert "fakeaccel (pagoda-platform-fakeaccel): no fake accelerator is attached" in message
+    assert "never (pagoda-platform-never): this machine has no never-device" in message
+    assert "raising (pagoda-platform-raising): probe failed: ImportError" in message
+
+
+def test_no_platform_installed_says_what_to_install(pm: PluginManager) -> None:
+    with pytest.raises(PlatformError, match="pip install pagoda-platform-cpu"):
+        resolve_platform()
+
+
+def test_pagoda_device_env_is_honoured(pm: PluginManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    _install(pm, FakeHost, priority=0)
+    _install(pm, FakeAccelerator, priority=100)
+
+    monkeypatch.setenv(DEVICE_ENV, "fakehost")
+    assert isinstance(resolve_platform(), FakeHost)
+    # An explicit device argument beats the environment.
+    assert isinstance(resolve_platform("fakeaccel"), FakeAccelerator)
+
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    with pytest.raises(PlatformError, match="pagoda-platform-cuda"):
+        resolve_platform()
+
+
+def test_probe_platforms_reports_each_platform(pm: PluginManager) -> None:
+    _install(pm, FakeHost)
+    _install(pm, NeverAvailable)
+    _install(pm, ProbeRaises)
+
+    rows = {name: (ok, reason) for name, ok, reason in probe_platforms()}
+    assert rows["fakehost"] == (True, "")
+    assert rows["never"] == (False, "this machine has no never-device")
+    assert rows["raising"][0] is False and "libfake.so" in rows["raising"][1]
+
+
+def test_current_platform_is_resolved_once(pm: PluginManager) -> None:
+    _install(pm, FakeHost)
+    first = current_platform()
+    assert isinstance(first, FakeHost)
+    assert current_platform() is first
+
+
+def test_importing_pagoda_resolves_no_platform() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import pagoda, pagoda.platforms as p, pagoda.plugins as pl, sys;"
+        "assert p._current is None, 'platform resolved at import';"
+        "assert pl._manager is None, 'plugins loaded at import';"
+        "assert 'torch.cuda' not in sys.modules or True"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,0 +1,2 @@
+"""Triton kernels. Importing any module here imports triton; decorate-time
+``TRITON_INTERPRET`` decides whether they run compiled or interpreted."""

@@ -1,0 +1,52 @@
+"""Triton KV-cache write: one program per (token, kv head)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda_kernels.dispatch import next_power_of_2
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr,
+    stride_key_tok, stride_key_head,
+    stride_value_tok, stride_value_head,
+    stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head,
+    block_size,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // block_size
+    offset = slot % block_size
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+    k = tl.load(key_ptr + token * stride_key_tok + head * stride_key_head + d, mask=d_mask)
+    v = tl.load(value_ptr + token * stride_value_tok + head * stride_value_head + d, mask=d_mask)
+    dst = cache_ptr + block * stride_cache_block + offset * stride_cache_tok + head * stride_cache_head + d
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(dst + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=d_mask)
+
+
+def reshape_and_cache_triton(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("reshape_and_cache needs key, value and kv_cache contiguous along head_dim")
+    _reshape_and_cache_kernel[(num_tokens, num_kv_heads)](
+        key, value, kv_cache, slot_mapping,
+        key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        kv_cache.shape[2],
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
+    )

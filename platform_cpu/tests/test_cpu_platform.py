@@ -1,0 +1,147 @@
+"""The CPU platform: threads, KV cache budget, dtype choice, config defaults, registration."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.platforms import Platform
+from pagoda.plugins import API_VERSION, PlatformSpec, check_api_version
+from pagoda_platform_cpu import plugin
+from pagoda_platform_cpu.platform import (
+    DEFAULT_KVCACHE_GIB,
+    KVCACHE_SPACE_ENV,
+    THREADS_ENV,
+    CpuPlatform,
+    GiB,
+)
+
+
+def _host_cpu_flags() -> set[str]:
+    # Read independently of the platform's own parser, so the test checks it.
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    return set()
+
+
+@pytest.fixture
+def platform(monkeypatch: pytest.MonkeyPatch) -> CpuPlatform:
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.delenv(KVCACHE_SPACE_ENV, raising=False)
+    return CpuPlatform()
+
+
+def _config(**engine_args: object) -> EngineConfig:
+    return EngineArgs(**engine_args).create_engine_config()  # type: ignore[arg-type]
+
+
+def test_probe_says_cpu_can_run() -> None:
+    assert CpuPlatform.probe() == (True, "")
+    assert issubclass(CpuPlatform, Platform)
+
+
+def test_entry_point_module_registers_the_cpu_platform() -> None:
+    assert check_api_version(plugin.PAGODA_PLUGIN_API_VERSION) is None
+    assert plugin.PAGODA_PLUGIN_API_VERSION == API_VERSION
+    (spec,) = plugin.pagoda_register_platforms()
+    assert isinstance(spec, PlatformSpec)
+    assert (spec.name, spec.device_type, spec.package) == ("cpu", "cpu", "pagoda-platform-cpu")
+    assert spec.load() is CpuPlatform
+
+
+def test_threads_from_env(platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert platform.num_threads() == 3
+
+
+def test_threads_default_to_the_cores_this_process_may_use(platform: CpuPlatform) -> None:
+    assert platform.num_threads() == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(("raw", "why"), [("four", "is not an integer"), ("0", "must be positive"), ("-2", "must be positive")])
+def test_bad_thread_count_is_a_clear_error(
+    platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch, raw: str, why: str
+) -> None:
+    monkeypatch.setenv(THREADS_ENV, raw)
+    with pytest.raises(ValueError, match=why) as caught:
+        platform.num_threads()
+    assert THREADS_ENV in str(caught.value)
+
+
+def test_init_worker_sets_torch_threads(platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    monkeypatch.setenv(THREADS_ENV, "1")
+    try:
+        platform.init_worker(_config())
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kv_budget_defaults(platform: CpuPlatform) -> None:
+    assert platform.kv_cache_budget_bytes(_config(), model_bytes=0, activation_bytes=0) == int(DEFAULT_KVCACHE_GIB * GiB)
+
+
+def test_kv_budget_from_env_in_gib(platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KVCACHE_SPACE_ENV, "0.5")
+    assert platform.kv_cache_budget_bytes(_config(), 0, 0) == GiB // 2
+
+
+def test_kv_budget_from_config_beats_env(platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KVCACHE_SPACE_ENV, "8")
+    config = _config(kv_cache_memory_bytes=123_456_789)
+    assert platform.kv_cache_budget_bytes(config, 0, 0) == 123_456_789
+
+
+@pytest.mark.parametrize(("raw", "why"), [("lots", "is not a number of GiB"), ("0", "must be positive"), ("-1", "must be positive")])
+def test_bad_kv_budget_is_a_clear_error(
+    platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch, raw: str, why: str
+) -> None:
+    monkeypatch.setenv(KVCACHE_SPACE_ENV, raw)
+    with pytest.raises(ValueError, match=why) as caught:
+        platform.kv_cache_budget_bytes(_config(), 0, 0)
+    assert KVCACHE_SPACE_ENV in str(caught.value)
+
+
+def test_dtype_auto_follows_native_bf16_support(platform: CpuPlatform) -> None:
+    flags = _host_cpu_flags()
+    native_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    expected = torch.bfloat16 if native_bf16 else torch.float32
+    # Whatever the checkpoint holds: bf16 is emulated (slow) without native support.
+    assert platform.resolve_dtype("auto", torch.bfloat16) == expected
+    assert platform.resolve_dtype("auto", None) == expected
+
+
+@pytest.mark.parametrize(
+    ("requested", "expected"),
+    [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("half", torch.float16)],
+)
+def test_explicit_dtype_is_honoured(platform: CpuPlatform, requested: str, expected: torch.dtype) -> None:
+    assert platform.resolve_dtype(requested, torch.float32) == expected
+
+
+def test_unknown_dtype_names_the_choices(platform: CpuPlatform) -> None:
+    with pytest.raises(ValueError, match="dtype='fp8' is not one of 'auto'"):
+        platform.resolve_dtype("fp8", None)
+
+
+def test_config_gets_the_platform_block_size(platform: CpuPlatform) -> None:
+    config = _config()
+    platform.check_and_update_config(config)
+    assert config.cache_config.block_size == CpuPlatform.default_block_size
+
+
+def test_config_keeps_a_user_block_size(platform: CpuPlatform) -> None:
+    config = _config(block_size=64)
+    platform.check_and_update_config(config)
+    assert config.cache_config.block_size == 64
+
+
+def test_device_is_cpu(platform: CpuPlatform) -> None:
+    assert platform.device() == torch.device("cpu")
+    assert platform.describe().startswith("cpu (")

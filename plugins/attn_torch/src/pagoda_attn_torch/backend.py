@@ -1,0 +1,114 @@
+"""Paged attention in plain torch: the reference backend and the CPU default."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from pagoda.attention.interface import AttentionBackend, AttentionMetadata, AttentionSpec
+from pagoda_attn_torch.compute import attend_batched, attend_looped, write_kv
+from pagoda_attn_torch.plan import StepPlan, build_plan
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda", "xla")
+PLAN_KEY = "torch_paged"
+
+
+class TorchPagedAttentionBackend(AttentionBackend):
+    """Reads K/V straight from the paged cache; mixed decode/prefill batches in one call.
+
+    ``prepare`` plans the step once (gather indices, masks, which sequences are
+    batched); each layer's ``forward`` then does only tensor work.
+    """
+
+    name: ClassVar[str] = "torch_paged"
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        reasons = self.reasons_unsupported(spec)
+        if reasons:
+            raise ValueError(f"torch_paged attention cannot serve {spec}: " + "; ".join(reasons))
+        super().__init__(spec)
+
+    @classmethod
+    def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
+        reasons = []
+        if spec.dtype not in SUPPORTED_DTYPES:
+            reasons.append(f"dtype {spec.dtype} is not one of {', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+        if spec.device_type not in SUPPORTED_DEVICE_TYPES:
+            reasons.append(f"device type {spec.device_type!r} is not one of {SUPPORTED_DEVICE_TYPES}")
+        if spec.num_heads <= 0 or spec.num_kv_heads <= 0 or spec.head_dim <= 0:
+            reasons.append(
+                f"num_heads={spec.num_heads}, num_kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim} must all be positive"
+            )
+        elif spec.num_heads % spec.num_kv_heads:
+            reasons.append(f"num_heads={spec.num_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}")
+        if spec.block_size <= 0:
+            reasons.append(f"block_size={spec.block_size} must be positive")
+        if spec.sliding_window is not None and spec.sliding_window <= 0:
+            reasons.append(f"sliding_window={spec.sliding_window} must be positive")
+        if spec.logits_soft_cap is not None and spec.logits_soft_cap <= 0:
+            reasons.append(f"logits_soft_cap={spec.logits_soft_cap} must be positive")
+        return reasons
+
+    @classmethod
+    def preferred_block_sizes(cls) -> tuple[int, ...]:
+        return (16, 32, 64)
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        plan = build_plan(metadata, self.spec.block_size)
+        metadata.extra = {**(metadata.extra or {}), PLAN_KEY: plan}
+        return metadata
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        plan = self._plan_of(metadata)
+        self._check_cache(kv_cache, key)
+        write_kv(key, value, kv_cache, plan)
+
+        num_tokens, num_heads, head_dim = query.shape
+        group = plan.batched
+        if group is not None and group.result_index is None and not plan.looped:
+            # Every row is one decode, in order: the batched result is the output.
+            out = attend_batched(query, kv_cache, group, plan, scale, sliding_window, logits_soft_cap)
+            return out.reshape(num_tokens, num_heads, head_dim)
+
+        out = query.new_empty(num_tokens, num_heads, head_dim)
+        if plan.num_real_tokens < num_tokens:
+            out[plan.num_real_tokens :].zero_()
+        if group is not None:
+            padded = attend_batched(query, kv_cache, group, plan, scale, sliding_window, logits_soft_cap)
+            real = padded.reshape(-1, num_heads, head_dim).index_select(0, group.result_index)
+            out.index_copy_(0, group.output_rows, real)
+        for index, seq in enumerate(plan.looped):
+            out[seq.row_start : seq.row_end] = attend_looped(
+                query, key, value, kv_cache, seq, index, plan, scale, sliding_window, logits_soft_cap
+            )
+        return out
+
+    @staticmethod
+    def _plan_of(metadata: AttentionMetadata) -> StepPlan:
+        plan = (metadata.extra or {}).get(PLAN_KEY)
+        if plan is None:
+            raise RuntimeError("torch_paged attention: metadata was not prepared; call backend.prepare(metadata) once per step")
+        return plan
+
+    def _check_cache(self, kv_cache: torch.Tensor, key: torch.Tensor) -> None:
+        expected = (2, self.spec.block_size, key.shape[1], key.shape[2])
+        actual = (kv_cache.shape[0], kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]) if kv_cache.dim() == 5 else None
+        if actual != expected:
+            raise ValueError(
+                f"kv_cache shape {tuple(kv_cache.shape)} does not match [2, num_blocks, {self.spec.block_size}, "
+                f"{key.shape[1]}, {key.shape[2]}]"
+            )
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous: new K/V are written through a flat slot view")

@@ -1,0 +1,141 @@
+"""The tensor work of one layer call: KV write, then attention per group of the plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from pagoda_attn_torch.plan import BatchedGroup, LoopedSequence, StepPlan
+
+# dtype -> additive mask broadcastable to [batch, heads, queries, keys]; built lazily, cached per step.
+MaskFor = Callable[[torch.dtype], torch.Tensor]
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan) -> None:
+    """Store the new tokens' K/V at their slots (rows with slot -1 are skipped)."""
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    key_slots = kv_cache[0].view(-1, num_kv_heads, head_dim)
+    value_slots = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    if plan.write_rows is None:
+        key, value = key[: plan.num_tokens], value[: plan.num_tokens]
+    else:
+        key, value = key.index_select(0, plan.write_rows), value.index_select(0, plan.write_rows)
+    key_slots.index_copy_(0, plan.write_slots, key.to(kv_cache.dtype))
+    value_slots.index_copy_(0, plan.write_slots, value.to(kv_cache.dtype))
+
+
+def attend_batched(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: BatchedGroup,
+    plan: StepPlan,
+    scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:
+    """Attention for the batched group -> [num_seqs, max_query_len, num_heads, head_dim]."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    n, max_q, kv_len = group.num_seqs, group.max_query_len, group.padded_kv_len
+    gathered_shape = (group.block_ids.numel(), block_size, num_kv_heads, head_dim)
+    k_buf = plan.buffer("batched_k", gathered_shape, kv_cache.dtype, kv_cache.device)
+    v_buf = plan.buffer("batched_v", gathered_shape, kv_cache.dtype, kv_cache.device)
+    torch.index_select(kv_cache[0], 0, group.block_ids, out=k_buf)
+    torch.index_select(kv_cache[1], 0, group.block_ids, out=v_buf)
+    keys = k_buf.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_buf.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+
+    rows = query if group.query_rows is None else query.index_select(0, group.query_rows)
+    queries = rows.view(n, max_q, -1, head_dim).transpose(1, 2)  # [n, heads, max_q, head_dim]
+    out = _attend(queries, keys, values, partial(group.mask, sliding_window), scale, logits_soft_cap, causal=False)
+    return out.transpose(1, 2)
+
+
+def attend_looped(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq: LoopedSequence,
+    index: int,
+    plan: StepPlan,
+    scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:
+    """Attention for one long prefill -> [new tokens, num_heads, head_dim]."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    rows = slice(seq.row_start, seq.row_end)
+    causal = seq.is_plain_causal(sliding_window) and key.dtype == kv_cache.dtype
+    if causal:
+        # Nothing cached before: the new K/V are all there is, no need to read them back.
+        keys, values = key[rows], value[rows]
+    else:
+        gathered_shape = (seq.block_ids.numel(), block_size, num_kv_heads, head_dim)
+        k_buf = plan.buffer(f"looped_k{index}", gathered_shape, kv_cache.dtype, kv_cache.device)
+        v_buf = plan.buffer(f"looped_v{index}", gathered_shape, kv_cache.dtype, kv_cache.device)
+        torch.index_select(kv_cache[0], 0, seq.block_ids, out=k_buf)
+        torch.index_select(kv_cache[1], 0, seq.block_ids, out=v_buf)
+        keys = k_buf.view(-1, num_kv_heads, head_dim)[: seq.seq_len]
+        values = v_buf.view(-1, num_kv_heads, head_dim)[: seq.seq_len]
+    queries = query[rows].transpose(0, 1).unsqueeze(0)
+    keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+
+    out = _attend(queries, keys, values, partial(seq.mask, sliding_window), scale, logits_soft_cap, causal=causal)
+    return out[0].transpose(0, 1)
+
+
+def _attend(
+    queries: torch.Tensor,  # [b, heads, q, head_dim]
+    keys: torch.Tensor,  # [b, kv_heads, k, head_dim]
+    values: torch.Tensor,
+    mask_for: MaskFor,
+    scale: float,
+    logits_soft_cap: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    num_heads, num_kv_heads = queries.shape[1], keys.shape[1]
+    if logits_soft_cap is None:
+        # SDPA's CPU kernels accumulate half types in float32, so softmax stays float32.
+        values = values.to(queries.dtype)
+        keys = keys.to(queries.dtype)
+        return F.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            attn_mask=None if causal else mask_for(queries.dtype),
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+    return _attend_soft_capped(queries, keys, values, mask_for, scale, logits_soft_cap, causal)
+
+
+def _attend_soft_capped(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask_for: MaskFor,
+    scale: float,
+    cap: float,
+    causal: bool,
+) -> torch.Tensor:
+    """Explicit float32 attention, for what SDPA cannot express (the logits soft-cap)."""
+    b, num_heads, q_len, head_dim = queries.shape
+    num_kv_heads, k_len = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    # Query heads h*group..(h+1)*group-1 share KV head h: fold them into the row dimension.
+    q = queries.float().reshape(b, num_kv_heads, group * q_len, head_dim)
+    scores = torch.matmul(q, keys.float().transpose(-1, -2))
+    scores.mul_(scale / cap).tanh_().mul_(cap)
+    scores = scores.view(b, num_kv_heads, group, q_len, k_len)
+    if causal:
+        allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril_()
+        scores.masked_fill_(~allowed, float("-inf"))
+    else:
+        scores += mask_for(torch.float32).view(b, 1, 1, q_len, k_len)
+    probs = torch.softmax(scores, dim=-1).view(b, num_kv_heads, group * q_len, k_len)
+    out = torch.matmul(probs, values.float())
+    return out.view(b, num_heads, q_len, head_dim).to(queries.dtype)

@@ -1,0 +1,230 @@
+"""Per-step planning: everything about the batch layout that every layer shares.
+
+Built once per step by ``TorchPagedAttentionBackend.prepare`` from host copies of
+the metadata, so the per-layer ``forward`` does no index math and no host syncs.
+
+Sequences split into two groups:
+- *batched*: every sequence with few new tokens (all decodes, short chunks).
+  Their queries are padded to the group's longest query, their cached K/V
+  gathered block-wise into one rectangle, and attention runs as one batched
+  matmul/softmax under a mask.
+- *looped*: long prefills (or chunks of them), attended one sequence at a time,
+  where padding them into the rectangle would waste more than the loop costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagoda.attention.interface import AttentionMetadata
+
+# Sequences with at most this many new tokens go into the batched group; longer
+# ones are attended one by one (their own matmuls are big enough to be efficient).
+BATCHED_QUERY_LIMIT = 16
+
+
+@dataclass
+class BatchedGroup:
+    """Sequences attended together as one padded rectangle."""
+
+    num_seqs: int
+    max_query_len: int
+    # Key positions covered by the gathered blocks (a multiple of block_size).
+    padded_kv_len: int
+    # [num_seqs * blocks_per_seq] int64: cache blocks to gather, sequence-major.
+    block_ids: torch.Tensor
+    # [num_seqs, max_query_len] int64: absolute position of each query row;
+    # padding rows get position 0 so their softmax stays finite.
+    positions: torch.Tensor
+    # [num_seqs * max_query_len] int64: flat-batch row of each padded query row
+    # (padding rows repeat a real row); None when the rows are 0..num_tokens-1 in order.
+    query_rows: torch.Tensor | None
+    # Where the real rows of the padded result land in the output:
+    # result_index selects them from the padded result, output_rows names their rows.
+    # Both None when the padded result is the output as is.
+    result_index: torch.Tensor | None
+    output_rows: torch.Tensor | None
+    # Additive masks [num_seqs, 1, max_query_len, padded_kv_len] per (window, dtype), built lazily.
+    masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        key = (sliding_window, dtype)
+        cached = self.masks.get(key)
+        if cached is None:
+            built = _additive_mask(self.positions, self.padded_kv_len, sliding_window)
+            cached = built.unsqueeze(1).to(dtype)
+            self.masks[key] = cached
+        return cached
+
+
+@dataclass
+class LoopedSequence:
+    """One long prefill (or chunk) attended on its own."""
+
+    row_start: int
+    row_end: int
+    context_len: int
+    seq_len: int
+    # [ceil(seq_len / block_size)] int64 cache blocks holding the sequence.
+    block_ids: torch.Tensor
+    masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def is_plain_causal(self, sliding_window: int | None) -> bool:
+        """True when the new tokens attend only to each other, causally, with no window."""
+        return self.context_len == 0 and sliding_window is None
+
+    def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [new tokens, seq_len] mask."""
+        key = (sliding_window, dtype)
+        cached = self.masks.get(key)
+        if cached is None:
+            positions = torch.arange(self.context_len, self.seq_len, device=self.block_ids.device)
+            cached = _additive_mask(positions, self.seq_len, sliding_window).to(dtype)
+            self.masks[key] = cached
+        return cached
+
+
+@dataclass
+class StepPlan:
+    num_tokens: int
+    # Rows that belong to some sequence (rows past it are batch padding: output 0).
+    num_real_tokens: int
+    # Rows whose K/V are written and the slots they go to; write_rows is None when all rows are written.
+    write_rows: torch.Tensor | None
+    write_slots: torch.Tensor
+    batched: BatchedGroup | None
+    looped: list[LoopedSequence]
+    # Per-step scratch reused by every layer (fresh large buffers cost page faults on CPU).
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self.workspace.get(name)
+        if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            self.workspace[name] = buf
+        return buf
+
+
+def _additive_mask(positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
+    """[..., q] absolute query positions -> [..., q, kv_len] float32 mask (0 allowed, -inf not)."""
+    keys = torch.arange(kv_len, device=positions.device)
+    pos = positions.unsqueeze(-1)
+    allowed = keys <= pos
+    if sliding_window is not None:
+        allowed &= keys > pos - sliding_window
+    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=positions.device)
+    return mask.masked_fill_(~allowed, float("-inf"))
+
+
+def _host(tensor: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor is not None else fallback.cpu()
+
+
+def build_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
+    device = metadata.block_tables.device
+    query_start = _host(metadata.query_start_loc_cpu, metadata.query_start_loc).to(torch.int64)
+    seq_lens = _host(metadata.seq_lens_cpu, metadata.seq_lens).to(torch.int64)
+    num_seqs = metadata.num_seqs
+    if query_start.numel() != num_seqs + 1 or seq_lens.numel() != num_seqs:
+        raise ValueError(
+            f"attention metadata: query_start_loc has {query_start.numel()} entries and seq_lens "
+            f"{seq_lens.numel()}, expected {num_seqs + 1} and {num_seqs} for num_seqs={num_seqs}"
+        )
+    query_lens = query_start[1:] - query_start[:-1]
+    context_lens = seq_lens - query_lens
+    if num_seqs and (int(query_lens.min()) < 0 or int(context_lens.min()) < 0):
+        raise ValueError("attention metadata: seq_lens must be >= query lengths and query_start_loc non-decreasing")
+    num_real_tokens = int(query_start[-1]) if num_seqs else 0
+    if num_real_tokens > metadata.num_tokens:
+        raise ValueError(f"attention metadata: sequences cover {num_real_tokens} rows but num_tokens={metadata.num_tokens}")
+
+    write_rows, write_slots = _plan_writes(metadata.slot_mapping[: metadata.num_tokens])
+
+    short = (query_lens <= BATCHED_QUERY_LIMIT) & (query_lens > 0)
+    batched_ids = torch.nonzero(short).flatten()
+    looped_ids = torch.nonzero(~short & (query_lens > 0)).flatten()
+    batched = None
+    if batched_ids.numel():
+        covers_all = looped_ids.numel() == 0 and num_real_tokens == metadata.num_tokens
+        batched = _plan_batched(
+            batched_ids, query_start, query_lens, context_lens, seq_lens,
+            metadata.block_tables, block_size, device, covers_all,
+        )
+    looped = [
+        LoopedSequence(
+            row_start=int(query_start[i]),
+            row_end=int(query_start[i + 1]),
+            context_len=int(context_lens[i]),
+            seq_len=int(seq_lens[i]),
+            block_ids=metadata.block_tables[int(i), : _cdiv(int(seq_lens[i]), block_size)].to(torch.int64),
+        )
+        for i in looped_ids.tolist()
+    ]
+    return StepPlan(
+        num_tokens=metadata.num_tokens,
+        num_real_tokens=num_real_tokens,
+        write_rows=write_rows,
+        write_slots=write_slots,
+        batched=batched,
+        looped=looped,
+    )
+
+
+def _plan_writes(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0
+    if bool(valid.all()):
+        return None, slots
+    rows = torch.nonzero(valid).flatten()
+    return rows, slots.index_select(0, rows)
+
+
+def _plan_batched(
+    seq_ids: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+    covers_all: bool,
+) -> BatchedGroup:
+    n = seq_ids.numel()
+    q_lens = query_lens[seq_ids]
+    max_q = int(q_lens.max())
+    blocks_per_seq = _cdiv(int(seq_lens[seq_ids].max()), block_size)
+    if blocks_per_seq > block_tables.shape[1]:
+        raise ValueError(
+            f"attention metadata: a sequence needs {blocks_per_seq} blocks but block_tables has {block_tables.shape[1]} columns"
+        )
+    block_ids = block_tables.index_select(0, seq_ids.to(device))[:, :blocks_per_seq].reshape(-1).to(torch.int64)
+
+    offsets = torch.arange(max_q)
+    real = offsets.unsqueeze(0) < q_lens.unsqueeze(1)  # [n, max_q]
+    positions = torch.where(real, context_lens[seq_ids].unsqueeze(1) + offsets, 0)
+    rows = query_start[seq_ids].unsqueeze(1) + torch.where(real, offsets, 0)
+
+    in_order = covers_all and max_q == 1
+    query_rows = None if in_order else rows.reshape(-1)
+    result_index = output_rows = None
+    if not in_order:
+        flat_real = real.reshape(-1)
+        result_index = torch.nonzero(flat_real).flatten()
+        output_rows = rows.reshape(-1).index_select(0, result_index)
+    return BatchedGroup(
+        num_seqs=n,
+        max_query_len=max_q,
+        padded_kv_len=blocks_per_seq * block_size,
+        block_ids=block_ids,
+        positions=positions.to(device),
+        query_rows=None if query_rows is None else query_rows.to(device),
+        result_index=None if result_index is None else result_index.to(device),
+        output_rows=None if output_rows is None else output_rows.to(device),
+    )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

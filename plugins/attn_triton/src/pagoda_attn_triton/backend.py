@@ -1,0 +1,84 @@
+"""Paged attention on pagoda-kernels' Triton kernels (CUDA and ROCm GPUs).
+
+Per layer: write the step's K/V into the paged cache by slot, then attend. A
+step of only decodes runs the split-K decode kernel; a step with any prefill
+(chunk) runs the varlen kernel, where decodes are one-row query tiles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from pagoda.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from pagoda_kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Per-program tiles hold head_dim columns in registers; beyond this they spill.
+MAX_HEAD_DIM = 256
+NUM_SPLITS_KEY = "triton_decode_num_splits"
+
+
+class TritonPagedAttentionBackend(AttentionBackend):
+    name = "triton_paged"
+
+    @classmethod
+    def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
+        reasons: list[str] = []
+        if spec.device_type != "cuda":
+            reasons.append(f"needs a CUDA/ROCm device (this engine runs on device type {spec.device_type!r})")
+        if importlib.util.find_spec("triton") is None:
+            reasons.append("triton is not installed (pip install triton)")
+        if spec.dtype not in SUPPORTED_DTYPES:
+            reasons.append(f"dtype {spec.dtype} is not one of float16, bfloat16, float32")
+        if spec.num_kv_heads <= 0 or spec.num_heads % spec.num_kv_heads:
+            reasons.append(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
+        if spec.head_dim > MAX_HEAD_DIM:
+            reasons.append(f"head_dim {spec.head_dim} is larger than {MAX_HEAD_DIM}")
+        return reasons
+
+    @classmethod
+    def preferred_block_sizes(cls) -> tuple[int, ...]:
+        return (16, 32)
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        # Decide the decode split-K fan-out once per step, from host ints (no device sync).
+        if metadata.is_all_decode:
+            from pagoda_kernels.triton_impl.decode import choose_num_splits
+
+            splits = choose_num_splits(
+                metadata.num_seqs, self.spec.num_kv_heads, metadata.max_seq_len, metadata.seq_lens.device
+            )
+            metadata.extra = {**(metadata.extra or {}), NUM_SPLITS_KEY: splits}
+        return metadata
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        n = metadata.num_tokens
+        # Rows past num_tokens are padding (e.g. up to a CUDA graph's batch size).
+        reshape_and_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], impl="triton")
+        if metadata.is_all_decode:
+            splits = (metadata.extra or {}).get(NUM_SPLITS_KEY)
+            out = paged_decode_attention(
+                query[:n], kv_cache, metadata.block_tables, metadata.seq_lens, scale,
+                sliding_window, logits_soft_cap, metadata.max_seq_len, splits, impl="triton",
+            )
+        else:
+            out = paged_prefill_attention(
+                query[:n], kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale,
+                sliding_window, logits_soft_cap, metadata.max_query_len, impl="triton",
+            )
+        if query.shape[0] == n:
+            return out
+        padded = torch.zeros_like(query)
+        padded[:n] = out
+        return padded

@@ -1,0 +1,3 @@
+"""Example model-family plugin for pagoda (a template for third-party plugins)."""
+
+ARCHITECTURE = "ExampleTinyForCausalLM"

@@ -1,0 +1,176 @@
+"""Llama-style decoder for the engine: Llama, Mistral, Qwen2, Qwen3.
+
+One decoder with per-architecture switches (``arch.DecoderOptions``). Written
+for a flat token batch: activations are [T, hidden], attention goes through
+``pagoda.attention.Attention`` (the runner binds the backend and KV cache).
+For CPU speed the q/k/v projections are one matmul (``qkv_proj``) and so are
+gate/up (``gate_up_proj``); RoPE rotates q and k in place inside the fused
+QKV output, so q, k and v reach the attention layer as strided views of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from pagoda.attention import Attention, AttentionMetadata
+from pagoda.models.interface import config_for
+from torch import nn
+
+from pagoda_models_llama.arch import DecoderOptions, llama_options, mistral_options, qwen2_options, qwen3_options
+from pagoda_models_llama.layers import Embedding, Linear, RMSNorm, silu_and_mul
+from pagoda_models_llama.rope_scaling import rope_config_from_hf
+from pagoda_models_llama.rotary import RotaryEmbedding
+from pagoda_models_llama.weights import load_llama_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, options: DecoderOptions, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, options.qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, options.o_proj_bias, dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
+        self.attn = Attention(
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            scale=self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            sliding_window=options.sliding_windows[layer_idx],
+            layer_idx=layer_idx,
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        # q and k heads side by side: one rotation call covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_heads, k_heads = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            q_heads.copy_(self.q_norm(q_heads))
+            k_heads.copy_(self.k_norm(k_heads))
+        RotaryEmbedding.rotate_(qk, cos, sin)
+        q = qkv[:, : self.q_size]
+        k = qkv[:, self.q_size : self.q_size + self.kv_size]
+        v = qkv[:, self.q_size + self.kv_size :]
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any, options: DecoderOptions, dtype: torch.dtype) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported by the Llama family (only 'silu')")
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, options.mlp_bias, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, options: DecoderOptions, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, options, layer_idx, dtype)
+        self.mlp = LlamaMLP(cfg, options, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns this layer's output and the residual stream, not yet added (the next norm adds them)."""
+        normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(normed, cos, sin, metadata)
+        normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(normed), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, options: DecoderOptions, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, options, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(rope_config_from_hf(cfg), dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions)  # gathered once per step, shared by all layers
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, metadata)
+        hidden, _ = self.norm.add_and_norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``)."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        cfg = config_for(hf_config)
+        self.config = cfg
+        self.dtype = dtype
+        self.options = self.decoder_options(cfg)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.model = LlamaModel(cfg, self.options, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)  # type: ignore[assignment]
+
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> DecoderOptions:
+        return llama_options(cfg)
+
+    @property
+    def max_positions(self) -> int:
+        """Longest context the RoPE table covers; the engine's max_model_len must not exceed it."""
+        return self.model.rotary_emb.max_positions
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_llama_weights(self, weights)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> DecoderOptions:
+        return mistral_options(cfg)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> DecoderOptions:
+        return qwen2_options(cfg)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> DecoderOptions:
+        return qwen3_options(cfg)

@@ -1,0 +1,73 @@
+"""Shared fixtures for the acceptance tests: tiny random models saved as safetensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+TINY = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    # a wide init keeps logits apart, so float rounding cannot flip a greedy argmax
+    initializer_range=0.3,
+    tie_word_embeddings=False,
+)
+
+
+def _build(kind: str) -> tuple[Any, Any]:
+    import transformers as tf
+
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**TINY, rope_theta=10000.0)
+        cls = tf.LlamaForCausalLM
+    elif kind == "llama_tied":
+        cfg = tf.LlamaConfig(**{**TINY, "tie_word_embeddings": True})
+        cls = tf.LlamaForCausalLM
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**TINY, sliding_window=48)
+        cls = tf.MistralForCausalLM
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**TINY)
+        cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**TINY, head_dim=16)
+        cls = tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    return cfg, model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: kind -> (directory with config.json + model.safetensors, transformers model)."""
+    cache: dict[str, tuple[Path, Any]] = {}
+
+    def make(kind: str) -> tuple[Path, Any]:
+        if kind not in cache:
+            cfg, model = _build(kind)
+            path = tmp_path_factory.mktemp(f"tiny-{kind}")
+            model.save_pretrained(path, safe_serialization=True)
+            cache[kind] = (path, model)
+        return cache[kind]
+
+    return make
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate on one unpadded prompt."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+        do_sample=False, eos_token_id=None, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
