@@ -63,7 +63,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
-def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+def _hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate on one unpadded prompt."""
     ids = torch.tensor([prompt])
     out = model.generate(
@@ -71,3 +71,8 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
         do_sample=False, eos_token_id=None, pad_token_id=0,
     )
     return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    return _hf_greedy

@@ -8,8 +8,6 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 
-from conftest import hf_greedy
-
 NEW_TOKENS = 8
 
 
@@ -19,7 +17,7 @@ def _prompts(n: int, vocab: int, seed: int, max_len: int = 300) -> list[list[int
     return [[rng.randrange(vocab) for _ in range(length)] for length in lengths[:n]]
 
 
-def _check(llm: LLM, hf_model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> None:
+def _check(hf_greedy, llm: LLM, hf_model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> None:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     mismatches = []
@@ -33,15 +31,15 @@ def _check(llm: LLM, hf_model, prompts: list[list[int]], new_tokens: int = NEW_T
 
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("batch", [1, 8, 64])
-def test_greedy_matches_transformers(tiny_model_dir, kind: str, batch: int) -> None:
+def test_greedy_matches_transformers(tiny_model_dir, hf_greedy, kind: str, batch: int) -> None:
     path, hf_model = tiny_model_dir(kind)
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=512, num_kv_blocks=2048)
-    _check(llm, hf_model, _prompts(batch, hf_model.config.vocab_size, seed=batch))
+    _check(hf_greedy, llm, hf_model, _prompts(batch, hf_model.config.vocab_size, seed=batch))
 
 
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_chunked_prefill_and_prefix_caching(tiny_model_dir, chunked: bool, prefix_caching: bool) -> None:
+def test_chunked_prefill_and_prefix_caching(tiny_model_dir, hf_greedy, chunked: bool, prefix_caching: bool) -> None:
     path, hf_model = tiny_model_dir("llama")
     budget = 64 if chunked else 512
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
@@ -50,27 +48,27 @@ def test_chunked_prefill_and_prefix_caching(tiny_model_dir, chunked: bool, prefi
     prompts = _prompts(12, hf_model.config.vocab_size, seed=7)
     # shared prefixes exercise the prefix cache
     prompts += [prompts[1][:200] + p[:20] for p in prompts[2:6]]
-    _check(llm, hf_model, prompts)
+    _check(hf_greedy, llm, hf_model, prompts)
 
 
-def test_preemption_keeps_results_exact(tiny_model_dir) -> None:
+def test_preemption_keeps_results_exact(tiny_model_dir, hf_greedy) -> None:
     path, hf_model = tiny_model_dir("llama")
     # 40 blocks of 16 tokens cannot hold 16 sequences of ~100 tokens at once
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
               num_kv_blocks=40, block_size=16)
     prompts = _prompts(16, hf_model.config.vocab_size, seed=3, max_len=120)
-    _check(llm, hf_model, prompts, new_tokens=24)
+    _check(hf_greedy, llm, hf_model, prompts, new_tokens=24)
     core = llm.llm_engine.core
     assert core.scheduler.num_preemptions > 0, "the cache was meant to be too small to avoid preemption"
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_usable_blocks
 
 
-def test_prefix_cache_reuses_blocks(tiny_model_dir) -> None:
+def test_prefix_cache_reuses_blocks(tiny_model_dir, hf_greedy) -> None:
     path, hf_model = tiny_model_dir("llama")
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=512, num_kv_blocks=256)
-    prefix = _prompts(1, hf_model.config.vocab_size, seed=11, max_len=300)[0][:256]
+    prefix = _prompts(2, hf_model.config.vocab_size, seed=11, max_len=300)[1][:256]
     first = llm.generate({"prompt_token_ids": prefix + [1, 2, 3]}, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
     second = llm.generate({"prompt_token_ids": prefix + [4, 5, 6]}, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 256  # 16 full blocks of the shared prefix were not recomputed
-    _check(llm, hf_model, [prefix + [4, 5, 6]], new_tokens=2)
+    _check(hf_greedy, llm, hf_model, [prefix + [4, 5, 6]], new_tokens=2)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pagoda.kv_cache.hashing import (
     ROOT_BLOCK_HASH,
     hash_block_tokens,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from transformers import LlamaForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
-from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, get_gguf_hf_weights_map
+from transformers import AutoConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
+from transformers.integrations.gguf import GgufHeader, load_gguf_state_dict
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from pagoda.model_loader import (
     ModelNotFoundError,
@@ -59,7 +61,15 @@ def test_config(config: PretrainedConfig, source: ModelSource) -> None:
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
     assert config.vocab_size == 49152
     assert config.tie_word_embeddings
-    assert load_hf_config(source, {"architectures": ["OtherForCausalLM"]}).architectures == ["OtherForCausalLM"]
+
+
+def test_config_equals_transformers(config: PretrainedConfig, source: ModelSource) -> None:
+    """pagoda builds GGUF configs from its own metadata parse; it must match transformers' GGUF path."""
+    reference = AutoConfig.from_pretrained(str(source.path), gguf_file=source.gguf_file, local_files_only=True)
+    ours, theirs = config.to_dict(), reference.to_dict()
+    assert ours.pop("architectures") == ["LlamaForCausalLM"]
+    assert theirs.pop("architectures") is None  # transformers leaves it unset for GGUF; pagoda names the class
+    assert ours == theirs
 
 
 def test_checkpoint_dtype_of_quantized_file(source: ModelSource) -> None:
@@ -86,36 +96,31 @@ def test_weights_cover_the_model(weights: dict[str, torch.Tensor], config: Pretr
     assert all(t.dtype == torch.float32 for t in weights.values())
 
 
-CHECKED = [
-    "model.embed_tokens.weight",
-    "model.layers.0.self_attn.q_proj.weight",
-    "model.layers.0.self_attn.k_proj.weight",
-    "model.layers.0.self_attn.v_proj.weight",
-    "model.layers.29.self_attn.q_proj.weight",
-    "model.layers.29.self_attn.k_proj.weight",
-    "model.layers.7.mlp.down_proj.weight",
-    "model.layers.7.input_layernorm.weight",
-    "model.norm.weight",
-]
+# HF name -> GGUF name, written out by hand so the reference does not share pagoda's name table.
+CHECKED = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "model.layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "model.layers.0.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "model.layers.29.self_attn.q_proj.weight": "blk.29.attn_q.weight",
+    "model.layers.29.self_attn.k_proj.weight": "blk.29.attn_k.weight",
+    "model.layers.7.self_attn.o_proj.weight": "blk.7.attn_output.weight",
+    "model.layers.7.mlp.down_proj.weight": "blk.7.ffn_down.weight",
+    "model.layers.7.post_attention_layernorm.weight": "blk.7.ffn_norm.weight",
+    "model.norm.weight": "output_norm.weight",
+}
 
 
 def test_weights_equal_transformers(weights: dict[str, torch.Tensor], config: PretrainedConfig, source: ModelSource) -> None:
-    """Reference: transformers' own GGUF path (name map + LlamaTensorProcessor's Q/K un-permutation)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    """Reference: transformers' GGUF reader, gguf's dequantization and transformers' Q/K un-permutation."""
+    header = GgufHeader.from_file(str(source.gguf_path))
+    raw = load_gguf_state_dict(header)
     processor = LlamaTensorProcessor(config=config.to_dict())
-    gguf_to_hf = get_gguf_hf_weights_map(model, processor)
-    reader = GGUFReader(source.gguf_path)
-    checked = 0
-    for tensor in reader.tensors:
-        name = gguf_to_hf.get(tensor.name)
-        if name not in CHECKED:
-            continue
-        dequantized = dequantize(tensor.data, tensor.tensor_type)
-        reference = torch.from_numpy(processor.process(weights=dequantized, name=tensor.name).weights.copy())
-        assert torch.equal(weights[name], reference), name
-        checked += 1
-    assert checked == len(CHECKED)
-    # rows really moved: the file's raw order differs from the HF order for q_proj
-    raw_q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
-    assert not torch.equal(torch.from_numpy(dequantize(raw_q.data, raw_q.tensor_type)), weights[CHECKED[1]])
+    for hf_name, gguf_name in CHECKED.items():
+        stored = raw[gguf_name]
+        dequantized = dequantize(stored[...].numpy(), GGMLQuantizationType(stored.ggml_type))
+        reference = processor.process(weights=dequantized, name=gguf_name).weights
+        assert torch.equal(weights[hf_name], torch.from_numpy(np.ascontiguousarray(reference))), hf_name
+        if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            # the rows really moved: the file's order is not the HF order
+            assert not torch.equal(weights[hf_name], torch.from_numpy(dequantized)), hf_name

@@ -229,9 +229,8 @@ def test_importing_pagoda_resolves_no_platform() -> None:
     import sys
 
     code = (
-        "import pagoda, pagoda.platforms as p, pagoda.plugins as pl, sys;"
+        "import pagoda, pagoda.platforms as p, pagoda.plugins as pl;"
         "assert p._current is None, 'platform resolved at import';"
-        "assert pl._manager is None, 'plugins loaded at import';"
-        "assert 'torch.cuda' not in sys.modules or True"
+        "assert pl._manager is None, 'plugins loaded at import'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

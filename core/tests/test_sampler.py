@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagoda.sample import LogprobsTensors, Sampler, SamplingBatch, gather_logprobs, to_sample_logprobs
+from pagoda.sample.truncation import apply_top_k_only, apply_top_k_top_p, apply_top_k_top_p_by_candidates
 from pagoda.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -140,6 +141,35 @@ def test_processed_logprobs_match_reference() -> None:
         finite = np.isfinite(expected)
         np.testing.assert_allclose(got[row][finite], expected[finite], atol=1e-4, err_msg=f"row {row}")
         assert np.all(np.isneginf(got[row][~finite]))
+
+
+@pytest.mark.parametrize("candidates", [2, 7, 40])
+@pytest.mark.parametrize("use_top_k", [False, True])
+def test_top_p_candidate_search_matches_full_sort(candidates: int, use_top_k: bool) -> None:
+    rows, vocab = 12, 64
+    # From flat rows (the top-p set needs many tokens, so the full sort takes over) to peaked ones.
+    scale = torch.linspace(0.2, 6.0, rows).unsqueeze(1)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2)) * scale
+    top_p = torch.tensor([0.5, 0.8, 1.0, 0.9, 0.95, 0.3, 1.0, 0.7, 0.85, 0.99, 0.6, 1.0])
+    top_k = torch.tensor([vocab, 5, 3, vocab, 30, vocab, vocab, 1, 12, 50, vocab, 9]) if use_top_k else None
+    max_top_k = 50 if use_top_k else 0
+    expected = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    got = apply_top_k_top_p_by_candidates(logits.clone(), top_k, top_p, max_top_k, candidates=candidates)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert torch.equal(got[torch.isfinite(got)], expected[torch.isfinite(expected)])
+    # The rows with top_p = 1 and no top-k are untouched.
+    assert torch.equal(got[6], logits[6])
+
+
+def test_top_k_without_sort_matches_full_sort() -> None:
+    vocab = 50
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(9))
+    top_k = torch.tensor([1, 4, vocab, 17, 49, vocab])
+    expected = apply_top_k_top_p(logits.clone(), top_k, None)
+    got = logits.clone()
+    apply_top_k_only(got, top_k, 49)
+    assert torch.equal(got, expected)
+    assert (torch.isfinite(got).sum(dim=-1) == top_k).all()
 
 
 def test_raw_logprobs_ranks_and_top_n() -> None:

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from pagoda_kernels import (
     paged_decode_attention,
     paged_decode_attention_torch,

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from pagoda_kernels import dispatch
 from pagoda_kernels.dispatch import KernelUnavailableError, use_triton
 

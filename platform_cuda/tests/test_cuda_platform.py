@@ -3,7 +3,6 @@
 import pytest
 import torch
 from pagoda.config import EngineArgs
-
 from pagoda_platform_cuda import plugin
 from pagoda_platform_cuda.gpu_config import (
     CAPTURE_SIZES_KEY,

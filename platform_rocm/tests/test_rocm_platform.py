@@ -3,7 +3,6 @@
 import pytest
 import torch
 from pagoda.config import EngineArgs
-
 from pagoda_platform_rocm import plugin
 from pagoda_platform_rocm.platform import RocmPlatform
 

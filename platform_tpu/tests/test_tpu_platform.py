@@ -6,7 +6,6 @@ import sys
 import pytest
 import torch
 from pagoda.config import EngineArgs
-
 from pagoda_platform_tpu import plugin
 from pagoda_platform_tpu.platform import TOKEN_BUCKETS_KEY, TpuPlatform, token_buckets
 

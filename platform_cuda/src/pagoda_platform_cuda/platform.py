@@ -17,7 +17,6 @@ from pagoda_platform_cuda.gpu_config import (
 
 if TYPE_CHECKING:
     import torch
-
     from pagoda.config import EngineConfig
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,6 @@ from pagoda.platforms import Platform
 
 if TYPE_CHECKING:
     import torch
-
     from pagoda.config import EngineConfig
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pagoda.attention.interface import AttentionSpec
+from pagoda.attention.interface import AttentionMetadata, AttentionSpec
 from pagoda_attn_torch.backend import TorchPagedAttentionBackend
 from torch_paged_cases import Batch, Shape, make_batch, reference_attention
 
@@ -53,7 +52,8 @@ def run_and_check(
     for i, seq in enumerate(batch.sequences):
         expected = reference_attention(seq, scale, sliding_window, logits_soft_cap)
         got = out[row : row + seq.query_len].double()
-        torch.testing.assert_close(got, expected, **TOLERANCE[dtype], msg=lambda m: f"sequence {i} {seq.context_len}+{seq.query_len}: {m}")
+        where = f"sequence {i} ({seq.context_len} cached + {seq.query_len} new)"
+        torch.testing.assert_close(got, expected, **TOLERANCE[dtype], msg=lambda m, where=where: f"{where}: {m}")
         row += seq.query_len
     assert torch.equal(out[row:], torch.zeros_like(out[row:])), "padding rows must come out as zeros"
     check_cache(batch, shape)
@@ -168,7 +168,7 @@ def test_layers_share_one_plan() -> None:
     metadata = backend.prepare(layers[0].metadata)
     windows = [None, 6, None]
     scale = shape.head_dim**-0.5
-    for batch, window in zip(layers, windows):
+    for batch, window in zip(layers, windows, strict=True):
         out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, scale, window)
         row = 0
         for seq in batch.sequences:
@@ -176,6 +176,47 @@ def test_layers_share_one_plan() -> None:
             torch.testing.assert_close(out[row : row + seq.query_len].double(), expected, **TOLERANCE[torch.float32])
             row += seq.query_len
         check_cache(batch, shape)
+
+
+def test_decodes_of_very_different_lengths_split_into_buckets() -> None:
+    shape = Shape(block_size=8)
+    lens = [(c, 1) for c in (300, 5, 150, 7, 290, 60, 2, 140)]
+    batch = make_batch(lens, shape, seed=30)
+    plan = make_backend(shape).prepare(batch.metadata).extra["torch_paged"]
+    assert len(plan.batched) > 1
+    longest_first = [g.padded_kv_len for g in plan.batched]
+    assert longest_first == sorted(longest_first, reverse=True) and longest_first[-1] <= 64
+    run_and_check(batch, shape)
+
+
+def test_uniform_decode_batch_is_one_in_order_group() -> None:
+    shape = Shape()
+    batch = make_batch([(c, 1) for c in (200, 230, 255, 180)], shape, seed=31)
+    plan = make_backend(shape).prepare(batch.metadata).extra["torch_paged"]
+    (group,) = plan.batched
+    assert group.query_rows is None and group.result_index is None and not plan.looped
+    run_and_check(batch, shape)
+
+
+def test_batch_of_only_padding_rows() -> None:
+    shape = Shape()
+    backend = make_backend(shape)
+    cache = torch.randn(2, 4, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    before = cache.clone()
+    metadata = AttentionMetadata(
+        num_seqs=0,
+        num_tokens=2,
+        query_start_loc=torch.zeros(1, dtype=torch.int32),
+        seq_lens=torch.zeros(0, dtype=torch.int32),
+        block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        slot_mapping=torch.full((2,), -1, dtype=torch.int64),
+        max_query_len=0,
+        max_seq_len=0,
+    )
+    q = torch.randn(2, shape.num_heads, shape.head_dim)
+    k = torch.randn(2, shape.num_kv_heads, shape.head_dim)
+    out = backend.forward(q, k, k.clone(), cache, backend.prepare(metadata), 0.25)
+    assert torch.equal(out, torch.zeros_like(q)) and torch.equal(cache, before)
 
 
 def test_forward_without_prepare_is_refused() -> None:
@@ -196,7 +237,9 @@ def test_cache_of_wrong_shape_is_refused() -> None:
 
 
 def test_reasons_unsupported() -> None:
-    good = AttentionSpec(num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32, device_type="cpu", block_size=16)
+    good = AttentionSpec(
+        num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32, device_type="cpu", block_size=16
+    )
     assert TorchPagedAttentionBackend.reasons_unsupported(good) == []
     for dtype in (torch.bfloat16, torch.float16):
         spec = AttentionSpec(9, 3, 64, dtype, "cpu", 16)

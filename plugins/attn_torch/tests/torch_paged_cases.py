@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from pagoda.attention.interface import AttentionMetadata
 
 
@@ -64,7 +63,7 @@ def make_batch(
     kv_cache = torch.randn(2, num_blocks, bs, kvh, d, generator=gen).to(dtype)
 
     sequences = []
-    for (context_len, query_len), n_blocks in zip(lens, blocks_needed):
+    for (context_len, query_len), n_blocks in zip(lens, blocks_needed, strict=True):
         blocks, order = order[:n_blocks], order[n_blocks:]
         total = context_len + query_len
         seq = Sequence(
@@ -89,8 +88,12 @@ def make_batch(
     slots += [-1] * padding_rows
 
     query = torch.cat([s.query for s in sequences] + [torch.randn(padding_rows, h, d, generator=gen).to(dtype)])
-    key = torch.cat([s.keys[s.context_len :] for s in sequences] + [torch.randn(padding_rows, kvh, d, generator=gen).to(dtype)])
-    value = torch.cat([s.values[s.context_len :] for s in sequences] + [torch.randn(padding_rows, kvh, d, generator=gen).to(dtype)])
+    key = torch.cat(
+        [s.keys[s.context_len :] for s in sequences] + [torch.randn(padding_rows, kvh, d, generator=gen).to(dtype)]
+    )
+    value = torch.cat(
+        [s.values[s.context_len :] for s in sequences] + [torch.randn(padding_rows, kvh, d, generator=gen).to(dtype)]
+    )
 
     query_lens = torch.tensor([q for _, q in lens], dtype=torch.int32)
     query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)

@@ -7,12 +7,11 @@ import math
 import pytest
 import torch
 from pagoda.attention import AttentionMetadata, AttentionSpec
+from pagoda_attn_triton import plugin
+from pagoda_attn_triton.backend import TritonPagedAttentionBackend
 from pagoda_kernels import reshape_and_cache_torch
 from pagoda_kernels.dispatch import interpret_mode
 from pagoda_kernels.testing import make_paged_batch
-
-from pagoda_attn_triton import plugin
-from pagoda_attn_triton.backend import TritonPagedAttentionBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 16, 4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

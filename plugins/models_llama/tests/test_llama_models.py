@@ -208,10 +208,31 @@ def test_load_weights_rejects_unknown_names_and_wrong_shapes() -> None:
         model.load_weights([("model.layers.0.self_attn.bogus.weight", torch.zeros(4))])
     with pytest.raises(ValueError, match="k_proj.*shape"):
         model.load_weights([("model.layers.1.self_attn.k_proj.weight", torch.zeros(3, 64))])
-    assert model.load_weights([("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8))]) == set()
+    full = {n: t for n, t in _hf_state_dict(hf_config) if not n.endswith("inv_freq")}
+    with pytest.raises(ValueError, match="missing weight.*model.layers.0.self_attn.v_proj.weight"):
+        model.load_weights([(n, t) for n, t in full.items() if n != "model.layers.0.self_attn.v_proj.weight"])
+    loaded = model.load_weights([*full.items(), ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(8))])
+    assert loaded == set(full)
+
+
+def _hf_state_dict(hf_config):
+    from transformers import LlamaForCausalLM as HFLlama
+
+    return list(HFLlama(hf_config).state_dict().items())
 
 
 def test_unsupported_activation_is_named() -> None:
     config = LlamaConfig(**SMALL, num_hidden_layers=1, hidden_act="gelu")
     with pytest.raises(ValueError, match="gelu"):
         llama.LlamaForCausalLM(config, torch.float32)
+
+
+def test_plugin_registers_each_architecture_with_its_class() -> None:
+    from pagoda.models.interface import CausalLMModel
+    from pagoda.models.registry import ModelRegistry
+    from pagoda.plugins import import_object
+
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        cls = import_object(ModelRegistry.spec_for([arch]).cls)
+        assert cls is getattr(llama, arch)
+    assert isinstance(llama.LlamaForCausalLM(_configs()["llama"][0], torch.float32), CausalLMModel)

@@ -61,6 +61,10 @@ class KVCacheManager:
         # Copy-on-write done inside allocate_slots, drained by take_copy_on_write.
         self.pending_block_copies: list[tuple[int, int]] = []
         self.requests_with_replaced_blocks: set[str] = set()
+        # Prefix hits share only full blocks, which are never written again; only a fork
+        # shares blocks that are still being written, so the copy-on-write scan of the
+        # write range is skipped until the first fork.
+        self._has_forked = False
 
     # ---- state -------------------------------------------------------------
 
@@ -141,30 +145,34 @@ class KVCacheManager:
         blocks are free, in which case nothing changed.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
-            raise ValueError(f"token counts must be >= 0: num_new_tokens={num_new_tokens}, num_lookahead_tokens={num_lookahead_tokens}")
+            raise ValueError(
+                f"token counts must be >= 0: num_new_tokens={num_new_tokens}, num_lookahead_tokens={num_lookahead_tokens}"
+            )
         request_id = request.request_id
         req_blocks = self.req_to_blocks.get(request_id)
         pool = self.block_pool
-        computed_blocks = self._resolve_computed_blocks(
-            request, req_blocks, new_computed_block_ids or [], num_new_computed_tokens
-        )
-
+        block_size = self.block_size
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_after_step = num_computed_tokens + num_new_tokens
-        num_required_blocks = _cdiv(num_tokens_after_step + num_lookahead_tokens, self.block_size)
+        num_required_blocks = -(-(num_tokens_after_step + num_lookahead_tokens) // block_size)
+
+        computed_blocks: list[KVCacheBlock] = []
+        num_free_hits = 0
+        if new_computed_block_ids or num_new_computed_tokens:
+            computed_blocks = self._resolve_computed_blocks(
+                request, req_blocks, new_computed_block_ids or [], num_new_computed_tokens
+            )
+            # Touching a free hit block takes it out of the free queue too.
+            num_free_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         num_owned_blocks = (len(req_blocks) if req_blocks else 0) + len(computed_blocks)
         num_new_blocks = max(0, num_required_blocks - num_owned_blocks)
-        # Touching a free hit block takes it out of the free queue too.
-        num_free_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         # Shared (forked) blocks this step writes into get private copies first, so a
         # block is never indexed under one sharer's tokens while another writes it.
-        shared = (
-            self._shared_blocks_in_range(
+        shared: list[int] = []
+        if self._has_forked and req_blocks:
+            shared = self._shared_blocks_in_range(
                 req_blocks, num_computed_tokens, num_new_tokens + num_lookahead_tokens
             )
-            if req_blocks
-            else []
-        )
         if num_new_blocks + num_free_hits + len(shared) > pool.num_free_blocks:
             return None
 
@@ -172,23 +180,24 @@ class KVCacheManager:
             assert req_blocks is not None
             self.pending_block_copies += self._replace_shared_blocks(req_blocks, shared, num_computed_tokens)
             self.requests_with_replaced_blocks.add(request_id)
-
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
             self.num_cached_blocks[request_id] = 0
         if computed_blocks:
             pool.touch(computed_blocks)
             req_blocks.extend(computed_blocks)
-        new_blocks = pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        if new_blocks:
+            req_blocks.extend(new_blocks)
 
         if self.enable_caching:
             # Blocks full after this step whose key is known (keys exist only for
             # full blocks of real tokens, never for lookahead slots).
-            num_full_blocks = min(num_tokens_after_step // self.block_size, len(request.block_hashes))
+            block_hashes = request.block_hashes
+            num_full_blocks = min(num_tokens_after_step // block_size, len(block_hashes))
             num_cached = self.num_cached_blocks[request_id]
             if num_full_blocks > num_cached:
-                pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
+                pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full_blocks)
                 self.num_cached_blocks[request_id] = num_full_blocks
         return [block.block_id for block in new_blocks]
 
@@ -240,9 +249,10 @@ class KVCacheManager:
     def fork(self, parent_request_id: str, child_request_id: str) -> list[int]:
         """Make the child share every block of the parent; returns the child's block ids.
 
-        The child must hold the same tokens as the parent at the moment of the
-        fork. Before either writes into a shared partial block it must call
-        ``copy_on_write``.
+        The child must hold the same tokens (and ``num_computed_tokens``) as the
+        parent at the moment of the fork. Whichever of them next writes into a
+        shared partial block gets a private copy from ``allocate_slots``; the
+        scheduler forwards the copies from ``take_copy_on_write`` to the runner.
         """
         parent_blocks = self.req_to_blocks.get(parent_request_id)
         if parent_blocks is None:
@@ -251,6 +261,7 @@ class KVCacheManager:
             raise ValueError(f"cannot fork into {child_request_id!r}: it already owns KV cache blocks")
         child_blocks = list(parent_blocks)
         self.block_pool.touch(child_blocks)
+        self._has_forked = True
         self.req_to_blocks[child_request_id] = child_blocks
         self.num_cached_blocks[child_request_id] = self.num_cached_blocks[parent_request_id]
         return [block.block_id for block in child_blocks]
@@ -299,7 +310,7 @@ class KVCacheManager:
         private = self.block_pool.get_new_blocks(len(shared))
         copies: list[tuple[int, int]] = []
         old_blocks: list[KVCacheBlock] = []
-        for index, new_block in zip(shared, private):
+        for index, new_block in zip(shared, private, strict=True):
             old_block = blocks[index]
             if index * self.block_size < first_write:
                 copies.append((old_block.block_id, new_block.block_id))

@@ -8,19 +8,17 @@ tensors equal what ``transformers`` loads from the same file.
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.gguf_reader import ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from pagoda.model_loader.errors import ModelLoadError
+from pagoda.model_loader.gguf_file import GGUFFile, GGUFTensorInfo, open_gguf
 
 Q = GGMLQuantizationType
 
@@ -68,32 +66,6 @@ _LLAMA = ArchitectureNames(
 ARCHITECTURES: dict[str, ArchitectureNames] = {"llama": _LLAMA}
 
 
-@functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    return GGUFReader(path)
-
-
-def open_gguf(path: Path) -> GGUFReader:
-    """A parsed GGUF file, reused within the process: parsing the vocabulary arrays takes seconds."""
-    try:
-        stat = os.stat(path)
-        return _cached_reader(str(path), stat.st_mtime_ns, stat.st_size)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"Cannot read GGUF file {path}: {exc}") from exc
-
-
-def _field(reader: GGUFReader, key: str) -> object | None:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
-
-
-def gguf_architecture(reader: GGUFReader, path: Path) -> str:
-    architecture = _field(reader, "general.architecture")
-    if not isinstance(architecture, str):
-        raise ModelLoadError(f"GGUF file {path} has no general.architecture in its metadata")
-    return architecture
-
-
 def hf_name(gguf_name: str, names: ArchitectureNames) -> str | None:
     """The HF parameter name of a GGUF tensor; None when it has no HF counterpart; KeyError when unknown."""
     if gguf_name in names.ignored:
@@ -114,23 +86,26 @@ def reverse_qk_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, per_half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def tensor_to_torch(tensor: ReaderTensor) -> torch.Tensor:
-    """One GGUF tensor as a torch tensor in HF (row-major, out x in) shape."""
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists the fastest-moving dim first
-    tensor_type = GGMLQuantizationType(tensor.tensor_type)
-    if tensor_type == Q.BF16:
-        # numpy has no bfloat16: reinterpret the raw bytes in torch
-        raw = torch.from_numpy(np.array(tensor.data, copy=True).view(np.uint8))
-        return raw.view(torch.bfloat16).reshape(shape)
-    if tensor_type in FLOAT_TYPES:
-        return torch.from_numpy(np.array(tensor.data, copy=True)).reshape(shape)
-    return torch.from_numpy(dequantize(tensor.data, tensor_type)).reshape(shape)
+def tensor_to_torch(gguf_file: GGUFFile, tensor: GGUFTensorInfo) -> torch.Tensor:
+    """One GGUF tensor as a torch tensor of HF shape: float types as stored, quantized ones as float32."""
+    raw = gguf_file.raw_bytes(tensor)
+    if tensor.tensor_type == Q.BF16:
+        # numpy has no bfloat16: reinterpret the bytes in torch
+        return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(tensor.shape)
+    if tensor.tensor_type in FLOAT_TYPES:
+        numpy_dtype = np.float32 if tensor.tensor_type == Q.F32 else np.float16
+        return torch.from_numpy(raw.view(numpy_dtype).reshape(tensor.shape).copy())
+    block_elements, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+    row_bytes = tensor.shape[-1] // block_elements * block_bytes
+    rows = raw.reshape(-1, row_bytes)  # gguf dequantizes (rows, bytes) into (rows, values)
+    return torch.from_numpy(dequantize(rows, tensor.tensor_type)).reshape(tensor.shape)
 
 
-def _check_supported(reader: GGUFReader, path: Path, names: ArchitectureNames) -> None:
+def _check_supported(gguf_file: GGUFFile, names: ArchitectureNames) -> None:
     """Fail before the first tensor is yielded, not halfway through a load."""
-    for tensor in reader.tensors:
-        tensor_type = GGMLQuantizationType(tensor.tensor_type)
+    path = gguf_file.path
+    for tensor in gguf_file.tensors:
+        tensor_type = tensor.tensor_type
         if tensor_type not in SUPPORTED_TYPES:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
             raise ModelLoadError(
@@ -143,11 +118,11 @@ def _check_supported(reader: GGUFReader, path: Path, names: ArchitectureNames) -
             raise ModelLoadError(f"GGUF file {path}: tensor {tensor.name} has no known Hugging Face name") from None
 
 
-def _head_counts(reader: GGUFReader, architecture: str, path: Path) -> tuple[int, int]:
-    num_heads = _field(reader, f"{architecture}.attention.head_count")
+def _head_counts(gguf_file: GGUFFile, architecture: str) -> tuple[int, int]:
+    num_heads = gguf_file.metadata.get(f"{architecture}.attention.head_count")
     if not isinstance(num_heads, int):
-        raise ModelLoadError(f"GGUF file {path} has no {architecture}.attention.head_count in its metadata")
-    num_kv_heads = _field(reader, f"{architecture}.attention.head_count_kv")
+        raise ModelLoadError(f"GGUF file {gguf_file.path} has no {architecture}.attention.head_count in its metadata")
+    num_kv_heads = gguf_file.metadata.get(f"{architecture}.attention.head_count_kv")
     return num_heads, num_kv_heads if isinstance(num_kv_heads, int) else num_heads
 
 
@@ -156,27 +131,27 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
     The file is checked (architecture, tensor types and names) before this returns.
     """
-    reader = open_gguf(path)
-    architecture = gguf_architecture(reader, path)
+    gguf_file = open_gguf(path)
+    architecture = gguf_file.architecture
     names = ARCHITECTURES.get(architecture)
     if names is None:
         raise ModelLoadError(
             f"GGUF file {path} has architecture {architecture!r}; pagoda reads GGUF weights of: "
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
-    _check_supported(reader, path, names)
-    num_heads, num_kv_heads = _head_counts(reader, architecture, path)
-    return _dequantized_tensors(reader, names, num_heads, num_kv_heads)
+    _check_supported(gguf_file, names)
+    num_heads, num_kv_heads = _head_counts(gguf_file, architecture)
+    return _dequantized_tensors(gguf_file, names, num_heads, num_kv_heads)
 
 
 def _dequantized_tensors(
-    reader: GGUFReader, names: ArchitectureNames, num_heads: int, num_kv_heads: int
+    gguf_file: GGUFFile, names: ArchitectureNames, num_heads: int, num_kv_heads: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for tensor in reader.tensors:
+    for tensor in gguf_file.tensors:
         name = hf_name(tensor.name, names)
         if name is None:
             continue
-        weight = tensor_to_torch(tensor)
+        weight = tensor_to_torch(gguf_file, tensor)
         if names.permute_qk and ".self_attn.q_proj." in name:
             weight = reverse_qk_permute(weight, num_heads)
         elif names.permute_qk and ".self_attn.k_proj." in name:
@@ -186,8 +161,7 @@ def _dequantized_tensors(
 
 def gguf_dtype(path: Path) -> torch.dtype | None:
     """The float type the file's weight matrices are stored in; None when any is quantized."""
-    reader = open_gguf(path)
-    matrix_types = {GGMLQuantizationType(t.tensor_type) for t in reader.tensors if len(t.shape) >= 2}
+    matrix_types = {t.tensor_type for t in open_gguf(path).tensors if len(t.shape) >= 2}
     if not matrix_types or not matrix_types <= set(FLOAT_TYPES):
         return None
     # Norms stay F32 even in half-precision files, so the narrowest matrix type is the model's.

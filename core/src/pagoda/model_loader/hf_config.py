@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagoda.model_loader.errors import ModelLoadError
+from pagoda.model_loader.gguf_config import load_gguf_config
 from pagoda.model_loader.source import ModelSource
 
 if TYPE_CHECKING:
@@ -19,7 +20,9 @@ def load_hf_config(source: ModelSource, hf_overrides: dict[str, Any] | None = No
 
     try:
         if source.kind == "gguf":
-            config = AutoConfig.from_pretrained(str(source.path), gguf_file=source.gguf_file, local_files_only=True)
+            config = load_gguf_config(source.gguf_path) or AutoConfig.from_pretrained(
+                str(source.path), gguf_file=source.gguf_file, local_files_only=True
+            )
         else:
             config = AutoConfig.from_pretrained(str(source.path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:

@@ -33,7 +33,11 @@ class CausalLMModel(Protocol):
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Consume (HF parameter name, tensor) pairs; return the parameter names loaded."""
+        """Consume (HF parameter name, tensor) pairs; return the checkpoint names consumed.
+
+        Must raise ``ValueError`` naming the weight when a checkpoint tensor fits no
+        parameter, has the wrong shape, or when a parameter is left unloaded.
+        """
         ...
 
 

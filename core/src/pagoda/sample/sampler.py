@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 
 from pagoda.sample.constraints import apply_constraints
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.output import LogprobsTensors, SamplerOutput
-from pagoda.sample.truncation import apply_min_p, apply_top_k_only, apply_top_k_top_p
+from pagoda.sample.truncation import (
+    apply_min_p,
+    apply_top_k_only,
+    apply_top_k_top_p,
+    apply_top_k_top_p_by_candidates,
+)
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 _LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -32,18 +38,36 @@ def gather_logprobs(values: torch.Tensor, num_logprobs: int, token_ids: torch.Te
     return LogprobsTensors(token_ids, token_values, ranks)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    host_rng: np.random.Generator | None = None,
+) -> torch.Tensor:
     """Sample one token per row: argmax(probs / E) with E ~ Exp(1) is a draw from ``probs``.
 
     Needs no host sync (unlike torch.multinomial). A seeded row draws its noise
     from its own generator, so its tokens do not depend on the rest of the batch.
+    ``probs`` is overwritten.
     """
     noise = torch.empty_like(probs)
+    if probs.device.type != "cpu":
+        if len(generators) < probs.shape[0]:
+            noise.exponential_()
+        for row, generator in generators.items():
+            noise[row].exponential_(generator=generator)
+        return probs.div_(noise).argmax(dim=-1)
+    # On CPU torch's exponential_ is several times slower than drawing U ~ U[0, 1)
+    # (numpy's generator is faster still) and taking -log U ~ Exp(1). U < 1, so the
+    # noise is never 0 (which would turn a zero probability into NaN and win):
+    # argmax(probs / -log U) = argmin(probs / log U).
     if len(generators) < probs.shape[0]:
-        noise.exponential_()
+        if host_rng is not None:
+            host_rng.random(dtype=np.float32, out=noise.numpy())
+        else:
+            noise.uniform_()
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return probs.div_(noise).argmax(dim=-1)
+        noise[row].uniform_(generator=generator)
+    return probs.div_(noise.log_()).argmin(dim=-1)
 
 
 class Sampler:
@@ -56,6 +80,9 @@ class Sampler:
         if logprobs_mode not in _LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {logprobs_mode!r}.")
         self.logprobs_mode = logprobs_mode
+        # Noise for unseeded rows on CPU; seeded lazily from torch's global RNG so a
+        # run seeded with torch.manual_seed repeats.
+        self._host_rng: np.random.Generator | None = None
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         return self.forward(logits, metadata)
@@ -80,7 +107,7 @@ class Sampler:
         else:
             greedy = None if metadata.all_random else logits.argmax(dim=-1)
             logits = self._truncate(logits, metadata)
-            random = exponential_race(logits.softmax(dim=-1), metadata.generators)
+            random = exponential_race(logits.softmax(dim=-1), metadata.generators, self._cpu_rng(logits))
             sampled = random if greedy is None else torch.where(metadata.greedy_mask, greedy, random)  # type: ignore[arg-type]
 
         logprobs_tensors = None
@@ -95,13 +122,23 @@ class Sampler:
             logprobs_tensors = gather_logprobs(values, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
+    def _cpu_rng(self, logits: torch.Tensor) -> np.random.Generator | None:
+        if logits.device.type != "cpu":
+            return None
+        if self._host_rng is None:
+            self._host_rng = np.random.default_rng(int(torch.randint(0, 2**62, (1,))))
+        return self._host_rng
+
     @staticmethod
     def _truncate(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         assert metadata.temperature is not None
         logits.div_(metadata.temperature.unsqueeze(1))
         if metadata.min_p is not None:
             apply_min_p(logits, metadata.min_p)
-        if metadata.top_p is not None:
+        if metadata.top_p is not None and logits.device.type == "cpu":
+            # A full sort of the vocabulary is very slow on CPU; a host sync is free there.
+            logits = apply_top_k_top_p_by_candidates(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+        elif metadata.top_p is not None:
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         elif metadata.top_k is not None:
             apply_top_k_only(logits, metadata.top_k, metadata.max_top_k)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -37,3 +38,71 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         drop[:, -1] = False
         sorted_logits.masked_fill_(drop, float("-inf"))
     return sorted_logits.scatter(dim=-1, index=order, src=sorted_logits)
+
+
+# How many of the most likely tokens the candidate search looks at first.
+TOP_P_CANDIDATES = 256
+
+
+def _cutoff_from_sorted(
+    sorted_logits: torch.Tensor,
+    log_norm: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor,
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row lowest logit to keep, from the row's largest logits sorted descending.
+
+    ``log_norm`` [B, 1] is the log-sum-exp of the whole row. Returns (cutoff [B, 1],
+    covered [B, 1]); a row is covered when its kept set lies inside ``sorted_logits``.
+    """
+    count = sorted_logits.shape[-1]
+    positions = torch.arange(count, device=sorted_logits.device)
+    without_top_p = (top_p >= 1.0).unsqueeze(1)
+    with_top_k = torch.zeros_like(without_top_p)
+    if top_k is not None:
+        # Every active top-k fits in the candidates; top-p then sees the
+        # distribution renormalized over the top-k tokens.
+        with_top_k = (top_k < vocab).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), float("-inf"))
+        log_norm = torch.where(with_top_k, sorted_logits.logsumexp(dim=-1, keepdim=True), log_norm)
+    probs = (sorted_logits - log_norm).exp()
+    mass_after = probs.cumsum(dim=-1)
+    keep = (mass_after - probs) < top_p.unsqueeze(1)
+    keep |= without_top_p
+    keep[:, 0] = True
+    if top_k is not None:
+        keep &= positions < top_k.unsqueeze(1)
+    cutoff = sorted_logits.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+    covered = (mass_after[:, -1:] >= top_p.unsqueeze(1)) | with_top_k | without_top_p | (count == vocab)
+    # Rows without top-p or top-k keep everything.
+    cutoff.masked_fill_(without_top_p & ~with_top_k, float("-inf"))
+    return cutoff, covered
+
+
+def apply_top_k_top_p_by_candidates(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor,
+    max_top_k: int,
+    candidates: int = TOP_P_CANDIDATES,
+) -> torch.Tensor:
+    """Same tokens kept as ``apply_top_k_top_p``, for CPU tensors, without its index sort.
+
+    Each row's cut-off comes from its ``candidates`` most likely tokens (more if
+    a top-k is larger) when its top-p set ends inside them; the other rows (flat
+    distributions) sort their values with numpy, several times faster on CPU
+    than ``torch.sort``, which also sorts indices. Reads a mask on the host.
+    """
+    vocab = logits.shape[-1]
+    count = min(vocab, max(candidates, max_top_k))
+    log_norm = logits.logsumexp(dim=-1, keepdim=True)
+    cutoff, covered = _cutoff_from_sorted(logits.topk(count, dim=-1).values, log_norm, top_k, top_p, vocab)
+    uncovered = (~covered).squeeze(1).nonzero().squeeze(1)
+    if uncovered.numel():
+        values = np.sort(logits[uncovered].numpy(), axis=-1)[:, ::-1]
+        rows_top_k = None if top_k is None else top_k[uncovered]
+        cutoff[uncovered], _ = _cutoff_from_sorted(
+            torch.from_numpy(values.copy()), log_norm[uncovered], rows_top_k, top_p[uncovered], vocab
+        )
+    return logits.masked_fill_(logits < cutoff, float("-inf"))

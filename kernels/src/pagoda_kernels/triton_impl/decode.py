@@ -8,6 +8,8 @@ when the batch is small; a second kernel merges the splits by log-sum-exp.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -123,12 +125,15 @@ def _reduce_splits_kernel(
              mask=d < HEAD_DIM)
 
 
+@cache
+def _multiprocessor_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Split long contexts only while the grid is too small to fill the device."""
-    if device.type != "cuda":
-        sm_count = 4
-    else:
-        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    # Under the interpreter (CPU tensors) pretend a tiny device so splitting still gets exercised.
+    sm_count = _multiprocessor_count(device.index) if device.type == "cuda" else 4
     programs = max(num_seqs * num_kv_heads, 1)
     want = -(-2 * sm_count // programs)
     by_length = max_seq_len // MIN_TOKENS_PER_SPLIT

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-
 from pagoda.attention.interface import AttentionBackend, AttentionMetadata, AttentionSpec
+
 from pagoda_attn_torch.compute import attend_batched, attend_looped, write_kv
 from pagoda_attn_torch.plan import StepPlan, build_plan
 
@@ -76,17 +76,18 @@ class TorchPagedAttentionBackend(AttentionBackend):
         write_kv(key, value, kv_cache, plan)
 
         num_tokens, num_heads, head_dim = query.shape
-        group = plan.batched
-        if group is not None and group.result_index is None and not plan.looped:
+        groups = plan.batched
+        if len(groups) == 1 and groups[0].result_index is None and not plan.looped:
             # Every row is one decode, in order: the batched result is the output.
-            out = attend_batched(query, kv_cache, group, plan, scale, sliding_window, logits_soft_cap)
+            out = attend_batched(query, kv_cache, groups[0], 0, plan, scale, sliding_window, logits_soft_cap)
             return out.reshape(num_tokens, num_heads, head_dim)
 
         out = query.new_empty(num_tokens, num_heads, head_dim)
         if plan.num_real_tokens < num_tokens:
             out[plan.num_real_tokens :].zero_()
-        if group is not None:
-            padded = attend_batched(query, kv_cache, group, plan, scale, sliding_window, logits_soft_cap)
+        for index, group in enumerate(groups):
+            padded = attend_batched(query, kv_cache, group, index, plan, scale, sliding_window, logits_soft_cap)
+            assert group.result_index is not None and group.output_rows is not None  # only the in-order case lacks them
             real = padded.reshape(-1, num_heads, head_dim).index_select(0, group.result_index)
             out.index_copy_(0, group.output_rows, real)
         for index, seq in enumerate(plan.looped):
@@ -99,12 +100,18 @@ class TorchPagedAttentionBackend(AttentionBackend):
     def _plan_of(metadata: AttentionMetadata) -> StepPlan:
         plan = (metadata.extra or {}).get(PLAN_KEY)
         if plan is None:
-            raise RuntimeError("torch_paged attention: metadata was not prepared; call backend.prepare(metadata) once per step")
+            raise RuntimeError(
+                "torch_paged attention: metadata was not prepared; call backend.prepare(metadata) once per step"
+            )
         return plan
 
     def _check_cache(self, kv_cache: torch.Tensor, key: torch.Tensor) -> None:
         expected = (2, self.spec.block_size, key.shape[1], key.shape[2])
-        actual = (kv_cache.shape[0], kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]) if kv_cache.dim() == 5 else None
+        actual = (
+            (kv_cache.shape[0], kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4])
+            if kv_cache.dim() == 5
+            else None
+        )
         if actual != expected:
             raise ValueError(
                 f"kv_cache shape {tuple(kv_cache.shape)} does not match [2, num_blocks, {self.spec.block_size}, "

@@ -31,6 +31,7 @@ def attend_batched(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     group: BatchedGroup,
+    group_index: int,
     plan: StepPlan,
     scale: float,
     sliding_window: int | None,
@@ -40,8 +41,8 @@ def attend_batched(
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     n, max_q, kv_len = group.num_seqs, group.max_query_len, group.padded_kv_len
     gathered_shape = (group.block_ids.numel(), block_size, num_kv_heads, head_dim)
-    k_buf = plan.buffer("batched_k", gathered_shape, kv_cache.dtype, kv_cache.device)
-    v_buf = plan.buffer("batched_v", gathered_shape, kv_cache.dtype, kv_cache.device)
+    k_buf = plan.buffer(f"batched_k{group_index}", gathered_shape, kv_cache.dtype, kv_cache.device)
+    v_buf = plan.buffer(f"batched_v{group_index}", gathered_shape, kv_cache.dtype, kv_cache.device)
     torch.index_select(kv_cache[0], 0, group.block_ids, out=k_buf)
     torch.index_select(kv_cache[1], 0, group.block_ids, out=v_buf)
     keys = k_buf.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)

@@ -7,7 +7,9 @@ Sequences split into two groups:
 - *batched*: every sequence with few new tokens (all decodes, short chunks).
   Their queries are padded to the group's longest query, their cached K/V
   gathered block-wise into one rectangle, and attention runs as one batched
-  matmul/softmax under a mask.
+  matmul/softmax under a mask. Decodes and short chunks form separate groups,
+  and when lengths differ a lot a group is split into a few length buckets, so
+  short sequences are not padded to the longest.
 - *looped*: long prefills (or chunks of them), attended one sequence at a time,
   where padding them into the rectangle would waste more than the loop costs.
 """
@@ -17,12 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from pagoda.attention.interface import AttentionMetadata
 
 # Sequences with at most this many new tokens go into the batched group; longer
 # ones are attended one by one (their own matmuls are big enough to be efficient).
 BATCHED_QUERY_LIMIT = 16
+# A sequence needing at most this fraction of a bucket's longest length starts a new bucket...
+BUCKET_SPLIT_RATIO = 0.5
+# ...up to this many buckets (each costs a fixed few ops per layer).
+MAX_BUCKETS = 4
 
 
 @dataclass
@@ -94,7 +99,7 @@ class StepPlan:
     # Rows whose K/V are written and the slots they go to; write_rows is None when all rows are written.
     write_rows: torch.Tensor | None
     write_slots: torch.Tensor
-    batched: BatchedGroup | None
+    batched: list[BatchedGroup]
     looped: list[LoopedSequence]
     # Per-step scratch reused by every layer (fresh large buffers cost page faults on CPU).
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -138,20 +143,34 @@ def build_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
         raise ValueError("attention metadata: seq_lens must be >= query lengths and query_start_loc non-decreasing")
     num_real_tokens = int(query_start[-1]) if num_seqs else 0
     if num_real_tokens > metadata.num_tokens:
-        raise ValueError(f"attention metadata: sequences cover {num_real_tokens} rows but num_tokens={metadata.num_tokens}")
+        raise ValueError(
+            f"attention metadata: sequences cover {num_real_tokens} rows but num_tokens={metadata.num_tokens}"
+        )
 
     write_rows, write_slots = _plan_writes(metadata.slot_mapping[: metadata.num_tokens])
 
     short = (query_lens <= BATCHED_QUERY_LIMIT) & (query_lens > 0)
     batched_ids = torch.nonzero(short).flatten()
     looped_ids = torch.nonzero(~short & (query_lens > 0)).flatten()
-    batched = None
-    if batched_ids.numel():
-        covers_all = looped_ids.numel() == 0 and num_real_tokens == metadata.num_tokens
-        batched = _plan_batched(
-            batched_ids, query_start, query_lens, context_lens, seq_lens,
-            metadata.block_tables, block_size, device, covers_all,
+    # Decodes apart from short chunks: one 8-token chunk must not pad every decode to 8 queries.
+    decode_ids = batched_ids[query_lens[batched_ids] == 1]
+    chunk_ids = batched_ids[query_lens[batched_ids] > 1]
+    buckets = _length_buckets(decode_ids, seq_lens, block_size) + _length_buckets(chunk_ids, seq_lens, block_size)
+    covers_all = looped_ids.numel() == 0 and num_real_tokens == metadata.num_tokens and len(buckets) == 1
+    batched = [
+        _plan_batched(
+            bucket,
+            query_start,
+            query_lens,
+            context_lens,
+            seq_lens,
+            metadata.block_tables,
+            block_size,
+            device,
+            covers_all,
         )
+        for bucket in buckets
+    ]
     looped = [
         LoopedSequence(
             row_start=int(query_start[i]),
@@ -179,6 +198,23 @@ def _plan_writes(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch
         return None, slots
     rows = torch.nonzero(valid).flatten()
     return rows, slots.index_select(0, rows)
+
+
+def _length_buckets(seq_ids: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+    """Split sequences into buckets of similar length (each bucket is padded to its longest)."""
+    if seq_ids.numel() == 0:
+        return []
+    blocks = (seq_lens[seq_ids] + block_size - 1) // block_size
+    if int(blocks.min()) > BUCKET_SPLIT_RATIO * int(blocks.max()):
+        return [seq_ids]  # the common case: keep batch order, so all-decode output needs no scatter
+    order = torch.argsort(blocks, descending=True, stable=True)
+    sorted_blocks = blocks[order].tolist()
+    starts = [0]
+    for i, b in enumerate(sorted_blocks):
+        if len(starts) < MAX_BUCKETS and b <= BUCKET_SPLIT_RATIO * sorted_blocks[starts[-1]]:
+            starts.append(i)
+    ends = starts[1:] + [len(sorted_blocks)]
+    return [torch.sort(seq_ids[order[a:b]]).values for a, b in zip(starts, ends, strict=True)]
 
 
 def _plan_batched(

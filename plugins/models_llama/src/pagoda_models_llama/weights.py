@@ -70,4 +70,26 @@ def load_llama_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, tor
                 )
             target.copy_(tensor)
             loaded.add(name)
+    missing = sorted(expected_checkpoint_names(model, stacked) - loaded)
+    if missing:
+        # parameters start uninitialised (torch.empty): a gap would be garbage, not an error later
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"checkpoint is missing weight(s) {', '.join(missing[:8])}{more}")
     return loaded
+
+
+def expected_checkpoint_names(model: LlamaForCausalLM, stacked: dict[str, tuple[str, int, int]]) -> set[str]:
+    """Every HF name the checkpoint must provide for this model's parameters."""
+    by_fused: dict[str, list[str]] = {}
+    for hf_part, (fused, _, _) in stacked.items():
+        by_fused.setdefault(fused, []).append(hf_part)
+    names: set[str] = set()
+    for pname, _ in model.named_parameters():
+        parts = pname.split(".")
+        if len(parts) >= 2 and parts[-2] in by_fused:
+            names.update(".".join([*parts[:-2], hf, parts[-1]]) for hf in by_fused[parts[-2]])
+        else:
+            names.add(pname)
+    if model.tie_word_embeddings:
+        names.discard("lm_head.weight")
+    return names
