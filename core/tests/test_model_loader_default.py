@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from transformers import AutoConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
 from transformers.integrations.gguf import GgufHeader, load_gguf_state_dict
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -86,6 +86,17 @@ def test_tokenizer_and_chat_template(source: ModelSource) -> None:
     assert tokenizer.chat_template
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nhi<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_tokenizer_equals_transformers_auto_tokenizer(source: ModelSource) -> None:
+    ours = load_tokenizer(source)
+    reference = AutoTokenizer.from_pretrained(str(source.path), gguf_file=source.gguf_file, local_files_only=True)
+    assert type(ours) is type(reference)
+    assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    assert ours.chat_template == reference.chat_template
+    assert ours.special_tokens_map == reference.special_tokens_map
+    text = "<|im_start|>user\nwörld  x<|im_end|>"
+    assert ours.encode(text) == reference.encode(text)
 
 
 def test_weights_cover_the_model(weights: dict[str, torch.Tensor], config: PretrainedConfig) -> None:

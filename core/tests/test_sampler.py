@@ -83,7 +83,9 @@ MIXED_PARAMS = [
 ]
 
 
-def build_batch(params_list: list[SamplingParams], seed: int = 0) -> tuple[SamplingBatch, list[list[int]], list[list[int]]]:
+def build_batch(
+    params_list: list[SamplingParams], seed: int = 0
+) -> tuple[SamplingBatch, list[list[int]], list[list[int]]]:
     rng = np.random.default_rng(seed)
     batch = SamplingBatch(max_num_seqs=len(params_list) + 4, vocab_size=VOCAB)
     prompts = [rng.integers(0, VOCAB, size=rng.integers(1, 12)).tolist() for _ in params_list]
@@ -173,7 +175,7 @@ def test_top_k_without_sort_matches_full_sort() -> None:
 
 
 def test_raw_logprobs_ranks_and_top_n() -> None:
-    params_list = [with_logprobs(p, n) for p, n in zip(MIXED_PARAMS, [0, 1, 2, 3, 5, 0, 4, 2, 1, 5])]
+    params_list = [with_logprobs(p, n) for p, n in zip(MIXED_PARAMS, [0, 1, 2, 3, 5, 0, 4, 2, 1, 5], strict=True)]
     batch, _, _ = build_batch(params_list, seed=5)
     logits = torch.randn(len(params_list), VOCAB, generator=torch.Generator().manual_seed(6))
     raw = logits.numpy().astype(np.float64).copy()
@@ -230,16 +232,6 @@ def test_greedy_rows_mixed_with_random_rows() -> None:
     assert (stacked[:, 1::2] != expected_greedy[1::2]).any()
 
 
-def run_steps(batch: SamplingBatch, rows: list[int], outputs: dict[int, list[int]], logits_seed: int, steps: int) -> None:
-    sampler = Sampler()
-    generator = torch.Generator().manual_seed(logits_seed)
-    for _ in range(steps):
-        logits = torch.randn(len(rows), VOCAB, generator=generator)
-        sampled = sampler(logits, batch.metadata(rows)).sampled_token_ids.tolist()
-        for row, token in zip(rows, sampled):
-            outputs[row].append(token)
-
-
 def test_seeded_row_reproduces_whatever_the_rest_of_the_batch() -> None:
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
 
@@ -258,7 +250,7 @@ def test_seeded_row_reproduces_whatever_the_rest_of_the_batch() -> None:
             logits = torch.randn(len(rows), VOCAB)
             logits[position] = shared
             sampled = sampler(logits, batch.metadata(rows)).sampled_token_ids.tolist()
-            for row, token in zip(rows, sampled):
+            for row, token in zip(rows, sampled, strict=True):
                 outputs[row].append(token)
         return outputs[position]
 
@@ -335,7 +327,9 @@ def test_logits_processors_both_signatures() -> None:
 
     batch = SamplingBatch(3, VOCAB)
     batch.add_request(0, SamplingParams(temperature=0.0), [1], [])
-    batch.add_request(2, SamplingParams(temperature=0.0, logits_processors=[ban_first, favour_prompt_start]), [13, 2], [4])
+    batch.add_request(
+        2, SamplingParams(temperature=0.0, logits_processors=[ban_first, favour_prompt_start]), [13, 2], [4]
+    )
     logits = torch.zeros(2, VOCAB)
     logits[:, 0] = 50.0
     assert Sampler()(logits, batch.metadata([0, 2])).sampled_token_ids.tolist() == [0, 13]
@@ -382,3 +376,22 @@ def test_to_sample_logprobs_and_gather() -> None:
     assert list(records[0]) == [2, 1]
     assert records[0][2].rank == 2 and records[0][1].rank == 1 and records[0][1].decoded_token == "<1>"
     assert to_sample_logprobs(tensors, [None]) == [None]
+
+
+def test_unseeded_draws_follow_the_global_seed_and_accept_bf16() -> None:
+    batch = SamplingBatch(8, VOCAB)
+    for row in range(8):
+        batch.add_request(row, SamplingParams(temperature=1.5), [1], [])
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def draw() -> list[int]:
+        torch.manual_seed(11)
+        sampler = Sampler()
+        return [t for _ in range(4) for t in sampler(logits, batch.metadata(range(8))).sampled_token_ids.tolist()]
+
+    assert draw() == draw()
+    assert logits.dtype == torch.bfloat16  # a non-fp32 input is copied, not edited
+    with pytest.raises(ValueError, match="logits must be"):
+        Sampler()(torch.zeros(VOCAB), batch.metadata([0]))
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        Sampler("softmax")  # type: ignore[arg-type]

@@ -15,7 +15,14 @@ from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, Sampling
 
 def test_defaults_match_vllm() -> None:
     params = SamplingParams()
-    assert (params.n, params.best_of, params.temperature, params.top_p, params.top_k, params.min_p) == (1, 1, 1.0, 1.0, 0, 0.0)
+    assert (params.n, params.best_of, params.temperature, params.top_p, params.top_k, params.min_p) == (
+        1,
+        1,
+        1.0,
+        1.0,
+        0,
+        0.0,
+    )
     assert (params.max_tokens, params.min_tokens, params.logprobs, params.seed) == (16, 0, None, None)
     assert params.stop == [] and params.stop_token_ids == [] and params.bad_words == []
     assert params.skip_special_tokens and params.spaces_between_special_tokens and params.detokenize
@@ -128,7 +135,12 @@ def test_clone_pickle_and_processors_shared() -> None:
 
 def test_beam_search_params() -> None:
     params = BeamSearchParams(beam_width=4, max_tokens=8)
-    assert (params.ignore_eos, params.temperature, params.length_penalty, params.include_stop_str_in_output) == (False, 0.0, 1.0, False)
+    assert (params.ignore_eos, params.temperature, params.length_penalty, params.include_stop_str_in_output) == (
+        False,
+        0.0,
+        1.0,
+        False,
+    )
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=8)
     assert pickle.loads(pickle.dumps(params)) == params

@@ -95,7 +95,7 @@ class SamplingParams:
             self.top_k = 0
             self.min_p = 0.0
             self._verify_greedy_sampling()
-        self._all_stop_token_ids = set(self.stop_token_ids)
+        self._all_stop_token_ids = set(self.stop_token_ids or [])
         if self.stop and not self.include_stop_str_in_output:
             # The detokenizer holds back this many characters so a stop string
             # split across steps is never streamed before it is recognized.
@@ -174,12 +174,14 @@ class SamplingParams:
             raise _field_error("prompt_logprobs", "non-negative", self.prompt_logprobs)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise _field_error("truncate_prompt_tokens", "at least 1", self.truncate_prompt_tokens)
-        if any(not s for s in self.stop):
+        if any(not s for s in self.stop or []):
             raise ValueError("stop cannot contain an empty string.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}.")
         if self.stop and not self.detokenize:
-            raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+            raise ValueError(
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+            )
         if self.allowed_token_ids is not None:
             if len(self.allowed_token_ids) == 0:
                 raise ValueError("allowed_token_ids must not be empty.")

@@ -68,12 +68,17 @@ class LLMEngine:
         return self.tokenizer
 
     # -- requests ---------------------------------------------------------------
-    def _child_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+    def _child_params(self, params: SamplingParams, prompt_len: int, rank_by_logprob: bool) -> SamplingParams:
         p = params.clone()
         if p.max_tokens is None:
             p.max_tokens = self.max_model_len - prompt_len
-        if self.extra_stop_ids and not p.ignore_eos:
-            p.stop_token_ids = list(p.stop_token_ids or []) + [t for t in self.extra_stop_ids if t not in (p.stop_token_ids or [])]
+        # EOS and the config's extra EOS ids: stop tokens that min_tokens masks
+        p.update_from_generation_config({"eos_token_id": self.extra_stop_ids}, model_eos_token_id=self.eos_token_id)
+        if p.bad_words and self.tokenizer is not None:
+            p.update_from_tokenizer(self.tokenizer, self.vocab_size)
+        if rank_by_logprob and p.logprobs is None:
+            # best_of ranks by cumulative logprob, so the sampler must report it
+            p.logprobs = 0
         return p
 
     def add_request(
@@ -96,24 +101,25 @@ class LLMEngine:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.model_config.max_logprobs}")
         text, ids, salt = self.input_processor.process(prompt, params)
         arrival = time.time() if arrival_time is None else arrival_time
-        n_children = params.best_of or params.n
+        n_children = max(params.best_of or params.n, params.n)
+        rank = n_children > params.n
         children: list[RequestState] = []
         for i in range(n_children):
             child_id = request_id if n_children == 1 else f"{i}_{request_id}"
-            p = self._child_params(params, len(ids))
+            p = self._child_params(params, len(ids), rank)
             if n_children > 1 and p.seed is not None:
                 p.seed = p.seed + i
             detok = None
             if self.tokenizer is not None and p.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens)
-            children.append(RequestState(child_id, request_id, i, text, ids, p, detok))
+            children.append(RequestState(child_id, request_id, i, text, ids, p, detok,
+                                         wants_logprobs=params.logprobs is not None))
             self.core.add_request(
                 Request(child_id, ids, p, None if p.ignore_eos else self.eos_token_id, self.core.block_size,
                         arrival_time=arrival, priority=priority, cache_salt=salt)
             )
         self.output_processor.add_request(
-            ParentState(request_id, params.n, n_children, children, params.output_kind,
-                        rank_by_logprob=n_children > params.n)
+            ParentState(request_id, params.n, n_children, children, params.output_kind, rank_by_logprob=rank)
         )
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

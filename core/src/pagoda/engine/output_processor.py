@@ -24,6 +24,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: Any
     detokenizer: IncrementalDetokenizer | None
+    wants_logprobs: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Any]] | None = None
     prompt_logprobs: list[dict[int, Any] | None] | None = None
@@ -119,7 +120,12 @@ class OutputProcessor:
             st.prompt_logprobs = (st.prompt_logprobs or []) + out.new_prompt_logprobs
         ids = out.new_token_ids
         st.token_ids.extend(ids)
-        if out.new_logprobs is not None:
+        if out.new_logprobs is not None and st.wants_logprobs:
+            if self.tokenizer is not None:
+                for record in out.new_logprobs:
+                    for tok, lp in record.items():
+                        if lp.decoded_token is None:
+                            lp.decoded_token = self.tokenizer.decode([tok])
             st.logprobs = (st.logprobs or []) + out.new_logprobs
         if out.new_sampled_logprobs is not None:
             st.cumulative_logprob += float(sum(out.new_sampled_logprobs))
@@ -155,7 +161,7 @@ class OutputProcessor:
             st.sent_logprobs = len(st.logprobs) if st.logprobs is not None else 0
         else:
             text, ids, lps = st.text, list(st.token_ids), (list(st.logprobs) if st.logprobs is not None else None)
-        want_lp = getattr(st.params, "logprobs", None) is not None
+        want_lp = st.wants_logprobs
         return CompletionOutput(
             index=st.index, text=text, token_ids=ids,
             cumulative_logprob=st.cumulative_logprob if want_lp else None,

@@ -10,7 +10,7 @@ Any other architecture goes through transformers.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from pagoda.model_loader.gguf_file import SkippedStrings, open_gguf
 
@@ -38,7 +38,7 @@ def gguf_config_dict(path: Path) -> dict[str, object] | None:
     }
     for key, value in metadata.items():
         prefix, _, rest = key.partition(".")
-        renames = GGUF_CONFIG_MAPPING.get(prefix)
+        renames = cast("dict[str, Any] | None", GGUF_CONFIG_MAPPING.get(prefix))
         if renames is None or rest not in renames:
             continue
         hf_key = renames[rest]

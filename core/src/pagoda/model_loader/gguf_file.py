@@ -66,7 +66,7 @@ class GGUFFile:
 
 class _Cursor:
     def __init__(self, blob: np.memmap, path: Path) -> None:
-        self.blob = blob
+        self.blob = blob.data  # a memoryview: what struct.unpack_from wants
         self.pos = 0
         self.path = path
 
@@ -80,7 +80,7 @@ class _Cursor:
 
     def string(self) -> str:
         (length,) = self.unpack("<Q")
-        raw = bytes(self.blob[self.pos : self.pos + length])
+        raw = self.blob[self.pos : self.pos + length].tobytes()
         self.pos += length
         return raw.decode("utf-8", errors="replace")
 

@@ -20,7 +20,9 @@ def load_tokenizer(source: ModelSource, tokenizer: str | Path | None = None) -> 
     tokenizer_source = source if tokenizer is None else resolve_tokenizer_path(tokenizer)
     try:
         if tokenizer_source.kind == "gguf":
-            loaded = AutoTokenizer.from_pretrained(
+            # Not AutoTokenizer: for GGUF it re-parses the whole file with gguf.GGUFReader just to pick a
+            # class, and picks PreTrainedTokenizerFast anyway (a test checks both give the same tokenizer).
+            loaded = PreTrainedTokenizerFast.from_pretrained(
                 str(tokenizer_source.path), gguf_file=tokenizer_source.gguf_file, local_files_only=True
             )
         else:

@@ -173,7 +173,14 @@ class SamplingBatch:
     def swap(self, a: int, b: int) -> None:
         self._check_row(a)
         self._check_row(b)
-        for table in (self._floats, self._ints, self._active, self._has_penalties, self._has_lists, self._has_generator):
+        for table in (
+            self._floats,
+            self._ints,
+            self._active,
+            self._has_penalties,
+            self._has_lists,
+            self._has_generator,
+        ):
             table[[a, b]] = table[[b, a]]
         self._rows[a], self._rows[b] = self._rows[b], self._rows[a]
 
@@ -227,7 +234,9 @@ class SamplingBatch:
             max_top_k=int(top_k.max()) if batch else 0,
             min_p=float_tensor[:, _MIN_P] if (not all_greedy and uses_min_p.any()) else None,
             max_num_logprobs=int(num_logprobs[wants_logprobs].max()) if wants_logprobs.any() else None,
-            num_logprobs=[int(n) if n != _NO_LOGPROBS else None for n in num_logprobs] if wants_logprobs.any() else [None] * batch,
+            num_logprobs=[int(n) if n != _NO_LOGPROBS else None for n in num_logprobs]
+            if wants_logprobs.any()
+            else [None] * batch,
         )
         if not all_greedy:
             for i in np.flatnonzero(self._has_generator[index]).tolist():

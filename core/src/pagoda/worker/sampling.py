@@ -1,4 +1,4 @@
-"""Bridges the runner's rows and the batched sampler (temporary minimal version)."""
+"""Bridges the runner's persistent rows and the batched sampler."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagoda.sample import Sampler, SamplingBatch, to_sample_logprobs
 from pagoda.scheduler.output import ModelRunnerOutput
 from pagoda.worker.input_batch import InputBatch, RowState
 
@@ -14,31 +15,28 @@ from pagoda.worker.input_batch import InputBatch, RowState
 class RunnerSampler:
     def __init__(self, config: Any, text_config: Any, batch: InputBatch, device: torch.device, model: Any) -> None:
         self.batch = batch
-        self.device = device
-        self.seed = config.model.seed
-        self.generators: dict[int, torch.Generator] = {}
+        vocab = int(getattr(text_config, "vocab_size"))
+        self.state = SamplingBatch(batch.max_num_reqs, vocab, device)
+        self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode)
 
     def add(self, state: RowState) -> None:
-        seed = getattr(state.sampling_params, "seed", None)
-        if seed is not None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(seed)
-            self.generators[state.row] = g
+        prompt = self.batch.token_ids[state.row, : state.num_prompt_tokens]
+        self.state.add_request(state.row, state.sampling_params, prompt, state.output_token_ids)
 
     def remove(self, state: RowState) -> None:
-        self.generators.pop(state.row, None)
+        self.state.remove(state.row)
 
     def sample(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], out: ModelRunnerOutput) -> torch.Tensor:
-        params = [self.batch.rows[r].sampling_params for r in req_ids]
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        greedy = temps < 1e-5
-        if bool(greedy.all()):
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        for i, r in enumerate(rows.tolist()):
-            g = self.generators.get(int(r))
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        metadata = self.state.metadata(rows)
+        result = self.sampler(logits, metadata)
+        if result.logprobs_tensors is not None:
+            tensors = result.logprobs_tensors.to_cpu()
+            per_row = to_sample_logprobs(tensors, metadata.num_logprobs)
+            sampled_lp = tensors.logprobs[:, 0].tolist()
+            out.logprobs = {}
+            out.sampled_logprobs = {}
+            for rid, record, lp in zip(req_ids, per_row, sampled_lp):
+                if record is not None:
+                    out.logprobs[rid] = [record]
+                    out.sampled_logprobs[rid] = [lp]
+        return result.sampled_token_ids.to("cpu")

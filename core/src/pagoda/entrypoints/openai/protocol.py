@@ -1,0 +1,160 @@
+"""Request bodies of the OpenAI-compatible API, with vLLM's extra sampling parameters.
+
+Unknown fields are rejected (a typo must not be silently ignored); every bound
+that pydantic can check is declared here so the error names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by completions and chat completions (OpenAI's and vLLM's extras)."""
+
+    model: StrictStr | None = None
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    n: StrictInt = Field(1, ge=1)
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    user: StrictStr | None = None
+    # vLLM's extra sampling parameters
+    best_of: StrictInt | None = Field(None, ge=1)
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    length_penalty: float = 1.0
+    stop_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    include_stop_str_in_output: StrictBool = False
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
+    allowed_token_ids: list[StrictInt] | None = None
+    prompt_logprobs: StrictInt | None = Field(None, ge=0)
+    priority: StrictInt = 0
+    request_id: StrictStr | None = None
+    cache_salt: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Any:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+
+PromptInput = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(None, ge=0)
+    max_tokens: StrictInt | None = Field(16, ge=1)
+    suffix: StrictStr | None = None
+    add_special_tokens: StrictBool = True
+    return_tokens_as_token_ids: StrictBool = False
+
+
+class TextContentPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ToolCallFunction(_Body):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(_Body):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextContentPart] | None = None
+    name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> Any:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's chat extras
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    return_tokens_as_token_ids: StrictBool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Any:
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be an assistant message")
+        return self
+
+
+class TokenizeCompletionRequest(_Body):
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Body):
+    model: StrictStr | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

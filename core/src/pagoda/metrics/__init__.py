@@ -1,0 +1,5 @@
+"""Engine statistics and their Prometheus export (vLLM's metric families under ``pagoda:``)."""
+
+from pagoda.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLogger
+
+__all__ = ["FinishedRequestStats", "IterationStats", "SchedulerStats", "StatLogger"]

@@ -1,0 +1,96 @@
+"""Prometheus export of engine statistics with vLLM's metric names under the ``pagoda:`` prefix.
+
+Each logger owns its registry, so several engines (or test servers) in one
+process never collide on the global default registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pagoda.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+# vLLM's buckets: latency spans from a fast GPU decode to a slow CPU prefill.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagoda:{name}", doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(f"pagoda:{name}", doc, labels + (extra or []), registry=r)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(f"pagoda:{name}", doc, labels, buckets=buckets, registry=r)
+
+        self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.").labels(model_name)
+        self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.").labels(model_name)
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(model_name)
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.").labels(model_name)
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.").labels(model_name)
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.").labels(model_name)
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(model_name)
+        success = counter("request_success", "Count of successfully processed requests.", ["finished_reason"])
+        self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS).labels(model_name)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _TOKEN_LATENCY_BUCKETS).labels(model_name)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Histogram of time per output token in seconds (mean over a request's decode).",
+            _TOKEN_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", _REQUEST_LATENCY_BUCKETS).labels(model_name)
+        self.queue_time = histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS).labels(model_name)
+        self.prompt_tokens_per_request = Histogram(
+            "pagoda:request_prompt_tokens", "Number of prefill tokens processed.", labels,
+            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000], registry=r,
+        ).labels(model_name)
+        self.generation_tokens_per_request = Histogram(
+            "pagoda:request_generation_tokens", "Number of generation tokens processed.", labels,
+            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000], registry=r,
+        ).labels(model_name)
+
+    def record_iteration(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
+        self.num_requests_running.set(scheduler.num_running_reqs)
+        self.num_requests_waiting.set(scheduler.num_waiting_reqs)
+        self.kv_cache_usage.set(scheduler.kv_cache_usage)
+        if scheduler.prefix_cache_queries:
+            self.prefix_cache_queries.inc(scheduler.prefix_cache_queries)
+        if scheduler.prefix_cache_hits:
+            self.prefix_cache_hits.inc(scheduler.prefix_cache_hits)
+        if scheduler.num_preemptions:
+            self.num_preemptions.inc(scheduler.num_preemptions)
+        if iteration.num_prompt_tokens:
+            self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        if iteration.num_generation_tokens:
+            self.generation_tokens.inc(iteration.num_generation_tokens)
+
+    def record_finished(self, finished: FinishedRequestStats) -> None:
+        reason = finished.finish_reason if finished.finish_reason in self.request_success else "error"
+        self.request_success[reason].inc()
+        self.e2e_latency.observe(finished.e2e_latency)
+        self.prompt_tokens_per_request.observe(finished.num_prompt_tokens)
+        self.generation_tokens_per_request.observe(finished.num_generation_tokens)
+        if finished.queue_time is not None:
+            self.queue_time.observe(max(0.0, finished.queue_time))
+        if finished.ttft is not None:
+            self.ttft.observe(finished.ttft)
+        for latency in finished.inter_token_latencies:
+            self.inter_token_latency.observe(latency)
+        if finished.decode_time is not None and finished.num_generation_tokens > 1:
+            self.time_per_output_token.observe(finished.decode_time / (finished.num_generation_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,46 @@
+"""Plain records the engine hands to stat loggers; no Prometheus here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's state after one step; counters are increments since the previous record."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class IterationStats:
+    """Tokens that reached the frontend in one step."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished (stopped, length-capped, aborted or failed) request; times in seconds."""
+
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time: float | None = None
+    ttft: float | None = None
+    decode_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    def record_iteration(self, scheduler: SchedulerStats, iteration: IterationStats) -> None: ...
+
+    def record_finished(self, finished: FinishedRequestStats) -> None: ...
