@@ -96,6 +96,35 @@ class RequestOutputCollector:
         return item
 
 
+class RequestStream:
+    """The outputs of one request; leaving the iteration early (client gone) aborts the request."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, collector: RequestOutputCollector) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.collector = collector
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out = await self.collector.get()
+                self.finished = out.finished
+                yield out
+        finally:
+            # client gone (CancelledError / GeneratorExit) or an engine error: free the core's blocks
+            self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine._abort_local(self.request_id)
+        self.engine._forget(self.request_id)
+
+
 @dataclass
 class _Tracked:
     """Frontend bookkeeping of one user request (for metrics and cleanup)."""
@@ -190,17 +219,20 @@ class AsyncLLM:
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self.stat_loggers.append(stat_logger)
 
-    async def generate(
+    def add_request(
         self,
+        request_id: str,
         prompt: Any,
         sampling_params: SamplingParams,
-        request_id: str,
         priority: int = 0,
-        **_: Any,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request. Bad input raises ValueError here, before the core sees it."""
+    ) -> RequestStream:
+        """Validate, tokenize and queue a request; bad input raises ValueError here, before the core sees it.
+
+        The caller must iterate the returned stream to its end or call ``abort()`` on it.
+        """
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine core died: {self._dead_error!r}")
         self._ensure_started()
-        await self.check_health()
         collector = RequestOutputCollector(sampling_params.output_kind)
         tracked = _Tracked(collector, time.time())
         self._adding = tracked
@@ -209,24 +241,29 @@ class AsyncLLM:
         finally:
             self._adding = None
         self._tracked[request_id] = tracked
-        finished = False
-        try:
-            while not finished:
-                out = await collector.get()
-                finished = out.finished
-                yield out
-        except BaseException:
-            # client gone (CancelledError / GeneratorExit) or an engine error: free the core's blocks
-            if not finished:
-                self._abort_local(request_id)
-            raise
-        finally:
-            self._forget(request_id)
+        return RequestStream(self, request_id, collector)
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        **_: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request (vLLM's signature)."""
+        stream = self.add_request(request_id, prompt, sampling_params, priority)
+        async for out in stream:
+            yield out
 
     async def abort(self, request_id: str | list[str]) -> None:
+        """Stop requests; their streams end with a finished output (finish_reason "abort")."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            tracked = self._tracked.get(rid)
             self._abort_local(rid)
+            if tracked is not None:
+                tracked.collector.put(RequestOutput(rid, None, [], None, [], finished=True))
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping.set()

@@ -10,13 +10,16 @@ from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.logits_processors import resolve_logits_processors
 from pagoda.engine.output_processor import OutputProcessor, ParentState, RequestState
 from pagoda.model_loader import load_tokenizer
 from pagoda.models.registry import ModelRegistry
 from pagoda.outputs import RequestOutput
 from pagoda.platforms import resolve_platform, set_current_platform
 from pagoda.plugins import get_plugin_manager
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.beam_search import beams_to_request_output
+from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagoda.scheduler.beam_search import BeamGroup, EarlyStopping, beam_request_params
 from pagoda.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, vocab)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = 0
+        # beam search groups in flight: id -> (prompt text, prompt ids)
+        self.beam_searches: dict[str, tuple[str | None, list[int]]] = {}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -70,6 +75,8 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------
     def _child_params(self, params: SamplingParams, prompt_len: int, rank_by_logprob: bool) -> SamplingParams:
         p = params.clone()
+        # names become processors here, one instance per sequence (processors may keep state)
+        p.logits_processors = resolve_logits_processors(p.logits_processors)
         if p.max_tokens is None:
             p.max_tokens = self.max_model_len - prompt_len
         # EOS and the config's extra EOS ids: stop tokens that min_tokens masks
@@ -99,6 +106,10 @@ class LLMEngine:
             raise ValueError("priority is only honoured with scheduling_policy='priority'")
         if params.logprobs is not None and params.logprobs > self.model_config.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.model_config.max_logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.model_config.max_logprobs:
+            raise ValueError(
+                f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={self.model_config.max_logprobs}"
+            )
         text, ids, salt = self.input_processor.process(prompt, params)
         arrival = time.time() if arrival_time is None else arrival_time
         n_children = max(params.best_of or params.n, params.n)
@@ -109,6 +120,9 @@ class LLMEngine:
             p = self._child_params(params, len(ids), rank)
             if n_children > 1 and p.seed is not None:
                 p.seed = p.seed + i
+            if i > 0:
+                # the prompt's logprobs are the same for every sequence: computed once
+                p.prompt_logprobs = None
             detok = None
             if self.tokenizer is not None and p.detokenize:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens)
@@ -122,23 +136,70 @@ class LLMEngine:
             ParentState(request_id, params.n, n_children, children, params.output_kind, rank_by_logprob=rank)
         )
 
+    def add_beam_search_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: BeamSearchParams,
+        arrival_time: float | None = None,
+        early_stopping: EarlyStopping = False,
+    ) -> None:
+        """Beam search inside the scheduler: its beams fork, share KV blocks and step with everything else.
+
+        Finishes with one RequestOutput whose outputs are the best beams, best first.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if self.output_processor.has(request_id) or request_id in self.beam_searches:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, salt = self.input_processor.process(prompt, None)
+        eos = None if params.ignore_eos else self.eos_token_id
+        group = BeamGroup(
+            group_id=request_id, prompt_token_ids=ids, beam_width=params.beam_width, max_tokens=params.max_tokens,
+            eos_token_id=eos, length_penalty=params.length_penalty, early_stopping=early_stopping,
+            temperature=params.temperature, max_model_len=self.max_model_len,
+        )
+        root = Request(group.new_beam_id(), ids, beam_request_params(), None, self.core.block_size,
+                       arrival_time=arrival_time, cache_salt=salt)
+        self.core.scheduler.add_beam_search(group, root)
+        self.beam_searches[request_id] = (text, ids)
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            if self.beam_searches.pop(rid, None) is not None:
+                self.core.scheduler.abort_beam_search([rid])
+                continue
             self.core.abort_requests(self.output_processor.abort(rid))
 
     def step(self) -> list[RequestOutput]:
         outputs = self.core.step()
+        beam_results: list[RequestOutput] = []
+        if self.beam_searches:
+            outputs, beam_results = self._split_beam_outputs(outputs)
         results, to_abort = self.output_processor.process(outputs)
+        results.extend(beam_results)
         if to_abort:
             self.core.abort_requests(to_abort)
         return results
+
+    def _split_beam_outputs(self, outputs: list[Any]) -> tuple[list[Any], list[RequestOutput]]:
+        rest: list[Any] = []
+        done: list[RequestOutput] = []
+        for out in outputs:
+            if out.beam_sequences is None:
+                rest.append(out)
+                continue
+            entry = self.beam_searches.pop(out.req_id, None)
+            if entry is not None:
+                done.append(beams_to_request_output(out.req_id, entry[0], entry[1], out.beam_sequences, self.tokenizer))
+        return rest, done
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.parents)
+        return len(self.output_processor.parents) + len(self.beam_searches)
 
     def next_request_id(self) -> str:
         self._counter += 1

@@ -36,6 +36,7 @@ class RequestState:
     sent_tokens: int = 0
     sent_text: int = 0
     sent_logprobs: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -117,6 +118,11 @@ class OutputProcessor:
             return
         st.num_cached_tokens = out.num_cached_tokens
         if out.new_prompt_logprobs is not None:
+            if self.tokenizer is not None:
+                for record in out.new_prompt_logprobs:
+                    for tok, lp in (record or {}).items():
+                        if lp.decoded_token is None:
+                            lp.decoded_token = self.tokenizer.decode([tok])
             st.prompt_logprobs = (st.prompt_logprobs or []) + out.new_prompt_logprobs
         ids = out.new_token_ids
         st.token_ids.extend(ids)
@@ -182,11 +188,16 @@ class OutputProcessor:
             for i, o in enumerate(outs):
                 o.index = i
         first = parent.children[0]
+        prompt_logprobs = first.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            # a delta stream carries the prompt's logprobs once, in the first output that has them
+            prompt_logprobs = None if first.sent_prompt_logprobs else prompt_logprobs
+            first.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=parent.request_id,
             prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids,
-            prompt_logprobs=first.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             outputs=outs,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,

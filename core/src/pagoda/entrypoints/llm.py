@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from pagoda.beam_search import BeamSearchOutput, request_output_to_beam_search_output
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.chat_utils import is_conversation_list, render_chat_prompt
 from pagoda.outputs import RequestOutput
-from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagoda.scheduler.beam_search import EarlyStopping
 
 # Show a progress bar only for batches long enough to be worth watching.
 _TQDM_MIN_PROMPTS = 8
@@ -74,6 +77,60 @@ class LLM:
                 self.llm_engine.abort_request(rid)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Any],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (the tokenizer's chat template, or ``chat_template``)."""
+        conversations = list(messages) if is_conversation_list(messages) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = render_chat_prompt(
+                tokenizer, conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools, chat_template_kwargs=chat_template_kwargs,
+            )
+            # the template writes its own special tokens (BOS included)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Any,
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        early_stopping: EarlyStopping = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over every prompt at once, inside the scheduler (beams fork and share KV blocks).
+
+        Ranking and stopping follow transformers' ``generate(num_beams=W, do_sample=False,
+        early_stopping=False)`` (see ``pagoda.scheduler.beam_search``).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        items = self._normalize(prompts)
+        ids: list[str] = []
+        try:
+            for prompt in items:
+                rid = str(self._request_counter)
+                self._request_counter += 1
+                self.llm_engine.add_beam_search_request(rid, prompt, params, early_stopping=early_stopping)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.llm_engine.abort_request(rid)
+            raise
+        tokenizer = self.get_tokenizer()
+        return [request_output_to_beam_search_output(o, tokenizer) for o in self._run_engine(ids, use_tqdm)]
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

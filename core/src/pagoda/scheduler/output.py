@@ -17,6 +17,10 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int]  # the request's live output list (the sampler reads it for penalties)
+    # Beam search: > 0 makes the runner return this many top next-token candidates
+    # instead of sampling (the scheduler picks the beams' tokens).
+    num_beam_candidates: int = 0
+    beam_temperature: float = 0.0
 
 
 @dataclass
@@ -24,8 +28,21 @@ class CachedRequestData:
     """Diffs for requests the runner already holds, in scheduling order."""
 
     req_ids: list[str] = field(default_factory=list)
+    # Blocks appended to the request's table, or its whole table where
+    # ``replace_block_ids`` is True (copy-on-write swapped entries in place).
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    replace_block_ids: list[bool] = field(default_factory=list)
+    # Tokens the scheduler appended that the runner did not sample itself (beam search).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+
+    def append(self, req_id: str, block_ids: list[int], num_computed: int, replace: bool = False,
+               token_ids: list[int] | None = None) -> None:
+        self.req_ids.append(req_id)
+        self.new_block_ids.append(block_ids)
+        self.num_computed_tokens.append(num_computed)
+        self.replace_block_ids.append(replace)
+        self.new_token_ids.append(token_ids or [])
 
 
 @dataclass
@@ -53,9 +70,13 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # req_id -> list (one per sampled token) of {token_id: Logprob}
     logprobs: dict[str, list[dict[int, Any]]] | None = None
-    prompt_logprobs: dict[str, list[dict[int, Any] | None]] | None = None
+    # req_id -> (index of the first prompt token covered, one entry per prompt token from there;
+    # the entry of prompt token 0 is None). A chunk covers the tokens its positions predict.
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Any] | None]]] | None = None
     # req_id -> logprob of each sampled token (for cumulative_logprob)
     sampled_logprobs: dict[str, list[float]] | None = None
+    # Beam rows: req_id -> (top token ids, their logprobs), best first.
+    beam_candidates: dict[str, tuple[list[int], list[float]]] | None = None
 
 
 @dataclass
@@ -70,3 +91,5 @@ class EngineCoreOutput:
     new_sampled_logprobs: list[float] | None = None
     new_prompt_logprobs: list[dict[int, Any] | None] | None = None
     num_cached_tokens: int = 0
+    # A finished beam search group: its best sequences, best first.
+    beam_sequences: list[Any] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
 from typing import Any
@@ -65,6 +66,13 @@ class Request:
         self.extra_keys: tuple[Any, ...] | None = (cache_salt,) if cache_salt else None
         self.block_hashes: list[Any] = []
         self._update_block_hashes()
+        # prompt_logprobs: entries delivered so far, and entries waiting for the first token
+        self.num_prompt_logprobs_sent = 0
+        self.pending_prompt_logprobs: list[Any] = []
+        # Beam search: the group this beam belongs to, and tokens the scheduler appended
+        # that the runner has not been told about yet.
+        self.beam_group: Any = None
+        self.unsent_token_ids: list[int] = []
         # timestamps for metrics
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -84,6 +92,26 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still owes prompt logprobs, so it must compute (not reuse cached) prompt positions."""
+        return (
+            getattr(self.sampling_params, "prompt_logprobs", None) is not None
+            and self.num_prompt_logprobs_sent < self.num_prompt_tokens
+        )
+
+    def fork(self, child_id: str) -> Request:
+        """A copy holding the same tokens and progress under a new id (the KV blocks are forked separately)."""
+        # A shallow copy (no re-hashing of the prompt), then private copies of what grows.
+        child = copy.copy(self)
+        child.request_id = child_id
+        child.all_token_ids = list(self.all_token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.pending_prompt_logprobs = []
+        child.unsent_token_ids = []
+        return child
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

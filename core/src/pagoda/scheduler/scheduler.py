@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from typing import Any, Iterable
 
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.scheduler.output import (
@@ -23,6 +23,7 @@ from pagoda.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagoda.scheduler.beam_search import BeamGroup, Selection
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
 
@@ -53,6 +54,8 @@ class Scheduler:
         # requests the runner has state for
         self._in_runner: set[str] = set()
         self.num_preemptions = 0
+        # beam search groups by group id; their beams are ordinary requests in ``requests``
+        self.beam_groups: dict[str, BeamGroup] = {}
 
     # -- intake ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -60,6 +63,41 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def add_beam_search(self, group: BeamGroup, root: Request) -> None:
+        """Start a beam search: ``root`` (the prompt) is its first beam; the group forks it as it goes."""
+        if group.group_id in self.beam_groups or group.group_id in self.requests:
+            raise ValueError(f"request id {group.group_id!r} is already in use")
+        if group.beam_width > self.max_num_seqs:
+            raise ValueError(
+                f"beam_width={group.beam_width} exceeds max_num_seqs={self.max_num_seqs}: all beams of a prompt run together"
+            )
+        root.beam_group = group
+        group.add_beam(root.request_id)
+        self.beam_groups[group.group_id] = group
+        self.add_request(root)
+
+    def abort_beam_search(self, group_ids: Iterable[str]) -> None:
+        for gid in group_ids:
+            group = self.beam_groups.pop(gid, None)
+            if group is not None:
+                self.finish_requests(list(group.beam_ids), RequestStatus.FINISHED_ABORTED)
+
+    def _free_rows(self) -> int:
+        """Rows of the running batch left, holding back room for every admitted beam group to grow to W."""
+        reserved = 0
+        for group in self.beam_groups.values():
+            if group.admitted:
+                running = sum(1 for b in group.beam_ids if self.requests[b].status == RequestStatus.RUNNING)
+                reserved += group.beam_width - running
+        return self.max_num_seqs - len(self.running) - reserved
+
+    def _rows_needed(self, req: Request) -> int:
+        group = req.beam_group
+        if group is None:
+            return 1
+        # a beam of an admitted group uses its group's reserved row
+        return 0 if group.admitted else group.beam_width
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort (or otherwise finish) requests wherever they are; frees their blocks."""
@@ -102,6 +140,21 @@ class Scheduler:
             self._in_runner.discard(victim.request_id)
         self.waiting.prepend(victim)
 
+    def _preempt_idle_beam(self) -> bool:
+        """Free the blocks of a beam that only waits for its siblings' candidates.
+
+        Otherwise beams holding blocks while they wait could starve the sibling
+        that would let them go on. Its candidates stay valid (its tokens do not
+        change); it goes to the back of the queue and is recomputed later.
+        """
+        for req in reversed(self.running):
+            if req.beam_group is not None and req.num_computed_tokens >= req.num_tokens:
+                self._preempt(req)
+                self.waiting.remove(req)
+                self.waiting.add(req)
+                return True
+        return False
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
@@ -132,17 +185,25 @@ class Scheduler:
                 continue
             num_scheduled[req.request_id] = num_new
             budget -= num_new
-            cached.req_ids.append(req.request_id)
-            cached.new_block_ids.append(new_blocks)
-            cached.num_computed_tokens.append(req.num_computed_tokens)
+            if req.request_id not in self._in_runner:
+                # a beam forked since the last step: the runner gets it whole
+                self._in_runner.add(req.request_id)
+                req.unsent_token_ids = []
+                new_reqs.append(self._new_request_data(req))
+            else:
+                cached.append(req.request_id, new_blocks, req.num_computed_tokens, token_ids=req.unsent_token_ids)
+                req.unsent_token_ids = []
             i += 1
 
         if not preempted:
-            while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
+                if self._free_rows() < self._rows_needed(req) or len(self.running) >= self.max_num_seqs:
+                    break
                 computed_ids: list[int] = []
                 num_computed = 0
-                if req.num_computed_tokens == 0:
+                # cached tokens have no logits, so a request still owing prompt logprobs computes them all
+                if req.num_computed_tokens == 0 and not req.wants_prompt_logprobs:
                     computed_ids, num_computed = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_computed
                 if num_new > budget:
@@ -151,8 +212,13 @@ class Scheduler:
                     num_new = budget
                 new_blocks = self.kv.allocate_slots(req, num_new, computed_ids, num_computed)
                 if new_blocks is None:
+                    if not num_scheduled and self._preempt_idle_beam():
+                        continue
                     break
                 self.waiting.pop()
+                if req.beam_group is not None:
+                    req.beam_group.admitted = True
+                req.unsent_token_ids = []
                 req.num_computed_tokens = num_computed
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_computed
@@ -163,24 +229,22 @@ class Scheduler:
                 self._in_runner.add(req.request_id)
                 num_scheduled[req.request_id] = num_new
                 budget -= num_new
-                new_reqs.append(
-                    NewRequestData(
-                        req_id=req.request_id,
-                        token_ids=req.all_token_ids,
-                        num_prompt_tokens=req.num_prompt_tokens,
-                        sampling_params=req.sampling_params,
-                        block_ids=self.kv.get_block_ids(req.request_id),
-                        num_computed_tokens=num_computed,
-                        output_token_ids=req.output_token_ids,
-                    )
-                )
+                new_reqs.append(self._new_request_data(req))
 
+        copies, replaced = self.kv.take_copy_on_write()
+        if replaced:
+            # copy-on-write swapped table entries in place: send those tables whole
+            for j, rid in enumerate(cached.req_ids):
+                if rid in replaced:
+                    cached.new_block_ids[j] = self.kv.get_block_ids(rid)
+                    cached.replace_block_ids[j] = True
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_ids,
+            block_copies=copies,
         )
         self._finished_ids = set()
         # Advance now: the next schedule() may run before this step's output is
@@ -189,14 +253,39 @@ class Scheduler:
             self.requests[rid].num_computed_tokens += n
         return out
 
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        group = req.beam_group
+        return NewRequestData(
+            req_id=req.request_id,
+            token_ids=req.all_token_ids,
+            num_prompt_tokens=req.num_prompt_tokens,
+            sampling_params=req.sampling_params,
+            block_ids=self.kv.get_block_ids(req.request_id),
+            num_computed_tokens=req.num_computed_tokens,
+            output_token_ids=req.output_token_ids,
+            num_beam_candidates=group.num_candidates if group is not None else 0,
+            beam_temperature=group.temperature if group is not None else 0.0,
+        )
+
     # -- results ----------------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         now = time.time()
+        prompt_logprobs = runner_out.prompt_logprobs or {}
+        beam_candidates = runner_out.beam_candidates or {}
+        ready_groups: dict[str, BeamGroup] = {}
         for idx, rid in enumerate(runner_out.req_ids):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if rid in prompt_logprobs:
+                self._collect_prompt_logprobs(req, *prompt_logprobs[rid])
+            if req.beam_group is not None:
+                if rid in beam_candidates:
+                    req.beam_group.candidates[rid] = beam_candidates[rid]
+                    if req.beam_group.ready():
+                        ready_groups[req.beam_group.group_id] = req.beam_group
+                continue
             new_ids = runner_out.sampled_token_ids[idx]
             if not new_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -213,15 +302,69 @@ class Scheduler:
                 out.new_logprobs = runner_out.logprobs[rid][: len(accepted)]
             if runner_out.sampled_logprobs is not None and rid in runner_out.sampled_logprobs:
                 out.new_sampled_logprobs = runner_out.sampled_logprobs[rid][: len(accepted)]
-            if runner_out.prompt_logprobs is not None and rid in runner_out.prompt_logprobs:
-                out.new_prompt_logprobs = runner_out.prompt_logprobs[rid]
+            if req.pending_prompt_logprobs:
+                out.new_prompt_logprobs, req.pending_prompt_logprobs = req.pending_prompt_logprobs, []
             if req.is_finished:
                 out.finish_reason = FINISH_REASONS[req.status]
                 out.stop_reason = req.stop_reason
                 self.running.remove(req)
                 self._free(req)
             outputs.append(out)
+        for group in ready_groups.values():
+            finished = self._advance_beam_group(group)
+            if finished is not None:
+                outputs.append(finished)
         return outputs
+
+    def _collect_prompt_logprobs(self, req: Request, first_index: int, entries: list[Any]) -> None:
+        """Keep the entries not delivered yet (a recomputed prompt repeats earlier ones)."""
+        skip = req.num_prompt_logprobs_sent - first_index
+        if skip < len(entries):
+            req.pending_prompt_logprobs.extend(entries[max(skip, 0):])
+            req.num_prompt_logprobs_sent = first_index + len(entries)
+
+    # -- beam search --------------------------------------------------------------
+    def _advance_beam_group(self, group: BeamGroup) -> EngineCoreOutput | None:
+        """Apply one selection: fork beams chosen more than once, drop the unchosen, append tokens."""
+        beams = {bid: self.requests[bid] for bid in group.beam_ids}
+        selection: Selection = group.select({bid: r.output_token_ids for bid, r in beams.items()})
+        if selection.done:
+            self.abort_beam_search([group.group_id])
+            best = group.result()
+            reason = best[0].finish_reason if best else "length"
+            return EngineCoreOutput(req_id=group.group_id, new_token_ids=[], finish_reason=reason, beam_sequences=best)
+        # Forks first: a child copies its parent's tokens before the parent takes its own next token.
+        used: set[str] = set()
+        assignments: list[tuple[Request, int, float]] = []
+        for c in selection.running:
+            parent = beams[c.beam_id]
+            if c.beam_id not in used:
+                used.add(c.beam_id)
+                assignments.append((parent, c.token_id, c.logprob))
+                continue
+            child = parent.fork(group.new_beam_id())
+            group.add_beam(child.request_id, parent.request_id)
+            self.requests[child.request_id] = child
+            if parent.status == RequestStatus.RUNNING:
+                self.kv.fork(parent.request_id, child.request_id)
+                self.running.append(child)  # new to the runner: sent whole at its next schedule
+            else:
+                # the parent was preempted after reporting: the child recomputes too
+                child.num_computed_tokens = 0
+                self.waiting.prepend(child)
+            assignments.append((child, c.token_id, c.logprob))
+        for bid in [b for b in beams if b not in used]:
+            group.drop_beam(bid)
+            self.finish_requests([bid], RequestStatus.FINISHED_ABORTED)
+        order = {r.request_id: k for k, (r, _, _) in enumerate(assignments)}
+        for beam, token, logprob in assignments:
+            group.cum_logprobs[beam.request_id] += logprob
+            group.token_logprobs[beam.request_id].append(logprob)
+            beam.append_output_token_ids([token])
+            if beam.request_id in self._in_runner:
+                beam.unsent_token_ids.append(token)
+        group.beam_ids.sort(key=order.__getitem__)
+        return None
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params

@@ -20,6 +20,9 @@ class RowState:
     num_prompt_tokens: int
     output_token_ids: list[int]
     generator: Any = None
+    # Beam search rows report this many next-token candidates instead of sampling.
+    num_beam_candidates: int = 0
+    beam_temperature: float = 0.0
 
 
 class InputBatch:
@@ -31,11 +34,16 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # -1: the row wants no prompt logprobs; else how many top alternatives per prompt token
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.num_beam_candidates = np.zeros(max_num_reqs, dtype=np.int64)
         self.rows: dict[str, RowState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, block_ids: list[int],
-            num_computed: int, sampling_params: Any, output_token_ids: list[int], generator: Any = None) -> RowState:
+            num_computed: int, sampling_params: Any, output_token_ids: list[int], generator: Any = None,
+            num_beam_candidates: int = 0, beam_temperature: float = 0.0) -> RowState:
         if not self._free_rows:
             raise RuntimeError("input batch is full (more running requests than max_num_seqs)")
         row = self._free_rows.pop()
@@ -47,7 +55,12 @@ class InputBatch:
         self.num_computed[row] = num_computed
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)
-        state = RowState(req_id, row, sampling_params, num_prompt_tokens, output_token_ids, generator)
+        self.num_prompt_tokens[row] = num_prompt_tokens
+        prompt_logprobs = getattr(sampling_params, "prompt_logprobs", None)
+        self.num_prompt_logprobs[row] = -1 if prompt_logprobs is None else prompt_logprobs
+        self.num_beam_candidates[row] = num_beam_candidates
+        state = RowState(req_id, row, sampling_params, num_prompt_tokens, output_token_ids, generator,
+                         num_beam_candidates, beam_temperature)
         self.rows[req_id] = state
         return state
 
@@ -58,6 +71,20 @@ class InputBatch:
         end = start + len(block_ids)
         self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
+
+    def replace_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Copy-on-write swapped entries of the table in place: take the whole table anew."""
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Tokens chosen outside the runner (beam search) join the row's inputs."""
+        start = int(self.num_tokens[row])
+        end = start + len(token_ids)
+        if end > self.max_model_len:
+            raise ValueError(f"row {row} would hold {end} tokens, more than max_model_len={self.max_model_len}")
+        self.token_ids[row, start:end] = token_ids
+        self.num_tokens[row] = end
 
     def remove(self, req_id: str) -> RowState | None:
         state = self.rows.pop(req_id, None)

@@ -177,19 +177,27 @@ class ModelRunner:
     def _apply_diffs(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             state = self.batch.remove(rid)
-            if state is not None:
+            if state is not None and not state.num_beam_candidates:
                 self.sampler.remove(state)
         for new in so.scheduled_new_reqs:
             state = self.batch.add(
                 new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
                 new.num_computed_tokens, new.sampling_params, new.output_token_ids,
+                num_beam_candidates=new.num_beam_candidates, beam_temperature=new.beam_temperature,
             )
-            self.sampler.add(state)
+            if not state.num_beam_candidates:
+                # beam rows never sample: the scheduler picks their tokens
+                self.sampler.add(state)
         cached = so.scheduled_cached_reqs
-        for rid, new_blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        for i, rid in enumerate(cached.req_ids):
             row = self.batch.rows[rid].row
-            self.batch.append_blocks(row, new_blocks)
-            self.batch.num_computed[row] = computed
+            if cached.replace_block_ids and cached.replace_block_ids[i]:
+                self.batch.replace_blocks(row, cached.new_block_ids[i])
+            else:
+                self.batch.append_blocks(row, cached.new_block_ids[i])
+            if cached.new_token_ids and cached.new_token_ids[i]:
+                self.batch.append_tokens(row, cached.new_token_ids[i])
+            self.batch.num_computed[row] = cached.num_computed_tokens[i]
         if so.block_copies:
             src = torch.tensor([s for s, _ in so.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in so.block_copies], device=self.device)
@@ -244,9 +252,22 @@ class ModelRunner:
         sample_idx = np.nonzero(samples)[0]
         sampled: list[list[int]] = [[] for _ in req_ids]
         result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        if b.num_prompt_logprobs[rows].max() >= 0:
+            result.prompt_logprobs = self.sampler.prompt_logprobs(self.model, hidden, req_ids, rows, start, nsched, cu)
         if len(sample_idx):
             logits_rows = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev)
             logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
+            beam_k = b.num_beam_candidates[rows[sample_idx]]
+            if beam_k.any():
+                is_beam = beam_k > 0
+                beam_idx = sample_idx[is_beam]
+                result.beam_candidates = self.sampler.beam_candidates(
+                    logits[torch.from_numpy(np.nonzero(is_beam)[0]).to(dev)], [req_ids[i] for i in beam_idx], rows[beam_idx]
+                )
+                keep = np.nonzero(~is_beam)[0]
+                sample_idx = sample_idx[keep]
+                logits = logits[torch.from_numpy(keep).to(dev)]
+        if len(sample_idx):
             sample_rows = rows[sample_idx]
             tokens = self.sampler.sample(logits, sample_rows, [req_ids[i] for i in sample_idx], result)
             # The runner keeps its own copy of each request's tokens for the next step's inputs.

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -32,7 +32,7 @@ class _SamplingFields(_Body):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: StrictStr | None = None
     # vLLM's extra sampling parameters

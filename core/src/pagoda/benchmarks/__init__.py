@@ -1,0 +1,1 @@
+"""`pagoda bench`: throughput, latency, serve and startup benchmarks (vLLM's `vllm bench`)."""

@@ -1,0 +1,180 @@
+"""Same-run comparison with peers on the standard workloads (`nox -s bench_peers`).
+
+    python -m pagoda.benchmarks.peers --workloads W1,W2,W4,W5 --dtypes float32,bfloat16 \
+        [--vllm-python /path/to/vllm-venv/bin/python] [--output-json results.json]
+
+W1 offline 64x128->128 greedy ignore_eos; W2 single stream 1x128->128 (decode tok/s);
+W3 32 concurrent streaming clients 128 in / 64 out, 128 requests (needs the server);
+W4 64 requests sharing a 1,024-token prefix + 32 distinct tokens, 32 out, prefix caching on vs off
+(offline here; served with `pagoda bench serve --random-prefix-len 1024`); W5 `pagoda serve` start-up.
+Every engine runs the same weights: the default model exported once as a HF directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagoda.benchmarks.datasets import random_requests
+
+
+def _pagoda_offline(model_dir: str, dtype: str, n: int, in_len: int, out_len: int, prefix_len: int = 0,
+                    **engine_kwargs: Any) -> dict[str, Any]:
+    from pagoda.benchmarks.throughput import run_throughput
+    from pagoda.entrypoints.llm import LLM
+
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048, **engine_kwargs)
+    reqs = random_requests(n, in_len, out_len, llm.llm_engine.vocab_size, prefix_len=prefix_len)
+    result = run_throughput(llm, reqs, use_tqdm=False)
+    del llm
+    gc.collect()
+    return result
+
+
+def _pagoda_decode(model_dir: str, dtype: str) -> dict[str, Any]:
+    from pagoda.benchmarks.latency import run_latency
+    from pagoda.entrypoints.llm import LLM
+
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=2048)
+    result = run_latency(llm, random_requests(1, 128, 128, llm.llm_engine.vocab_size), num_iters=3)
+    del llm
+    gc.collect()
+    return {"decode_tokens_per_s": result["decode_tokens_per_s_per_sequence"], "ttft_s": result["ttft_s"]["p50"]}
+
+
+def _hf_model(model_dir: str, dtype: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+
+@torch.inference_mode()
+def _hf_offline(model_dir: str, dtype: str, n: int, in_len: int, out_len: int) -> dict[str, Any]:
+    model = _hf_model(model_dir, dtype)
+    reqs = random_requests(n, in_len, out_len, model.config.vocab_size)
+    ids = torch.tensor([r.prompt_token_ids for r in reqs])  # equal lengths: no padding needed
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=2, **kw)
+    t = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len, **kw)
+    dt = time.perf_counter() - t
+    tokens = int((out.shape[1] - in_len) * out.shape[0])
+    return {"output_tokens": tokens, "elapsed_s": dt, "output_tokens_per_s": tokens / dt}
+
+
+@torch.inference_mode()
+def _hf_decode(model_dir: str, dtype: str) -> dict[str, Any]:
+    model = _hf_model(model_dir, dtype)
+    ids = torch.tensor([random_requests(1, 128, 128, model.config.vocab_size)[0].prompt_token_ids])
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    model.generate(ids, max_new_tokens=4, **kw)
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, **kw)
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=128, min_new_tokens=128, **kw)
+    total = time.perf_counter() - t
+    return {"decode_tokens_per_s": 127 / max(total - ttft, 1e-9), "ttft_s": ttft}
+
+
+def _vllm_offline(python: str, model_dir: str, dtype: str, n: int, in_len: int, out_len: int,
+                  bind: str | None) -> dict[str, Any]:
+    script = Path(__file__).with_name("peer_vllm.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    if bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    proc = subprocess.run([python, str(script), model_dir, dtype, str(n), str(in_len), str(out_len)],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("PEER_RESULT "):
+            return json.loads(line.removeprefix("PEER_RESULT "))
+    return {"error": (proc.stderr or proc.stdout)[-1500:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="W1,W2,W4,W5")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--export-dir", default=os.path.join(tempfile.gettempdir(), "pagoda-bench-model"))
+    ap.add_argument("--vllm-python", default=os.environ.get("PAGODA_BENCH_VLLM_PYTHON"))
+    ap.add_argument("--vllm-binds", default="default,0-1", help="VLLM_CPU_OMP_THREADS_BIND settings to try")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args(argv)
+
+    from pagoda.benchmarks.export import export_hf_dir
+
+    model_dir = str(export_hf_dir(args.model, args.export_dir))
+    workloads = set(args.workloads.split(","))
+    results: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "model_dir": model_dir}
+    for dtype in args.dtypes.split(","):
+        if "W1" in workloads:
+            results[f"W1/{dtype}/pagoda"] = _pagoda_offline(model_dir, dtype, 64, 128, 128)
+            if not args.skip_transformers:
+                results[f"W1/{dtype}/transformers"] = _hf_offline(model_dir, dtype, 64, 128, 128)
+            if args.vllm_python:
+                for bind in args.vllm_binds.split(","):
+                    results[f"W1/{dtype}/vllm[bind={bind}]"] = _vllm_offline(
+                        args.vllm_python, model_dir, dtype, 64, 128, 128, None if bind == "default" else bind)
+        if "W2" in workloads:
+            results[f"W2/{dtype}/pagoda"] = _pagoda_decode(model_dir, dtype)
+            if not args.skip_transformers:
+                results[f"W2/{dtype}/transformers"] = _hf_decode(model_dir, dtype)
+        if "W4" in workloads:
+            on = _pagoda_offline(model_dir, dtype, 64, 32, 32, prefix_len=1024)
+            off = _pagoda_offline(model_dir, dtype, 64, 32, 32, prefix_len=1024, enable_prefix_caching=False)
+            results[f"W4/{dtype}/pagoda[prefix_caching]"] = on
+            results[f"W4/{dtype}/pagoda[no_prefix_caching]"] = off
+    if "W5" in workloads:
+        from pagoda.benchmarks.startup import run_startup
+
+        results["W5/pagoda"] = run_startup([])
+    _print(results)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+def _print(results: dict[str, Any]) -> None:
+    print("| workload | engine | output tok/s | decode tok/s | other |")
+    print("|---|---|---|---|---|")
+    for key, r in results.items():
+        if not isinstance(r, dict) or "/" not in key:
+            continue
+        w, _, engine = key.partition("/")
+        other = {k: v for k, v in r.items() if k not in ("output_tokens_per_s", "decode_tokens_per_s")}
+        ot = r.get("output_tokens_per_s")
+        dt = r.get("decode_tokens_per_s")
+        print(f"| {w} | {engine} | {'' if ot is None else f'{ot:.1f}'} | {'' if dt is None else f'{dt:.1f}'} | "
+              f"{json.dumps(other, default=str)[:160]} |")
+    groups: dict[str, dict[str, float]] = {}
+    for key, r in results.items():
+        if isinstance(r, dict) and "/" in key:
+            w, dtype_engine = key.split("/", 1)[0], key.split("/", 1)[1]
+            dtype, _, engine = dtype_engine.partition("/")
+            value = r.get("output_tokens_per_s") or r.get("decode_tokens_per_s")
+            if value:
+                groups.setdefault(f"{w}/{dtype}", {})[engine] = value
+    for group, engines in groups.items():
+        base = engines.get("pagoda") or engines.get("pagoda[prefix_caching]")
+        if not base:
+            continue
+        for engine, value in engines.items():
+            if not engine.startswith("pagoda") or engine == "pagoda[no_prefix_caching]":
+                print(f"ratio {group}: pagoda / {engine} = {base / value:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

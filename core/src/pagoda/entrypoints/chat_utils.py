@@ -1,0 +1,101 @@
+"""Chat messages -> prompt text through the tokenizer's (or a given) Jinja chat template.
+
+Shared by ``LLM.chat`` and the server. Message content is a string or a list of
+``{"type": "text", "text": ...}`` parts, joined with newlines (vLLM's "string"
+content format); other part types are refused with the type named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# Arguments render_chat_prompt passes itself; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "chat_template", "tokenize", "tools", "return_dict",
+    "add_generation_prompt", "continue_final_message",
+})
+
+
+def content_to_text(content: Any, where: str = "content") -> str | None:
+    """A message's content as plain text: a string, or its text parts joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, Sequence):
+        raise ValueError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
+    texts: list[str] = []
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, Mapping):
+            raise ValueError(f"{where}[{i}] must be a {{'type': 'text', 'text': ...}} part, got {type(part).__name__}")
+        kind = part.get("type", "text")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{i}] has type {kind!r}: only text parts with a string 'text' are supported")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Messages as plain dicts with string content (other keys, e.g. tool_calls, are kept)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a string 'role'")
+        d = dict(message)
+        d["content"] = content_to_text(message.get("content"), f"messages[{i}].content")
+        out.append(d)
+    return out
+
+
+def render_chat_prompt(
+    tokenizer: Any,
+    messages: Sequence[Any],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text for one conversation (``tokenizer.apply_chat_template(..., tokenize=False)``).
+
+    Tokenize the result with ``add_special_tokens=False``: the template already
+    writes any BOS it wants.
+    """
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer, but the engine runs with skip_tokenizer_init=True")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template: pass chat_template (a Jinja template string)")
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}: use the arguments of the same name")
+    conversation = normalize_messages(messages)
+    if continue_final_message and (not conversation or conversation[-1]["role"] != "assistant"):
+        raise ValueError("continue_final_message needs a final assistant message to continue")
+    text = tokenizer.apply_chat_template(
+        conversation,
+        chat_template=chat_template,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+        **kwargs,
+    )
+    if not isinstance(text, str):
+        raise ValueError(f"the chat template rendered {type(text).__name__}, not text")
+    return text
+
+
+def is_conversation_list(messages: Any) -> bool:
+    """True for a list of conversations (a list of lists of messages), False for one conversation."""
+    return isinstance(messages, Sequence) and bool(messages) and all(
+        isinstance(m, Sequence) and not isinstance(m, (str, bytes, Mapping)) for m in messages
+    )

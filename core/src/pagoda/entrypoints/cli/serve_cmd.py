@@ -1,0 +1,79 @@
+"""`pagoda serve [MODEL]`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import typer
+
+from pagoda.config import EngineArgs
+from pagoda.entrypoints.cli.engine_options import with_engine_options
+
+
+def _json_list(value: str, flag: str) -> list[str]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"{flag} must be a JSON list of strings, e.g. '[\"*\"]': {exc}") from exc
+    if not isinstance(parsed, list) or not all(isinstance(x, str) for x in parsed):
+        raise typer.BadParameter(f"{flag} must be a JSON list of strings, got {value!r}")
+    return parsed
+
+
+@with_engine_options(exclude=("served_model_name",))
+def serve(
+    model: str | None = typer.Argument(None, help="HF model directory or .gguf file; none = SmolLM2-135M-Instruct."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes the server to the network."),
+    port: int = typer.Option(8000, "--port", help="Port to bind."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="PAGODA_API_KEY",
+                                       help="Require 'Authorization: Bearer KEY' on /v1/* (or PAGODA_API_KEY)."),
+    served_model_name: list[str] | None = typer.Option(None, "--served-model-name",
+                                                       help="Model name(s) the API answers to; repeatable."),
+    chat_template: str | None = typer.Option(None, "--chat-template", help="Chat template file or inline Jinja."),
+    allowed_origins: str = typer.Option('["*"]', "--allowed-origins", help="CORS allowed origins (JSON list)."),
+    allow_credentials: bool = typer.Option(False, "--allow-credentials", help="CORS: allow credentials."),
+    allowed_methods: str = typer.Option('["*"]', "--allowed-methods", help="CORS allowed methods (JSON list)."),
+    allowed_headers: str = typer.Option('["*"]', "--allowed-headers", help="CORS allowed headers (JSON list)."),
+    max_request_body_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-body-bytes",
+                                               help="Largest request body accepted (413 above)."),
+    max_n: int = typer.Option(128, "--max-n", help="Largest n / best_of per request."),
+    shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout",
+                                           help="Seconds in-flight requests may take to finish on SIGINT/SIGTERM."),
+    uvicorn_log_level: str = typer.Option("info", "--uvicorn-log-level", help="uvicorn's log level."),
+    enable_log_requests: bool = typer.Option(False, "--enable-log-requests", help="Log every request (access log)."),
+    *,
+    engine_args: EngineArgs,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (default: SmolLM2-135M-Instruct on 127.0.0.1:8000)."""
+    from pydantic import ValidationError
+
+    from pagoda.entrypoints.openai.api_server import run_server
+    from pagoda.entrypoints.openai.chat_template import load_chat_template
+    from pagoda.entrypoints.openai.server_args import ServerArgs
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    try:
+        load_chat_template(chat_template)
+        server_args = ServerArgs(
+            host=host, port=port, api_key=api_key, served_model_name=served_model_name or None,
+            chat_template=chat_template,
+            allowed_origins=_json_list(allowed_origins, "--allowed-origins"), allow_credentials=allow_credentials,
+            allowed_methods=_json_list(allowed_methods, "--allowed-methods"),
+            allowed_headers=_json_list(allowed_headers, "--allowed-headers"),
+            max_request_body_bytes=max_request_body_bytes, max_n=max_n, shutdown_timeout=shutdown_timeout,
+            uvicorn_log_level=uvicorn_log_level, disable_log_requests=not enable_log_requests,
+        )
+    except (ValidationError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if served_model_name:
+        engine_args = engine_args.model_copy(update={"served_model_name": served_model_name[0]})
+    try:
+        run_server(engine_args, server_args)
+    except OSError as exc:
+        typer.echo(f"error: cannot listen on {host}:{port}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

@@ -1,0 +1,251 @@
+"""The OpenAI-compatible server: ``build_app(engine, args)`` and ``run_server(engine_args, server_args)``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from pagoda.config import EngineArgs
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.entrypoints.openai.chat_template import load_chat_template
+from pagoda.entrypoints.openai.errors import APIError, error_body, install_error_handlers, parse_json_body, validation_error
+from pagoda.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from pagoda.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
+from pagoda.entrypoints.openai.serving_common import ServingContext
+from pagoda.entrypoints.openai.serving_completion import create_completion
+from pagoda.entrypoints.openai.server_args import ServerArgs
+from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pagoda.metrics.prometheus import PrometheusStatLogger
+from pagoda.version import __version__
+
+logger = logging.getLogger(__name__)
+
+B = TypeVar("B", bound=BaseModel)
+
+# Pooling endpoints exist (so clients get a clear answer) but this model cannot serve them.
+_POOLING_ROUTES = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+
+
+def _json_body_schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
+    """The body schema for the OpenAPI document (handlers parse bodies themselves to control the errors)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+async def _parse(raw_request: Request, model: type[B]) -> B:
+    data = parse_json_body(await raw_request.body(), raw_request.headers.get("content-type"))
+    if not isinstance(data, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(data).__name__}", 400, None)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def served_names(engine_args: EngineArgs, server_args: ServerArgs) -> list[str]:
+    if server_args.served_model_name:
+        return list(server_args.served_model_name)
+    if engine_args.served_model_name:
+        return [engine_args.served_model_name]
+    return [engine_args.model or "SmolLM2-135M-Instruct"]
+
+
+def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str]) -> FastAPI:
+    app = FastAPI(title="pagoda OpenAI-compatible server", version=__version__)
+    ctx = ServingContext(
+        engine=engine,
+        served_model_names=model_names,
+        max_model_len=engine.max_model_len,
+        max_logprobs=engine.model_config.max_logprobs,
+        max_n=server_args.max_n,
+        chat_template=load_chat_template(server_args.chat_template),
+    )
+    app.state.ctx = ctx
+    metrics = PrometheusStatLogger(ctx.model_name)
+    engine.add_stat_logger(metrics)
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    body_components: dict[str, Any] = {}
+
+    def route(path: str, body_model: type[BaseModel]) -> Callable[..., Any]:
+        return app.api_route(path, methods=["POST"], openapi_extra=_json_body_schema(body_model, body_components))
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(body_components)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    # -- model-independent -----------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except Exception as exc:  # noqa: BLE001 - health answers, it never raises
+            return JSONResponse(error_body(f"engine unhealthy: {exc}", 503), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": ctx.created, "owned_by": "pagoda",
+             "root": engine.model_config.model or "SmolLM2-135M-Instruct", "parent": None,
+             "max_model_len": ctx.max_model_len, "permission": []}
+            for name in ctx.served_model_names
+        ]}
+
+    # -- generation ----------------------------------------------------------------------
+    @route("/v1/completions", CompletionRequest)
+    async def completions(raw_request: Request) -> Any:
+        return await create_completion(ctx, await _parse(raw_request, CompletionRequest), raw_request)
+
+    @route("/v1/chat/completions", ChatCompletionRequest)
+    async def chat_completions(raw_request: Request) -> Any:
+        return await create_chat_completion(ctx, await _parse(raw_request, ChatCompletionRequest), raw_request)
+
+    # -- tokenizer -------------------------------------------------------------------------
+    @route("/tokenize", TokenizeCompletionRequest)
+    async def tokenize(raw_request: Request) -> Any:
+        data = parse_json_body(await raw_request.body(), raw_request.headers.get("content-type"))
+        is_chat = isinstance(data, dict) and "messages" in data
+        model = TokenizeChatRequest if is_chat else TokenizeCompletionRequest
+        try:
+            req: Any = model.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        ctx.check_model(req.model)
+        tok = ctx.need_tokenizer()
+        if is_chat:
+            _, ids = chat_prompt(ctx, req)
+        else:
+            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return body
+
+    @route("/detokenize", DetokenizeRequest)
+    async def detokenize(raw_request: Request) -> Any:
+        req = await _parse(raw_request, DetokenizeRequest)
+        ctx.check_model(req.model)
+        tok = ctx.need_tokenizer()
+        vocab = engine.engine.vocab_size
+        bad = [t for t in req.tokens if t < 0 or t >= vocab]
+        if bad:
+            raise APIError(f"token id(s) {bad[:5]} out of range [0, {vocab})", 400, "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    # -- pooling (not for a generative model) ------------------------------------------------
+    async def unsupported(raw_request: Request) -> JSONResponse:
+        return JSONResponse(error_body(
+            f"The model `{ctx.model_name}` does not support {raw_request.url.path}: it is a generative model; "
+            "pooling endpoints (embeddings, pooling, classify, score, rerank) need a pooling model.",
+            404, None, code="model_not_supported"), status_code=404)
+
+    for path in _POOLING_ROUTES:
+        app.add_api_route(path, unsupported, methods=["POST"], include_in_schema=False)
+
+    # outermost last: CORS answers preflights before the key check; the size cap runs before any parsing
+    if server_args.resolved_api_key():
+        app.add_middleware(APIKeyMiddleware, api_key=server_args.resolved_api_key())
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=server_args.allowed_origins,
+        allow_credentials=server_args.allow_credentials,
+        allow_methods=server_args.allowed_methods,
+        allow_headers=server_args.allowed_headers,
+    )
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a busy port fails in a second, not after the load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str], sock: socket.socket,
+                on_ready: Callable[[str], Awaitable[None] | None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then let in-flight requests finish for at most ``shutdown_timeout`` seconds."""
+    import uvicorn
+
+    app = build_app(engine, server_args, model_names)
+    config = uvicorn.Config(app, log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_log_requests,
+                            timeout_graceful_shutdown=max(1, int(server_args.shutdown_timeout)) if server_args.shutdown_timeout else None)
+    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}" if ":" not in str(host) else f"http://[{host}]:{port}"
+
+    async def announce() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        logger.info("pagoda serves %s at %s (OpenAI API under %s/v1)", model_names[0], url, url)
+        if on_ready is not None:
+            result = on_ready(url)
+            if asyncio.iscoroutine(result):
+                await result
+
+    announcer = asyncio.create_task(announce())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        announcer.cancel()
+        engine.shutdown()
+
+
+def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
+    """Bind, load the model, serve; blocks until stopped (the body of `pagoda serve`)."""
+    started = time.perf_counter()
+    sock = bind_socket(server_args.host, server_args.port)
+    engine = AsyncLLM.from_engine_args(engine_args)
+    names = served_names(engine_args, server_args)
+    logger.info("model loaded in %.1f s", time.perf_counter() - started)
+
+    def on_ready(url: str) -> None:
+        logger.info("ready in %.1f s since start", time.perf_counter() - started)
+
+    # uvicorn installs its own SIGINT/SIGTERM handlers (graceful drain); restore ours afterwards
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(serve(engine, server_args, names, sock, on_ready))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        sock.close()

@@ -1,0 +1,88 @@
+"""Chat messages -> prompt text through the tokenizer's (or a given) Jinja chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.protocol import ChatMessage
+
+# Arguments the server passes itself; a request may not override them through chat_template_kwargs.
+_RESERVED_KWARGS = {"conversation", "messages", "chat_template", "tokenize", "tools", "documents", "return_dict",
+                    "add_generation_prompt", "continue_final_message", "tokenizer_kwargs"}
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template takes a file path or the template itself (as vLLM)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the chat template file {value!r}: {exc}") from exc
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a readable file nor a Jinja template")
+    return value
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Content parts are joined with newlines (vLLM's "string" content format)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+        d: dict[str, Any] = {"role": m.role, "content": content}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+        out.append(d)
+    return out
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    *,
+    request_template: str | None,
+    server_template: str | None,
+    template_kwargs: dict[str, Any] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, str]] | None = None,
+) -> str:
+    if tokenizer is None:
+        raise APIError("the server runs without a tokenizer (skip_tokenizer_init): chat is unavailable", 400, "messages")
+    template = request_template or server_template
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise APIError("the model has no chat template: pass chat_template in the request or start the server with "
+                       "--chat-template", 400, "chat_template")
+    kwargs = dict(template_kwargs or {})
+    bad = sorted(_RESERVED_KWARGS & kwargs.keys())
+    if bad:
+        raise APIError(f"chat_template_kwargs may not set {bad}: use the request fields instead", 400,
+                       "chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(
+            message_dicts(messages),
+            chat_template=template,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **kwargs,
+        )
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a template error is the request's fault, not the server's
+        param = "chat_template" if request_template else ("chat_template_kwargs" if kwargs else "messages")
+        raise APIError(f"the chat template could not be applied: {type(exc).__name__}: {exc}", 400, param) from None
+    if not isinstance(text, str):
+        raise APIError("the chat template did not render to text", 400, "chat_template")
+    return text

@@ -1,0 +1,112 @@
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# OpenAI's error type for each status the server sends.
+_ERROR_TYPES: dict[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestEntityTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """A request the server refuses (4xx) or could not serve (5xx); carries the field at fault."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code if code is not None else status
+
+
+def _status_type(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    except ValueError:
+        return "ClientError" if status < 500 else "InternalServerError"
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status) or _status_type(status),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.message, err.status, err.param, err.code), status_code=err.status)
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    # pydantic names union branches ("str", "list[int]") in the location; they are not fields
+    parts = [p for p in parts if not (p[:1].isalpha() and ("[" in p or p in ("str", "int", "float", "bool")))]
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out += f"[{p}]" if p.isdigit() else f".{p}"
+    return out
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "extra_forbidden":
+        msg = f"unknown field {param!r}: it is not a parameter of this endpoint"
+    elif param:
+        msg = f"{param}: {msg}"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return APIError(msg, 400, param)
+
+
+def parse_json_body(raw: bytes, content_type: str | None) -> Any:
+    """The body as JSON, or a 415/400 naming what is wrong with it."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(
+            f"unsupported content type {content_type or '(none)'!r}: send the body as application/json", 415, None
+        )
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}", 400, None) from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))

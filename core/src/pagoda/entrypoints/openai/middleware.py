@@ -1,0 +1,89 @@
+"""ASGI middleware: API key on /v1/*, and a cap on request body size."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from pagoda.entrypoints.openai.errors import error_body
+
+Scope = dict[str, Any]
+ASGIApp = Any
+
+
+async def _send_error(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(error_body(message, status)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class APIKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on /v1/* (vLLM guards the same prefix)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not scope["path"].startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if not secrets.compare_digest(given, self.expected):
+            await _send_error(send, 401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                              [(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over ``max_bytes``, by Content-Length up front or by counting a chunked body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = f"the request body is larger than the server's limit of {self.max_bytes} bytes"
+        if length is not None:
+            try:
+                if int(length) > self.max_bytes:
+                    await _send_error(send, 413, too_big)
+                    return
+            except ValueError:
+                await _send_error(send, 400, "the Content-Length header is not a number")
+                return
+        received = 0
+        response_started = False
+
+        async def counting_receive() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not response_started:
+                await _send_error(send, 413, too_big)
+
+
+class _BodyTooLarge(Exception):
+    pass

@@ -1,0 +1,32 @@
+"""Options of the HTTP server itself (the engine's are EngineArgs)."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# vLLM's default body cap is unlimited; a public server should refuse giant bodies before parsing them.
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ServerArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 exposes the server to the network.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 = any free port).")
+    api_key: str | None = Field(None, description="Require 'Authorization: Bearer KEY' on /v1/* (or PAGODA_API_KEY).")
+    served_model_name: list[str] | None = Field(None, description="Names the API answers to; the first is reported.")
+    chat_template: str | None = Field(None, description="Chat template file or inline Jinja for every request.")
+    allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins.")
+    allow_credentials: bool = Field(False, description="CORS: allow credentials.")
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed methods.")
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed headers.")
+    max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0, description="Largest request body accepted.")
+    max_n: int = Field(128, gt=0, description="Largest n / best_of a request may ask for.")
+    uvicorn_log_level: str = Field("info", description="uvicorn's log level.")
+    disable_log_requests: bool = Field(True, description="Do not log each request.")
+    shutdown_timeout: float = Field(10.0, ge=0, description="Seconds to let in-flight requests finish on SIGINT/SIGTERM.")
+
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or os.environ.get("PAGODA_API_KEY") or None

@@ -1,0 +1,151 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagoda.engine.async_llm import EngineGenerateError
+from pagoda.entrypoints.openai.chat_template import render_chat
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.logprobs_format import TokenText, chat_logprobs
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
+from pagoda.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    build_sampling_params,
+    check_limits,
+    check_prompt_length,
+    merge_streams,
+    new_id,
+    sse,
+    start_streams,
+    until_disconnected,
+    usage,
+)
+from pagoda.outputs import RequestOutput
+
+
+def chat_prompt(ctx: ServingContext, req: Any) -> tuple[str, list[int]]:
+    """Render and tokenize the conversation (shared with /tokenize)."""
+    tok = ctx.need_tokenizer()
+    text = render_chat(
+        tok, req.messages,
+        request_template=req.chat_template, server_template=ctx.chat_template,
+        template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, tools=req.tools,
+        documents=getattr(req, "documents", None),
+    )
+    # the template already wrote the special tokens it wants
+    return text, tok(text, add_special_tokens=req.add_special_tokens).input_ids
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
+    ctx.check_model(req.model)
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    check_limits(ctx, req, num_logprobs)
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise APIError("response_format other than text needs structured output, which this server does not support yet",
+                       400, "response_format")
+    text, ids = chat_prompt(ctx, req)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = check_prompt_length(ctx, len(ids), requested,
+                                     "max_completion_tokens" if req.max_completion_tokens is not None else "messages")
+    params = build_sampling_params(req, max_tokens, num_logprobs, req.stream)
+    request_id = new_id("chatcmpl") if req.request_id is None else req.request_id
+    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+    if req.cache_salt is not None:
+        prompt["cache_salt"] = req.cache_salt
+    streams = start_streams(ctx, [prompt], params, request_id, req.priority)
+    created = int(time.time())
+    token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
+    echo_text = ""
+    if req.echo and req.messages[-1].role == "assistant":
+        last = req.messages[-1].content
+        echo_text = last if isinstance(last, str) else "\n".join(p.text for p in last or [])
+    if req.stream:
+        return StreamingResponse(
+            _stream(ctx, req, streams, request_id, created, len(ids), token_text, num_logprobs, echo_text),
+            media_type="text/event-stream",
+        )
+    final: list[RequestOutput] = []
+
+    async def collect() -> None:
+        async for _, out in merge_streams(streams):
+            final[:] = [out]
+
+    try:
+        await until_disconnected(raw_request, collect())
+    except EngineGenerateError as exc:
+        raise APIError(f"internal engine error: {exc}", 500) from None
+    finally:
+        for s in streams:
+            s.abort()
+    ro = final[0]
+    choices = []
+    completion_tokens = 0
+    for o in sorted(ro.outputs, key=lambda o: o.index):
+        completion_tokens += len(o.token_ids)
+        choices.append({
+            "index": o.index,
+            "message": {"role": "assistant", "content": echo_text + o.text, "tool_calls": [], "reasoning_content": None},
+            "logprobs": chat_logprobs(token_text, list(o.token_ids), o.logprobs, num_logprobs)
+            if num_logprobs is not None else None,
+            "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason,
+        })
+    body = {
+        "id": request_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
+        "choices": choices, "usage": usage(len(ids), completion_tokens), "system_fingerprint": None,
+        "prompt_logprobs": None,
+    }
+    return JSONResponse(body)
+
+
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, streams: list[Any], request_id: str, created: int,
+                  prompt_tokens: int, token_text: TokenText, num_logprobs: int | None,
+                  echo_text: str) -> AsyncIterator[str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    completion_tokens = 0
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        c: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                             "model": ctx.model_name, "choices": choices}
+        if include_usage and continuous:
+            c["usage"] = usage(prompt_tokens, completion_tokens)
+        return c
+
+    try:
+        # the role goes first, once per choice, before any token is ready (as OpenAI does)
+        for i in range(req.n):
+            yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": echo_text}, "logprobs": None,
+                              "finish_reason": None}]))
+        async for _, ro in merge_streams(streams):
+            for o in ro.outputs:
+                if not o.token_ids and not o.text and o.finish_reason is None:
+                    continue
+                completion_tokens += len(o.token_ids)
+                delta: dict[str, Any] = {"content": o.text} if o.text or o.finish_reason is None else {}
+                yield sse(chunk([{
+                    "index": o.index,
+                    "delta": delta,
+                    "logprobs": chat_logprobs(token_text, list(o.token_ids), o.logprobs, num_logprobs)
+                    if num_logprobs is not None else None,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }]))
+        if include_usage:
+            yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    except EngineGenerateError as exc:
+        yield sse({"error": {"message": f"internal engine error: {exc}", "type": "InternalServerError", "param": None,
+                             "code": 500}})
+    finally:
+        for s in streams:
+            s.abort()
+    yield SSE_DONE

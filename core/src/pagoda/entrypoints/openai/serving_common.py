@@ -1,0 +1,238 @@
+"""What the completion and chat handlers share: model check, limits, sampling params, SSE, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from pagoda.engine.async_llm import AsyncLLM, RequestStream
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.protocol import _SamplingFields
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
+
+# SamplingParams' own errors start with the field name; these are the names a client can send.
+_PARAM_NAMES = (
+    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
+    "min_p", "seed", "stop", "stop_token_ids", "bad_words", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+    "truncate_prompt_tokens", "allowed_token_ids", "logit_bias",
+)
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncLLM
+    served_model_names: list[str]
+    max_model_len: int
+    max_logprobs: int
+    max_n: int
+    chat_template: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(f"The model `{model}` does not exist; this server serves {self.served_model_names}.", 404, "model",
+                           code="model_not_found")
+
+    def need_tokenizer(self) -> Any:
+        tok = self.tokenizer
+        if tok is None:
+            raise APIError("the server runs without a tokenizer (skip_tokenizer_init): send prompts as token ids", 400, "prompt")
+        return tok
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_limits(ctx: ServingContext, req: _SamplingFields, logprobs: int | None) -> None:
+    if req.n > ctx.max_n:
+        raise APIError(f"n={req.n} is larger than this server's limit of {ctx.max_n}", 400, "n")
+    if req.best_of is not None and req.best_of > ctx.max_n:
+        raise APIError(f"best_of={req.best_of} is larger than this server's limit of {ctx.max_n}", 400, "best_of")
+    if logprobs is not None and logprobs > ctx.max_logprobs:
+        raise APIError(f"logprobs={logprobs} is larger than max_logprobs={ctx.max_logprobs}", 400, "logprobs")
+    if req.prompt_logprobs is not None and req.prompt_logprobs > ctx.max_logprobs:
+        raise APIError(f"prompt_logprobs={req.prompt_logprobs} is larger than max_logprobs={ctx.max_logprobs}", 400,
+                       "prompt_logprobs")
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        raise APIError("best_of > n cannot be streamed: the best sequences are only known at the end", 400, "best_of")
+
+
+def check_prompt_length(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+    """-> the max_tokens to use (None = the rest of the context); 400 naming both numbers when it cannot fit."""
+    if num_prompt_tokens >= ctx.max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, your prompt has "
+            f"{num_prompt_tokens} tokens; it must be shorter to leave room for at least one generated token.",
+            400, param,
+        )
+    room = ctx.max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise APIError(
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            "completion). Reduce the prompt or max_tokens.",
+            400, "max_tokens",
+        )
+    return max_tokens
+
+
+def build_sampling_params(
+    req: _SamplingFields, max_tokens: int, logprobs: int | None, stream: bool, default_temperature: float = 1.0
+) -> SamplingParams:
+    kwargs: dict[str, Any] = dict(
+        n=req.n,
+        best_of=req.best_of,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        temperature=req.temperature if req.temperature is not None else default_temperature,
+        top_p=req.top_p if req.top_p is not None else 1.0,
+        top_k=req.top_k if req.top_k is not None else 0,
+        min_p=req.min_p if req.min_p is not None else 0.0,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        bad_words=req.bad_words,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        allowed_token_ids=req.allowed_token_ids,
+        logit_bias=req.logit_bias,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise APIError(str(exc), 400, _param_of(str(exc))) from None
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split(" ", 1)[0].rstrip(":,.")
+    return head if head in _PARAM_NAMES else None
+
+
+def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
+    """A ValueError from the engine's input checks is the client's fault."""
+    return APIError(str(exc), 400, param)
+
+
+def start_streams(ctx: ServingContext, prompts: list[dict[str, Any]], params: SamplingParams, request_id: str,
+                  priority: int) -> list[RequestStream]:
+    """Queue one engine request per prompt; all or none (a bad prompt aborts the ones already queued)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(ctx.engine.add_request(rid, prompt, params, priority))
+    except ValueError as exc:
+        for s in streams:
+            s.abort()
+        raise engine_error(exc) from None
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several request streams as (prompt index, output); cancelling aborts them all."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Any] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item[1], BaseException):
+                raise item[1]
+            yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``; if the client goes away first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    raise APIError("the client disconnected", 499)
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def safe_logprob(value: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a very negative number
+    return value if math.isfinite(value) else -9999.0
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

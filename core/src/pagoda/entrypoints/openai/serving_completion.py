@@ -1,0 +1,177 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagoda.engine.async_llm import EngineGenerateError
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.logprobs_format import CompletionLogprobs, TokenText
+from pagoda.entrypoints.openai.protocol import CompletionRequest
+from pagoda.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    ServingContext,
+    build_sampling_params,
+    check_limits,
+    check_prompt_length,
+    merge_streams,
+    new_id,
+    sse,
+    start_streams,
+    until_disconnected,
+    usage,
+)
+from pagoda.outputs import RequestOutput
+
+
+def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """-> [(prompt text or None, token ids)] for the four prompt shapes."""
+    p = req.prompt
+    if isinstance(p, str):
+        items: list[Any] = [p]
+    elif not p:
+        raise APIError("prompt must not be empty", 400, "prompt")
+    elif all(isinstance(x, int) for x in p):
+        items = [list(p)]
+    else:
+        items = list(p)
+    out: list[tuple[str | None, list[int]]] = []
+    for item in items:
+        if isinstance(item, str):
+            tok = ctx.need_tokenizer()
+            out.append((item, tok(item, add_special_tokens=req.add_special_tokens).input_ids))
+        else:
+            if not item:
+                raise APIError("prompt token lists must not be empty", 400, "prompt")
+            out.append((None, list(item)))
+    return out
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_request: Request) -> Any:
+    ctx.check_model(req.model)
+    if req.suffix is not None:
+        raise APIError("suffix is not supported: this server does not do fill-in-the-middle completions", 400, "suffix")
+    check_limits(ctx, req, req.logprobs)
+    prompts = _prompts(ctx, req)
+    max_tokens = min(check_prompt_length(ctx, len(ids), req.max_tokens, "prompt") for _, ids in prompts)
+    if req.max_tokens is None:
+        max_tokens = None  # type: ignore[assignment]  # each prompt gets the rest of its context
+    params = build_sampling_params(req, max_tokens, req.logprobs, req.stream)
+    if req.echo and req.logprobs is not None:
+        params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
+    request_id = new_id("cmpl") if req.request_id is None else req.request_id
+    engine_prompts = [{"prompt_token_ids": ids, **({"prompt": text} if text is not None else {})} for text, ids in prompts]
+    if req.cache_salt is not None:
+        for ep in engine_prompts:
+            ep["cache_salt"] = req.cache_salt
+    streams = start_streams(ctx, engine_prompts, params, request_id, req.priority)
+    created = int(time.time())
+    renderer = _Renderer(ctx, req, prompts)
+    if req.stream:
+        return StreamingResponse(_stream(ctx, req, streams, request_id, created, renderer), media_type="text/event-stream")
+    finals: dict[int, RequestOutput] = {}
+
+    async def collect() -> None:
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+
+    try:
+        await until_disconnected(raw_request, collect())
+    except EngineGenerateError as exc:
+        raise APIError(f"internal engine error: {exc}", 500) from None
+    finally:
+        for s in streams:
+            s.abort()
+    choices: list[dict[str, Any]] = []
+    completion_tokens = 0
+    for i in range(len(prompts)):
+        ro = finals[i]
+        for o in ro.outputs:
+            completion_tokens += len(o.token_ids)
+            choices.append(renderer.choice(i, o, ro, first=True, final=True))
+    choices.sort(key=lambda c: c["index"])
+    body = {
+        "id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+        "choices": choices, "usage": usage(sum(len(ids) for _, ids in prompts), completion_tokens),
+        "system_fingerprint": None,
+    }
+    return JSONResponse(body)
+
+
+class _Renderer:
+    """One choice's text and logprobs, for the whole answer or for one streamed delta."""
+
+    def __init__(self, ctx: ServingContext, req: CompletionRequest, prompts: list[tuple[str | None, list[int]]]) -> None:
+        self.req = req
+        self.n = req.n
+        self.prompts = prompts
+        self.token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
+        self.tokenizer = ctx.tokenizer
+        self.lp_state: dict[int, CompletionLogprobs] = {}
+
+    def _prompt_text(self, i: int) -> str:
+        text, ids = self.prompts[i]
+        if text is not None:
+            return text
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def choice(self, prompt_index: int, o: Any, ro: RequestOutput, first: bool, final: bool) -> dict[str, Any]:
+        index = prompt_index * self.n + o.index
+        text = o.text
+        logprobs = None
+        echo = self.req.echo and first
+        if echo:
+            text = self._prompt_text(prompt_index) + text
+        if self.req.logprobs is not None:
+            state = self.lp_state.setdefault(index, CompletionLogprobs(self.token_text, self.req.logprobs))
+            logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            if echo:
+                _, ids = self.prompts[prompt_index]
+                part = state.build(ids, ro.prompt_logprobs)
+                for k in logprobs:
+                    logprobs[k].extend(part[k])
+            part = state.build(list(o.token_ids), o.logprobs)
+            for k in logprobs:
+                logprobs[k].extend(part[k])
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason if final or o.finish_reason else None,
+                "stop_reason": o.stop_reason}
+
+
+async def _stream(ctx: ServingContext, req: CompletionRequest, streams: list[Any], request_id: str, created: int,
+                  renderer: _Renderer) -> AsyncIterator[str]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    prompt_tokens = sum(len(ids) for _, ids in renderer.prompts)
+    completion_tokens = 0
+    started: set[int] = set()
+    try:
+        async for i, ro in merge_streams(streams):
+            for o in ro.outputs:
+                index = i * req.n + o.index
+                first = index not in started
+                if not o.token_ids and not o.text and o.finish_reason is None and not first:
+                    continue
+                started.add(index)
+                completion_tokens += len(o.token_ids)
+                chunk: dict[str, Any] = {
+                    "id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+                    "choices": [renderer.choice(i, o, ro, first=first, final=o.finish_reason is not None)],
+                }
+                if include_usage and continuous:
+                    chunk["usage"] = usage(prompt_tokens, completion_tokens)
+                yield sse(chunk)
+        if include_usage:
+            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    except EngineGenerateError as exc:
+        yield sse({"error": {"message": f"internal engine error: {exc}", "type": "InternalServerError", "param": None,
+                             "code": 500}})
+    finally:
+        for s in streams:
+            s.abort()
+    yield SSE_DONE
