@@ -76,3 +76,86 @@ def _hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
 @pytest.fixture(scope="session")
 def hf_greedy():
     return _hf_greedy
+
+
+# -- OpenAI-compatible server fixtures (tests/test_server*.py) ---------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RunningServer:
+    """A `pagoda serve` subprocess on 127.0.0.1; ``url`` is its base URL."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 180.0) -> None:
+        import os
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"pagoda-serve-{self.port}.log", "w+")
+        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", *args, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        started = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pagoda serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - started > timeout:
+                self.stop()
+                raise RuntimeError(f"pagoda serve did not answer /health in {timeout} s:\n{self.output()}")
+            time.sleep(0.25)
+        self.startup_seconds = time.monotonic() - started
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-5000:]
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def default_model_server():
+    """The default model (SmolLM2-135M-Instruct, real tokenizer + chat template) behind `pagoda serve`."""
+    server = RunningServer(["--max-model-len", "512", "--max-num-seqs", "64", "--max-n", "8"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def start_server():
+    """Factory: (serve args, env) -> RunningServer; every server it started is stopped at the end."""
+    started: list[RunningServer] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> RunningServer:
+        server = RunningServer(args, env)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -276,9 +276,13 @@ class AsyncLLM:
 
     # -- frontend internals (event loop thread) -----------------------------------------
     def _ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed() and self._tracked:
+                raise RuntimeError("AsyncLLM is serving requests on another event loop")
+            self._loop = loop  # a new loop (e.g. a second asyncio.run) takes over delivery
         if self._thread is not None:
             return
-        self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._core_loop, name="pagoda-engine-core", daemon=True)
         self._thread.start()
 
@@ -400,10 +404,16 @@ class AsyncLLM:
         self._prev_preemptions = preemptions
         return stats
 
+    def _deliver(self, *args: Any) -> None:
+        loop = self._loop
+        try:
+            if loop is not None:
+                loop.call_soon_threadsafe(self._on_step, *args)
+        except RuntimeError:
+            pass  # the loop closed under us; its requests are gone with it
+
     def _core_loop(self) -> None:
         core = self._core
-        loop = self._loop
-        assert loop is not None
         try:
             while not self._stopping.is_set():
                 idle = not core.has_unfinished_requests() and not core.scheduler.has_finished_ids_pending()
@@ -412,7 +422,7 @@ class AsyncLLM:
                     break
                 if not core.has_unfinished_requests() and not core.scheduler.has_finished_ids_pending():
                     # an abort-only batch still changes the gauges
-                    loop.call_soon_threadsafe(self._on_step, [], self._scheduler_stats(), {})
+                    self._deliver([], self._scheduler_stats(), {})
                     continue
                 failed: dict[str, BaseException] = {}
                 try:
@@ -423,12 +433,13 @@ class AsyncLLM:
                     victims = [r.request_id for r in list(core.scheduler.running)]
                     core.scheduler.finish_requests(victims, RequestStatus.FINISHED_ERROR)
                     failed = {rid: exc for rid in victims}
-                loop.call_soon_threadsafe(self._on_step, outputs, self._scheduler_stats(), failed)
+                self._deliver(outputs, self._scheduler_stats(), failed)
         except BaseException as exc:  # the thread itself broke: nothing more can be served
             logger.exception("engine core thread died")
             self._dead_error = exc
             try:
-                loop.call_soon_threadsafe(self._fail_all, exc)
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._fail_all, exc)
             except RuntimeError:
                 pass
 

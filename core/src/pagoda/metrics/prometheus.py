@@ -6,7 +6,7 @@ process never collide on the global default registry.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagoda.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
@@ -17,6 +17,9 @@ _TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.
 _REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# The *_created samples double the output and no dashboard reads them (vLLM drops them too).
+disable_created_metrics()
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 

@@ -198,7 +198,13 @@ class Scheduler:
         if not preempted:
             while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
-                if self._free_rows() < self._rows_needed(req) or len(self.running) >= self.max_num_seqs:
+                if self._free_rows() < self._rows_needed(req):
+                    # a new beam group waits for rows, but beams of admitted groups hold
+                    # reserved ones: let them pass so their groups can finish
+                    req = next((r for r in self.waiting if r.beam_group is not None and r.beam_group.admitted), None)
+                    if req is None:
+                        break
+                if len(self.running) >= self.max_num_seqs:
                     break
                 computed_ids: list[int] = []
                 num_computed = 0
@@ -215,7 +221,10 @@ class Scheduler:
                     if not num_scheduled and self._preempt_idle_beam():
                         continue
                     break
-                self.waiting.pop()
+                if req is self.waiting.peek():
+                    self.waiting.pop()
+                else:
+                    self.waiting.remove(req)
                 if req.beam_group is not None:
                     req.beam_group.admitted = True
                 req.unsent_token_ids = []

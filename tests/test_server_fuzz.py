@@ -1,0 +1,125 @@
+"""Bounded fuzzing of /v1/completions and /v1/chat/completions with hypothesis-generated bodies.
+
+Bodies mix valid fields, wrong types, out-of-range numbers and unknown keys. The
+server must answer every one with 2xx or an OpenAI-style 4xx, never 5xx, never
+hang, and stay healthy afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+JUNK = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                 st.text(max_size=8), st.lists(st.integers(-5, 50000), max_size=4), st.dictionaries(st.text(max_size=4),
+                                                                                                    st.integers(), max_size=2))
+SMALL_INT = st.one_of(st.integers(-3, 5), JUNK)
+UNIT = st.one_of(st.floats(-0.5, 1.5, allow_nan=False), JUNK)
+
+COMMON = {
+    "model": st.one_of(st.just("SmolLM2-135M-Instruct"), st.text(max_size=6), JUNK),
+    "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), JUNK),
+    "top_p": UNIT,
+    "top_k": SMALL_INT,
+    "min_p": UNIT,
+    "n": st.one_of(st.integers(-1, 3), JUNK),
+    "seed": st.one_of(st.integers(-(2**64), 2**64), JUNK),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), JUNK),
+    "stop_token_ids": st.one_of(st.lists(st.integers(-2, 50000), max_size=3), JUNK),
+    "presence_penalty": st.one_of(st.floats(-3, 3, allow_nan=False), JUNK),
+    "frequency_penalty": st.one_of(st.floats(-3, 3, allow_nan=False), JUNK),
+    "repetition_penalty": st.one_of(st.floats(-1, 3, allow_nan=False), JUNK),
+    "min_tokens": SMALL_INT,
+    "ignore_eos": st.one_of(st.booleans(), JUNK),
+    "logit_bias": st.one_of(st.dictionaries(st.sampled_from(["1", "2", "x", "-4", "99999999"]),
+                                            st.floats(-200, 200, allow_nan=False), max_size=2), JUNK),
+    "stream": st.booleans(),
+    "best_of": SMALL_INT,
+    "priority": SMALL_INT,
+    "allowed_token_ids": st.one_of(st.lists(st.integers(-1, 60000), max_size=3), JUNK),
+    "prompt_logprobs": SMALL_INT,
+    "truncate_prompt_tokens": SMALL_INT,
+    "unknown_field": JUNK,
+}
+# Always bounded so a valid body finishes fast; junk here must be refused, not run long.
+MAX_TOKENS = st.one_of(st.integers(-2, 4), st.sampled_from([None, "4", 1.5, 10**9]))
+
+COMPLETION = {
+    **COMMON,
+    "prompt": st.one_of(st.text(max_size=20), st.lists(st.text(max_size=6), max_size=3),
+                        st.lists(st.integers(-2, 60000), max_size=5),
+                        st.lists(st.lists(st.integers(0, 60000), max_size=3), max_size=2), JUNK),
+    "echo": st.one_of(st.booleans(), JUNK),
+    "logprobs": st.one_of(st.integers(-1, 25), JUNK),
+    "suffix": st.one_of(st.none(), st.text(max_size=3)),
+}
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "developer"]), st.text(max_size=5))},
+    optional={"content": st.one_of(st.text(max_size=20), st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=8)}), max_size=2), JUNK),
+        "name": st.text(max_size=4)},
+)
+CHAT = {
+    **COMMON,
+    "messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=3), JUNK),
+    "logprobs": st.one_of(st.booleans(), JUNK),
+    "top_logprobs": st.one_of(st.integers(-1, 25), JUNK),
+    "chat_template_kwargs": st.one_of(st.none(), st.dictionaries(st.sampled_from(["x", "tokenize", "messages"]),
+                                                                  st.integers(), max_size=2)),
+    "max_completion_tokens": MAX_TOKENS,
+}
+
+
+def _body(fields: dict[str, Any], required: str) -> st.SearchStrategy[dict[str, Any]]:
+    optional = {k: v for k, v in fields.items() if k != required}
+    return st.fixed_dictionaries({required: fields[required], "max_tokens": MAX_TOKENS}, optional=optional)
+
+
+def _check(server: Any, path: str, body: dict[str, Any]) -> None:
+    if body.get("stream") is not True:
+        body.pop("stream_options", None)
+    with httpx.Client(timeout=60) as client:
+        if body.get("stream") is True:
+            with client.stream("POST", server.url + path, json=body) as r:
+                assert r.status_code < 500, (body, r.read())
+                if r.status_code == 200:
+                    lines = [line for line in r.iter_lines() if line]
+                    assert lines[-1] == "data: [DONE]", (body, lines[-3:])
+                    assert not any('"InternalServerError"' in line for line in lines), (body, lines)
+                else:
+                    assert "error" in r.read().decode()
+            return
+        r = client.post(server.url + path, json=body)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+                database=None)
+
+
+@FUZZ
+@given(body=_body(COMPLETION, "prompt"))
+def test_fuzz_completions(default_model_server: Any, body: dict[str, Any]) -> None:
+    _check(default_model_server, "/v1/completions", body)
+
+
+@FUZZ
+@given(body=_body(CHAT, "messages"))
+def test_fuzz_chat_completions(default_model_server: Any, body: dict[str, Any]) -> None:
+    _check(default_model_server, "/v1/chat/completions", body)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_server_healthy_after_fuzzing(default_model_server: Any, path: str) -> None:
+    assert httpx.get(default_model_server.url + "/health").status_code == 200
+    metrics = httpx.get(default_model_server.url + "/metrics").text
+    assert 'pagoda:request_success_total{finished_reason="error"' in metrics
+    for line in metrics.splitlines():
+        if line.startswith('pagoda:request_success_total{finished_reason="error"'):
+            assert float(line.rsplit(" ", 1)[1]) == 0.0
