@@ -93,7 +93,7 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
     assert "".join(lp.tokens) == out.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
-    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for tok, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert logprob <= 0.0 and 1 <= len(top) <= 3
         # greedy: the chosen token is the most likely one
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4) and tok in top

@@ -18,7 +18,13 @@ from pydantic import BaseModel, ValidationError
 from pagoda.config import EngineArgs
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.chat_template import load_chat_template
-from pagoda.entrypoints.openai.errors import APIError, error_body, install_error_handlers, parse_json_body, validation_error
+from pagoda.entrypoints.openai.errors import (
+    APIError,
+    error_body,
+    install_error_handlers,
+    parse_json_body,
+    validation_error,
+)
 from pagoda.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -27,10 +33,10 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from pagoda.entrypoints.openai.server_args import ServerArgs
 from pagoda.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServingContext
 from pagoda.entrypoints.openai.serving_completion import create_completion
-from pagoda.entrypoints.openai.server_args import ServerArgs
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagoda.metrics.prometheus import PrometheusStatLogger
 from pagoda.version import __version__
@@ -178,8 +184,9 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str])
         app.add_api_route(path, unsupported, methods=["POST"], include_in_schema=False)
 
     # outermost last: CORS answers preflights before the key check; the size cap runs before any parsing
-    if server_args.resolved_api_key():
-        app.add_middleware(APIKeyMiddleware, api_key=server_args.resolved_api_key())
+    api_key = server_args.resolved_api_key()
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes)
     app.add_middleware(
         CORSMiddleware,

@@ -6,7 +6,7 @@ that pydantic can check is declared here so the error names the field.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
@@ -62,7 +62,7 @@ class _SamplingFields(_Body):
         return self
 
 
-PromptInput = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
 
 class CompletionRequest(_SamplingFields):

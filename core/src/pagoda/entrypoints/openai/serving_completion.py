@@ -123,7 +123,7 @@ class _Renderer:
     def choice(self, prompt_index: int, o: Any, ro: RequestOutput, first: bool, final: bool) -> dict[str, Any]:
         index = prompt_index * self.n + o.index
         text = o.text
-        logprobs = None
+        logprobs: dict[str, list[Any]] | None = None
         echo = self.req.echo and first
         if echo:
             text = self._prompt_text(prompt_index) + text
