@@ -71,3 +71,10 @@ def bench_peers(session: nox.Session) -> None:
     """The same workload on pagoda and on peer engines that are installed: `nox -s bench_peers -- ...`."""
     _install_stack(session, "cpu")
     session.run("python", "-m", "pagoda.benchmarks.peers", *session.posargs)
+
+
+@nox.session(python=PYTHON, reuse_venv=True, venv_params=VENV_PARAMS)
+def fuzz_server(session: nox.Session) -> None:
+    """Schema-driven fuzzing of the OpenAI server (bounded cases): no 5xx, no hangs, healthy after."""
+    _install_stack(session, "cpu,test")
+    session.run("python", "-m", "pytest", "-q", "tests/test_server_fuzz.py", *session.posargs)
