@@ -159,14 +159,21 @@ class OutputProcessor:
             st.stop_reason = out.stop_reason
 
     def _completion(self, st: RequestState, delta: bool) -> CompletionOutput:
+        visible = st.text
+        if st.finish_reason is None:
+            # Hold back the tail that may be the start of a stop string, so a stop split
+            # across steps never reaches the client (vLLM's output_text_buffer_length).
+            hold = getattr(st.params, "output_text_buffer_length", 0)
+            if hold:
+                visible = st.text[: max(len(st.text) - hold, st.sent_text)]
         if delta:
-            text = st.text[st.sent_text:]
+            text = visible[st.sent_text:]
             ids = st.token_ids[st.sent_tokens:]
             lps = st.logprobs[st.sent_logprobs:] if st.logprobs is not None else None
-            st.sent_text, st.sent_tokens = len(st.text), len(st.token_ids)
+            st.sent_text, st.sent_tokens = len(visible), len(st.token_ids)
             st.sent_logprobs = len(st.logprobs) if st.logprobs is not None else 0
         else:
-            text, ids, lps = st.text, list(st.token_ids), (list(st.logprobs) if st.logprobs is not None else None)
+            text, ids, lps = visible, list(st.token_ids), (list(st.logprobs) if st.logprobs is not None else None)
         want_lp = st.wants_logprobs
         return CompletionOutput(
             index=st.index, text=text, token_ids=ids,

@@ -48,6 +48,20 @@ class MemoryReport:
         )
 
 
+def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose host pages are mapped on first touch.
+
+    torch.zeros memsets the whole KV cache up front (seconds for GiBs); numpy's
+    calloc-backed zeros get zero pages from the OS lazily, so start-up does not
+    pay for cache the workload never reaches.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
+    return torch.from_numpy(raw).view(dtype)
+
+
 def _rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -129,7 +143,7 @@ class ModelRunner:
             )
         shape = backend_cls.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
-        self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in self.attn_layers]
+        self.kv_caches = [zeros_lazy(shape, cache_dtype, self.device) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.bind(self.attn_backend, cache)
         self.num_blocks = num_blocks
