@@ -59,4 +59,9 @@ def resolve_logits_processors(processors: Sequence[Any] | None) -> list[Callable
     """Replace every named reference by the processor it names; plain callables pass through."""
     if processors is None:
         return None
-    return [p.resolve() if isinstance(p, NamedLogitsProcessor) else p for p in processors]
+    # (plain strings are names too, for callers that build params without SamplingParams' callable check)
+    return [
+        NamedLogitsProcessor(p).resolve() if isinstance(p, str)
+        else p.resolve() if isinstance(p, NamedLogitsProcessor) else p
+        for p in processors
+    ]

@@ -176,6 +176,10 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    # (priority policy) a request already scheduled this step: take its step back
+                    i -= 1
+                    budget += self._unschedule(victim.request_id, num_scheduled, cached, new_reqs)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -261,6 +265,22 @@ class Scheduler:
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return out
+
+    def _unschedule(self, rid: str, num_scheduled: dict[str, int], cached: CachedRequestData,
+                    new_reqs: list[NewRequestData]) -> int:
+        """Withdraw ``rid`` from the step being built; returns the tokens it had been given."""
+        if rid in cached.req_ids:
+            j = cached.req_ids.index(rid)
+            for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                           cached.replace_block_ids, cached.new_token_ids):
+                del column[j]
+        for j, new in enumerate(new_reqs):
+            if new.req_id == rid:
+                # the runner never saw it: nothing for it to forget
+                del new_reqs[j]
+                self._in_runner.discard(rid)
+                break
+        return num_scheduled.pop(rid, 0)
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         group = req.beam_group
