@@ -74,7 +74,9 @@ class CpuPlatform(Platform):
         return super().resolve_dtype(requested, checkpoint_dtype)
 
     def attention_backend_preference(self) -> list[str]:
-        return ["torch_paged"]
+        # cpu_paged reads the paged cache in place (a JIT-compiled C++ kernel); torch_paged
+        # is the pure-torch reference when no compiler is available.
+        return ["cpu_paged", "torch_paged"]
 
     def num_threads(self) -> int:
         raw = os.environ.get(THREADS_ENV)

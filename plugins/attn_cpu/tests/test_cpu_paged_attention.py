@@ -1,0 +1,225 @@
+"""cpu_paged against a dense float64 per-sequence reference built from explicit K/V (not from the cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch_paged_cases import Batch, Shape, make_batch, reference_attention
+
+from pagoda.attention.interface import AttentionSpec
+from pagoda.plugins import get_plugin_manager
+from pagoda_attn_cpu.backend import SDPA_PREFILL_MIN_TOKENS, TILE_TOKENS, CpuPagedAttentionBackend
+
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+}
+
+PREFILL = [(0, n) for n in (1, 5, 16, 17, 33, 70)]
+CHUNKED = [(20, 30), (37, 50), (16, 16), (5, 3), (64, 17)]
+DECODE = [(c, 1) for c in (0, 1, 15, 16, 31, 64, 100)]
+# Decodes, chunks on cached prefixes and fresh prefills, one longer than a tile.
+MIXED = [(40, 1), (0, 25), (7, 1), (33, 12), (0, 3), (100, 1), (17, 40), (0, 1), (0, TILE_TOKENS * 2 + 5)]
+
+
+def make_backend(shape: Shape, dtype: torch.dtype = torch.float32) -> CpuPagedAttentionBackend:
+    spec = AttentionSpec(
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=dtype,
+        device_type="cpu",
+        block_size=shape.block_size,
+    )
+    return CpuPagedAttentionBackend(spec)
+
+
+def run_and_check(
+    batch: Batch,
+    shape: Shape,
+    dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    backend = make_backend(shape, dtype)
+    metadata = backend.prepare(batch.metadata)
+    scale = shape.head_dim**-0.5
+    out = backend.forward(
+        batch.query, batch.key, batch.value, batch.kv_cache, metadata, scale, sliding_window, logits_soft_cap
+    )
+    assert out.shape == batch.query.shape and out.dtype == dtype
+
+    row = 0
+    for i, seq in enumerate(batch.sequences):
+        expected = reference_attention(seq, scale, sliding_window, logits_soft_cap)
+        got = out[row : row + seq.query_len].double()
+        where = f"sequence {i} ({seq.context_len} cached + {seq.query_len} new)"
+        torch.testing.assert_close(got, expected, **TOLERANCE[dtype], msg=lambda m, where=where: f"{where}: {m}")
+        row += seq.query_len
+    assert torch.equal(out[row:], torch.zeros_like(out[row:])), "padding rows must come out as zeros"
+    check_cache(batch, shape)
+    return out
+
+
+def check_cache(batch: Batch, shape: Shape) -> None:
+    """Every sequence's tokens sit at their slots; every other slot is untouched."""
+    expected = batch.initial_cache.clone()
+    bs = shape.block_size
+    for seq in batch.sequences:
+        for t in range(seq.seq_len):
+            expected[0, seq.blocks[t // bs], t % bs] = seq.keys[t]
+            expected[1, seq.blocks[t // bs], t % bs] = seq.values[t]
+    assert torch.equal(batch.kv_cache, expected)
+
+
+def test_registered_as_a_cpu_attention_backend() -> None:
+    spec = get_plugin_manager().attention_backends()["cpu_paged"]
+    assert spec.device_types == ("cpu",)
+    assert spec.load() is CpuPagedAttentionBackend
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("lens", [DECODE, PREFILL, CHUNKED, MIXED], ids=["decode", "prefill", "chunked", "mixed"])
+def test_batches(lens: list[tuple[int, int]], block_size: int) -> None:
+    shape = Shape(block_size=block_size)
+    run_and_check(make_batch(lens, shape, seed=1), shape)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [(9, 3, 64), (4, 2, 16), (4, 4, 16), (4, 1, 8), (2, 1, 40)],
+    ids=["9-3", "4-2", "mha", "mqa", "odd-head-dim"],
+)
+def test_grouped_query_heads(heads: int, kv_heads: int, head_dim: int) -> None:
+    shape = Shape(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    run_and_check(make_batch(MIXED, shape, seed=5), shape)
+    run_and_check(make_batch(DECODE, shape, seed=6), shape)
+
+
+@pytest.mark.parametrize("window", [1, 8, 21])
+@pytest.mark.parametrize("lens", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_sliding_window(window: int, lens: list[tuple[int, int]]) -> None:
+    shape = Shape(block_size=8)
+    run_and_check(make_batch(lens, shape, seed=7), shape, sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_logits_soft_cap(window: int | None) -> None:
+    shape = Shape(num_heads=6, num_kv_heads=2)
+    batch = make_batch(MIXED, shape, seed=8)
+    # Scale queries up so the cap actually bends the logits.
+    batch.query.mul_(4)
+    for seq in batch.sequences:
+        seq.query.mul_(4)
+    run_and_check(batch, shape, sliding_window=window, logits_soft_cap=2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("soft_cap", [None, 4.0])
+def test_half_precision(dtype: torch.dtype, soft_cap: float | None) -> None:
+    shape = Shape(num_heads=9, num_kv_heads=3, head_dim=64)
+    run_and_check(make_batch(MIXED + CHUNKED[:2], shape, dtype=dtype, seed=10), shape, dtype, logits_soft_cap=soft_cap)
+
+
+def test_batch_padding_rows_are_zero_and_not_written() -> None:
+    shape = Shape(block_size=8)
+    for lens in (MIXED, DECODE):
+        batch = make_batch(lens, shape, seed=11, padding_rows=3)
+        assert (batch.metadata.slot_mapping[-3:] == -1).all()
+        run_and_check(batch, shape)
+
+
+def test_slot_minus_one_inside_a_sequence_is_not_written() -> None:
+    shape = Shape(block_size=8)
+    batch = make_batch([(10, 1), (0, 20), (3, 4)], shape, seed=12)
+    slot = int(batch.metadata.slot_mapping[0])  # the decode of sequence 0
+    batch.metadata.slot_mapping[0] = -1
+    backend = make_backend(shape)
+    backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, backend.prepare(batch.metadata), 0.25)
+    block, offset = divmod(slot, shape.block_size)
+    assert torch.equal(batch.kv_cache[:, block, offset], batch.initial_cache[:, block, offset])
+    written = batch.metadata.slot_mapping[1:]
+    flat = batch.kv_cache[0].reshape(-1, shape.num_kv_heads, shape.head_dim)
+    assert torch.equal(flat[written], batch.key[1:])
+
+
+def test_query_with_strided_tokens() -> None:
+    """Queries sliced out of a fused QKV projection are read in place (head_dim contiguous only)."""
+    shape = Shape()
+    batch = make_batch(MIXED, shape, seed=13)
+    fused = torch.cat([batch.query, torch.randn_like(batch.query)], dim=1)
+    batch.query = fused[:, : shape.num_heads]
+    assert not batch.query.is_contiguous()
+    run_and_check(batch, shape)
+
+
+def test_layers_share_one_prepare() -> None:
+    shape = Shape()
+    backend = make_backend(shape)
+    layers = [make_batch(MIXED, shape, seed=20 + i, layout_seed=20) for i in range(3)]
+    metadata = backend.prepare(layers[0].metadata)
+    scale = shape.head_dim**-0.5
+    for batch, window in zip(layers, [None, 6, None], strict=True):
+        out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, scale, window)
+        row = 0
+        for seq in batch.sequences:
+            expected = reference_attention(seq, scale, window)
+            torch.testing.assert_close(out[row : row + seq.query_len].double(), expected, **TOLERANCE[torch.float32])
+            row += seq.query_len
+        check_cache(batch, shape)
+
+
+def test_bad_input_is_refused_with_a_clear_error() -> None:
+    shape = Shape(block_size=8)
+    backend = make_backend(shape)
+    batch = make_batch([(10, 1)], shape, seed=14)
+    with pytest.raises(RuntimeError, match="not prepared"):
+        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, 0.25)
+    metadata = backend.prepare(batch.metadata)
+    too_small = batch.kv_cache[:, :1].contiguous()
+    with pytest.raises(ValueError, match="past the cache"):
+        backend.forward(batch.query, batch.key, batch.value, too_small, metadata, 0.25)
+    batch.metadata.seq_lens_cpu = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="seq_lens"):
+        backend.prepare(batch.metadata)
+
+
+def test_refuses_other_devices() -> None:
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, device_type="cuda", block_size=16
+    )
+    assert any("'cpu'" in reason for reason in CpuPagedAttentionBackend.reasons_unsupported(spec))
+    with pytest.raises(ValueError, match="cpu_paged attention cannot serve"):
+        CpuPagedAttentionBackend(spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 50])
+def test_long_fresh_prefill_beside_decodes(dtype: torch.dtype, window: int | None) -> None:
+    """Without a window the long fresh prefill goes to torch's causal SDPA, with one to the kernel."""
+    shape = Shape(num_heads=9, num_kv_heads=3, head_dim=64)
+    lens = [(40, 1), (0, SDPA_PREFILL_MIN_TOKENS + 3), (70, 1), (30, SDPA_PREFILL_MIN_TOKENS)]
+    batch = make_batch(lens, shape, dtype=dtype, seed=15, padding_rows=2)
+    step = make_backend(shape, dtype).prepare(batch.metadata).extra["cpu_paged"]
+    assert [s.row_start for s in step.sdpa_prefills] == [1]  # the cached-prefix chunk stays with the kernel
+    run_and_check(batch, shape, dtype, sliding_window=window)
+
+
+def test_a_failed_build_is_a_reason_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the C++ kernel cannot be compiled, the selector sees why and moves on to the next backend."""
+    from pagoda_attn_cpu import kernel as kernel_module
+
+    def broken_build() -> None:
+        raise RuntimeError("g++: command not found")
+
+    monkeypatch.setattr(kernel_module, "_module", None)
+    monkeypatch.setattr(kernel_module, "_failure", None)
+    monkeypatch.setattr(kernel_module, "_build", broken_build)
+    spec = AttentionSpec(
+        num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, device_type="cpu", block_size=16
+    )
+    (reason,) = CpuPagedAttentionBackend.reasons_unsupported(spec)
+    assert "could not be compiled" in reason and "g++: command not found" in reason
+    with pytest.raises(ValueError, match="could not be compiled"):
+        CpuPagedAttentionBackend(spec)
