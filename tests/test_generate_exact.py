@@ -17,29 +17,34 @@ def _prompts(n: int, vocab: int, seed: int, max_len: int = 300) -> list[list[int
     return [[rng.randrange(vocab) for _ in range(length)] for length in lengths[:n]]
 
 
-def _check(hf_greedy, llm: LLM, hf_model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> None:
+def _check(hf_greedy, llm: LLM, hf_model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS,
+           divergence_is_a_tie=None) -> None:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     mismatches = []
     for i, (p, o) in enumerate(zip(prompts, outs)):
         expected = hf_greedy(hf_model, p, new_tokens)
         if o.outputs[0].token_ids != expected:
-            mismatches.append((i, len(p), o.outputs[0].token_ids, expected))
+            # Random weights can produce exact near-ties (top-2 logits 1e-6 apart); there the
+            # order of float additions decides and neither engine is wrong. Anything else fails.
+            if not (divergence_is_a_tie and divergence_is_a_tie(hf_model, p, o.outputs[0].token_ids, expected)):
+                mismatches.append((i, len(p), o.outputs[0].token_ids, expected))
         assert o.outputs[0].finish_reason == "length"
     assert not mismatches, f"{len(mismatches)}/{len(prompts)} differ, first: {mismatches[0]}"
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("batch", [1, 8, 64])
-def test_greedy_matches_transformers(tiny_model_dir, hf_greedy, kind: str, batch: int) -> None:
+def test_greedy_matches_transformers(tiny_model_dir, hf_greedy, divergence_is_a_tie, kind: str, batch: int) -> None:
     path, hf_model = tiny_model_dir(kind)
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=512, num_kv_blocks=2048)
-    _check(hf_greedy, llm, hf_model, _prompts(batch, hf_model.config.vocab_size, seed=batch))
+    _check(hf_greedy, llm, hf_model, _prompts(batch, hf_model.config.vocab_size, seed=batch),
+           divergence_is_a_tie=divergence_is_a_tie)
 
 
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_chunked_prefill_and_prefix_caching(tiny_model_dir, hf_greedy, chunked: bool, prefix_caching: bool) -> None:
+def test_chunked_prefill_and_prefix_caching(tiny_model_dir, hf_greedy, divergence_is_a_tie, chunked: bool, prefix_caching: bool) -> None:
     path, hf_model = tiny_model_dir("llama")
     budget = 64 if chunked else 512
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
@@ -48,16 +53,16 @@ def test_chunked_prefill_and_prefix_caching(tiny_model_dir, hf_greedy, chunked: 
     prompts = _prompts(12, hf_model.config.vocab_size, seed=7)
     # shared prefixes exercise the prefix cache
     prompts += [prompts[1][:200] + p[:20] for p in prompts[2:6]]
-    _check(hf_greedy, llm, hf_model, prompts)
+    _check(hf_greedy, llm, hf_model, prompts, divergence_is_a_tie=divergence_is_a_tie)
 
 
-def test_preemption_keeps_results_exact(tiny_model_dir, hf_greedy) -> None:
+def test_preemption_keeps_results_exact(tiny_model_dir, hf_greedy, divergence_is_a_tie) -> None:
     path, hf_model = tiny_model_dir("llama")
     # 40 blocks of 16 tokens cannot hold 16 sequences of ~100 tokens at once
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
               num_kv_blocks=40, block_size=16)
     prompts = _prompts(16, hf_model.config.vocab_size, seed=3, max_len=120)
-    _check(hf_greedy, llm, hf_model, prompts, new_tokens=24)
+    _check(hf_greedy, llm, hf_model, prompts, new_tokens=24, divergence_is_a_tie=divergence_is_a_tie)
     core = llm.llm_engine.core
     assert core.scheduler.num_preemptions > 0, "the cache was meant to be too small to avoid preemption"
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_usable_blocks
