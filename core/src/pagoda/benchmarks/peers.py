@@ -132,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
             results[f"W2/{dtype}/pagoda"] = _pagoda_decode(model_dir, dtype)
             if not args.skip_transformers:
                 results[f"W2/{dtype}/transformers"] = _hf_decode(model_dir, dtype)
+            if args.vllm_python:
+                # one stream: output tok/s includes a 128-token prefill (tens of ms), so it
+                # slightly understates vLLM's pure decode rate
+                for bind in args.vllm_binds.split(","):
+                    r = _vllm_offline(args.vllm_python, model_dir, dtype, 1, 128, 128, None if bind == "default" else bind)
+                    if "output_tokens_per_s" in r:
+                        r["decode_tokens_per_s"] = r.pop("output_tokens_per_s")
+                    results[f"W2/{dtype}/vllm[bind={bind}]"] = r
         if "W4" in workloads:
             on = _pagoda_offline(model_dir, dtype, 64, 32, 32, prefix_len=1024)
             off = _pagoda_offline(model_dir, dtype, 64, 32, 32, prefix_len=1024, enable_prefix_caching=False)
