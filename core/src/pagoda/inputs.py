@@ -20,7 +20,7 @@ class TokensPrompt(TypedDict):
     cache_salt: NotRequired[str]
 
 
-PromptType = Union[str, TextPrompt, TokensPrompt, list[int]]
+PromptType = Union[str, TextPrompt, TokensPrompt, list[int]]  # noqa: UP007 (a runtime alias)
 
 
 def parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None, str | None]:

@@ -6,7 +6,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from pagoda.platforms import Platform
-
 from pagoda_platform_cuda.gpu_config import (
     CAPTURE_SIZES_KEY,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -17,6 +16,7 @@ from pagoda_platform_cuda.gpu_config import (
 
 if TYPE_CHECKING:
     import torch
+
     from pagoda.config import EngineConfig
 
 logger = logging.getLogger(__name__)

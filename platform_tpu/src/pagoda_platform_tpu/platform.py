@@ -10,6 +10,7 @@ from pagoda.platforms import Platform
 
 if TYPE_CHECKING:
     import torch
+
     from pagoda.config import EngineConfig
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 from pagoda.config import EngineConfig
 from pagoda.kv_cache.manager import KVCacheManager

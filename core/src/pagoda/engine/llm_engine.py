@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
+from pagoda.beam_search import beams_to_request_output
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.detokenizer import IncrementalDetokenizer
@@ -17,8 +19,7 @@ from pagoda.models.registry import ModelRegistry
 from pagoda.outputs import RequestOutput
 from pagoda.platforms import resolve_platform, set_current_platform
 from pagoda.plugins import get_plugin_manager
-from pagoda.beam_search import beams_to_request_output
-from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagoda.sampling_params import BeamSearchParams, SamplingParams
 from pagoda.scheduler.beam_search import BeamGroup, EarlyStopping, beam_request_params
 from pagoda.scheduler.request import Request
 

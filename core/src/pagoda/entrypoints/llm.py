@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from pagoda.beam_search import BeamSearchOutput, request_output_to_beam_search_output
 from pagoda.config import EngineArgs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 from pagoda.scheduler.request import Request
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from pagoda.kv_cache.manager import KVCacheManager
+from pagoda.scheduler.beam_search import BeamGroup, Selection
 from pagoda.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -23,7 +25,6 @@ from pagoda.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagoda.scheduler.beam_search import BeamGroup, Selection
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
 

@@ -19,7 +19,7 @@ _PROMPT_LOGITS_ROWS = 256
 class RunnerSampler:
     def __init__(self, config: Any, text_config: Any, batch: InputBatch, device: torch.device, model: Any) -> None:
         self.batch = batch
-        vocab = int(getattr(text_config, "vocab_size"))
+        vocab = int(text_config.vocab_size)
         self.state = SamplingBatch(batch.max_num_reqs, vocab, device)
         self.sampler = Sampler(logprobs_mode=config.model.logprobs_mode)
         self.logprobs_mode = config.model.logprobs_mode

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from pagoda.attention.interface import AttentionBackend, AttentionMetadata, AttentionSpec
 
+from pagoda.attention.interface import AttentionBackend, AttentionMetadata, AttentionSpec
 from pagoda_attn_torch.compute import attend_batched, attend_looped, write_kv
 from pagoda_attn_torch.plan import StepPlan, build_plan
 

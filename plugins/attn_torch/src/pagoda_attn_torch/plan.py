@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from pagoda.attention.interface import AttentionMetadata
 
 # Sequences with at most this many new tokens go into the batched group; longer

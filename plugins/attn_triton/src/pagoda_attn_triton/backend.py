@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+
 from pagoda.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from pagoda_kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
 

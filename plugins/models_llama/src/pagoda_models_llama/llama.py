@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from pagoda.attention import Attention, AttentionMetadata
-from pagoda.models.interface import config_for
 from torch import nn
 
+from pagoda.attention import Attention, AttentionMetadata
+from pagoda.models.interface import config_for
 from pagoda_models_llama.arch import DecoderOptions, llama_options, mistral_options, qwen2_options, qwen3_options
 from pagoda_models_llama.layers import Embedding, Linear, RMSNorm, silu_and_mul
 from pagoda_models_llama.rope_scaling import rope_config_from_hf
