@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagoda.platforms import Platform
 
@@ -74,9 +74,14 @@ class CpuPlatform(Platform):
             return dtype
         return super().resolve_dtype(requested, checkpoint_dtype)
 
-    def attention_backend_preference(self) -> list[str]:
-        # cpu_paged reads the paged cache in place (a JIT-compiled C++ kernel); torch_paged
-        # is the pure-torch reference when no compiler is available.
+    def attention_backend_preference(self, spec: Any = None) -> list[str]:
+        # cpu_paged reads the paged cache in place (a JIT-compiled C++ kernel) and wins clearly
+        # in bf16/fp16, where torch's masked SDPA takes a slow path (W1 bf16: 156 -> 244 tok/s).
+        # In fp32 torch_paged's gather + SDPA measured ~9% faster per decode step, so it goes first.
+        import torch
+
+        if spec is not None and getattr(spec, "dtype", None) == torch.float32:
+            return ["torch_paged", "cpu_paged"]
         return ["cpu_paged", "torch_paged"]
 
     def num_threads(self) -> int:

@@ -60,7 +60,7 @@ class CudaPlatform(Platform):
             return dtype
         return super().resolve_dtype(requested, checkpoint_dtype)
 
-    def attention_backend_preference(self) -> list[str]:
+    def attention_backend_preference(self, spec: Any = None) -> list[str]:
         return ["triton_paged", "torch_paged"]
 
     def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagoda.platforms import Platform
 
@@ -63,7 +63,7 @@ class TpuPlatform(Platform):
             return torch.bfloat16
         return super().resolve_dtype(requested, checkpoint_dtype)
 
-    def attention_backend_preference(self) -> list[str]:
+    def attention_backend_preference(self, spec: Any = None) -> list[str]:
         return ["xla_paged", "torch_paged"]
 
     def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:

@@ -29,7 +29,7 @@ def select_attention_backend(platform: Platform, spec: AttentionSpec, requested:
             raise AttentionBackendError(f"attention backend {requested!r} cannot serve this model here: {'; '.join(reasons)}")
         return cls
     tried: list[str] = []
-    for name in platform.attention_backend_preference():
+    for name in platform.attention_backend_preference(spec):
         if name not in specs:
             tried.append(f"{name}: not installed")
             continue

@@ -65,8 +65,9 @@ class Platform:
             raise ValueError(f"dtype {dtype} is not supported on platform {self.name!r} (supported: {supported})")
         return dtype
 
-    def attention_backend_preference(self) -> list[str]:
-        """Attention backends in the order this platform prefers them."""
+    def attention_backend_preference(self, spec: Any = None) -> list[str]:
+        """Attention backends in the order this platform prefers them for ``spec``
+        (an ``AttentionSpec``; None when asked without a model)."""
         return []
 
     def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
