@@ -12,8 +12,8 @@ from typing import Any
 
 # Arguments render_chat_prompt passes itself; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "chat_template", "tokenize", "tools", "return_dict",
-    "add_generation_prompt", "continue_final_message",
+    "conversation", "messages", "chat_template", "tokenize", "tools", "documents", "return_dict",
+    "add_generation_prompt", "continue_final_message", "tokenizer_kwargs",
 })
 
 
@@ -61,6 +61,7 @@ def render_chat_prompt(
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> str:
     """The prompt text for one conversation (``tokenizer.apply_chat_template(..., tokenize=False)``).
 
@@ -84,6 +85,7 @@ def render_chat_prompt(
         conversation,
         chat_template=chat_template,
         tools=tools,
+        documents=documents,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=False,

@@ -5,12 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pagoda.entrypoints.chat_utils import render_chat_prompt
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import ChatMessage
-
-# Arguments the server passes itself; a request may not override them through chat_template_kwargs.
-_RESERVED_KWARGS = {"conversation", "messages", "chat_template", "tokenize", "tools", "documents", "return_dict",
-                    "add_generation_prompt", "continue_final_message", "tokenizer_kwargs"}
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -56,6 +53,7 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     documents: list[dict[str, str]] | None = None,
 ) -> str:
+    """``render_chat_prompt`` (shared with ``LLM.chat``) with its errors as 400s naming the field."""
     if tokenizer is None:
         raise APIError("the server runs without a tokenizer (skip_tokenizer_init): chat is unavailable", 400, "messages")
     template = request_template or server_template
@@ -63,26 +61,20 @@ def render_chat(
         raise APIError("the model has no chat template: pass chat_template in the request or start the server with "
                        "--chat-template", 400, "chat_template")
     kwargs = dict(template_kwargs or {})
-    bad = sorted(_RESERVED_KWARGS & kwargs.keys())
-    if bad:
-        raise APIError(f"chat_template_kwargs may not set {bad}: use the request fields instead", 400,
-                       "chat_template_kwargs")
     try:
-        text = tokenizer.apply_chat_template(
+        return render_chat_prompt(
+            tokenizer,
             message_dicts(messages),
             chat_template=template,
-            tools=tools,
-            documents=documents,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            tokenize=False,
-            **kwargs,
+            tools=tools,
+            chat_template_kwargs=kwargs,
+            documents=documents,
         )
-    except APIError:
-        raise
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault, not the server's
+        message = str(exc)
+        if "chat_template_kwargs may not set" in message:
+            raise APIError(message, 400, "chat_template_kwargs") from None
         param = "chat_template" if request_template else ("chat_template_kwargs" if kwargs else "messages")
         raise APIError(f"the chat template could not be applied: {type(exc).__name__}: {exc}", 400, param) from None
-    if not isinstance(text, str):
-        raise APIError("the chat template did not render to text", 400, "chat_template")
-    return text
