@@ -13,11 +13,14 @@ if TYPE_CHECKING:
     import torch
 
     from pagoda.config import EngineConfig
+    from pagoda.layers import LinearKernel
 
 logger = logging.getLogger(__name__)
 
 THREADS_ENV = "PAGODA_CPU_THREADS"
 KVCACHE_SPACE_ENV = "PAGODA_CPU_KVCACHE_SPACE"  # GiB, as VLLM_CPU_KVCACHE_SPACE
+# pagoda-only: "0" keeps F.linear with plain weights (for A/B measurements)
+PACKED_LINEAR_ENV = "PAGODA_CPU_PACKED_LINEAR"
 DEFAULT_KVCACHE_GIB = 4.0
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 GiB = 1 << 30
@@ -83,6 +86,17 @@ class CpuPlatform(Platform):
         if spec is not None and getattr(spec, "dtype", None) == torch.float32:
             return ["torch_paged", "cpu_paged"]
         return ["cpu_paged", "torch_paged"]
+
+    def linear_kernel(self, dtype: torch.dtype) -> LinearKernel | None:
+        import torch
+
+        from pagoda_platform_cpu.linear import OneDNNLinearKernel, onednn_available
+
+        if os.environ.get(PACKED_LINEAR_ENV, "1") == "0":
+            return None
+        if dtype not in (torch.float32, torch.bfloat16) or not onednn_available():
+            return None
+        return OneDNNLinearKernel()
 
     def num_threads(self) -> int:
         raw = os.environ.get(THREADS_ENV)

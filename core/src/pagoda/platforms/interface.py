@@ -8,6 +8,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagoda.config import EngineConfig
+    from pagoda.layers import LinearKernel
 
 
 class Platform:
@@ -69,6 +70,13 @@ class Platform:
         """Attention backends in the order this platform prefers them for ``spec``
         (an ``AttentionSpec``; None when asked without a model)."""
         return []
+
+    def linear_kernel(self, dtype: torch.dtype) -> LinearKernel | None:
+        """The matmul ``pagoda.layers.Linear`` layers use here, or None for plain ``F.linear``.
+
+        Asked once after the weights are loaded; the kernel may re-lay-out each weight.
+        """
+        return None
 
     def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
         """Absolute KV cache budget in bytes when the user gave none."""

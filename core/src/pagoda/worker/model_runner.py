@@ -15,6 +15,7 @@ import torch
 from pagoda.attention import Attention, AttentionMetadata, AttentionSpec
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
+from pagoda.layers import prepare_linear_layers
 from pagoda.model_loader import checkpoint_dtype, iter_weights, load_hf_config, resolve_model_path
 from pagoda.models.interface import config_for
 from pagoda.models.registry import ModelRegistry
@@ -101,7 +102,12 @@ class ModelRunner:
         model.load_weights(iter_weights(self.source, self.config.load_config.load_format))
         self.model = model.to(device=self.device).eval()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("loaded %s (%s) in %.2fs", archs[0], self.dtype, time.perf_counter() - t0)
+        kernel = self.platform.linear_kernel(self.dtype)
+        prepared = prepare_linear_layers(self.model, kernel) if kernel is not None else 0
+        logger.info(
+            "loaded %s (%s) in %.2fs; linear kernel: %s (%d layers)",
+            archs[0], self.dtype, time.perf_counter() - t0, kernel.name if kernel else "F.linear", prepared,
+        )
 
     def attention_spec(self) -> AttentionSpec:
         layer = next(m for m in self.model.modules() if isinstance(m, Attention))

@@ -1,4 +1,6 @@
-"""Building blocks of the decoder: uninitialised linear/embedding layers, RMSNorm, SiLU-and-mul.
+"""Building blocks of the decoder: uninitialised embedding layer, RMSNorm, SiLU-and-mul.
+
+Linear layers come from core (``pagoda.layers.Linear``): the platform picks their matmul.
 
 Parameters are allocated with ``torch.empty``: every one is overwritten by
 ``load_weights``, and a random init of a billion-parameter model costs seconds
@@ -11,20 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-class Linear(nn.Module):
-    """``y = x W^T + b`` with HF-compatible parameter names (``weight`` [out, in], ``bias`` [out])."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):

@@ -19,7 +19,8 @@ from torch import nn
 from pagoda.attention import Attention, AttentionMetadata
 from pagoda.models.interface import config_for
 from pagoda_models_llama.arch import DecoderOptions, llama_options, mistral_options, qwen2_options, qwen3_options
-from pagoda_models_llama.layers import Embedding, Linear, RMSNorm, silu_and_mul
+from pagoda.layers import Linear
+from pagoda_models_llama.layers import Embedding, RMSNorm, silu_and_mul
 from pagoda_models_llama.rope_scaling import rope_config_from_hf
 from pagoda_models_llama.rotary import RotaryEmbedding
 from pagoda_models_llama.weights import load_llama_weights
@@ -134,10 +135,10 @@ class LlamaForCausalLM(nn.Module):
         self.options = self.decoder_options(cfg)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = LlamaModel(cfg, self.options, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)  # type: ignore[assignment]
+            # One tensor, two modules: parameters() lists it once, under the embedding's name.
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
@@ -152,10 +153,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+        return self.lm_head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_llama_weights(self, weights)
+        loaded = load_llama_weights(self, weights)
+        if self.tie_word_embeddings:
+            # Materialising from the meta device (to_empty) gives each module its own tensor: tie again.
+            self.lm_head.weight = self.model.embed_tokens.weight
+        return loaded
 
 
 class MistralForCausalLM(LlamaForCausalLM):
