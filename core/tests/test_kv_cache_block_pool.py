@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from pagoda.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVCacheBlock
 from pagoda.kv_cache.hashing import hash_block_tokens
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagoda.kv_cache.hashing import (
     ROOT_BLOCK_HASH,
     hash_block_tokens,

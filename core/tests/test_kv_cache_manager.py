@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
+
 from pagoda.kv_cache.block_pool import NULL_BLOCK_ID
 from pagoda.kv_cache.hashing import BlockHash, hash_request_blocks
 from pagoda.kv_cache.manager import KVCacheManager

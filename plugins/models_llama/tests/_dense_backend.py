@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pagoda.attention import Attention, AttentionBackend, AttentionMetadata, AttentionSpec
 from torch import nn
+
+from pagoda.attention import Attention, AttentionBackend, AttentionMetadata, AttentionSpec
 
 
 class DenseTestBackend(AttentionBackend):

@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from pagoda_models_llama.rope_scaling import RopeConfig, inv_freq_and_attention_factor, rope_config_from_hf
-from pagoda_models_llama.rotary import RotaryEmbedding
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from pagoda_models_llama.rope_scaling import RopeConfig, inv_freq_and_attention_factor, rope_config_from_hf
+from pagoda_models_llama.rotary import RotaryEmbedding
 
 HEAD_DIM = 32
 MAX_POS = 64

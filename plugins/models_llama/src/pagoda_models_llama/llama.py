@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
+from pagoda.layers import Linear
 from pagoda.models.interface import config_for
 from pagoda_models_llama.arch import DecoderOptions, llama_options, mistral_options, qwen2_options, qwen3_options
-from pagoda.layers import Linear
 from pagoda_models_llama.layers import Embedding, RMSNorm, silu_and_mul
 from pagoda_models_llama.rope_scaling import rope_config_from_hf
 from pagoda_models_llama.rotary import RotaryEmbedding
