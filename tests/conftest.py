@@ -115,8 +115,9 @@ class RunningServer:
             except httpx.HTTPError:
                 pass
             if time.monotonic() - started > timeout:
+                log = self.output()  # before stop() closes the log
                 self.stop()
-                raise RuntimeError(f"pagoda serve did not answer /health in {timeout} s:\n{self.output()}")
+                raise RuntimeError(f"pagoda serve did not answer /health in {timeout} s:\n{log}")
             time.sleep(0.25)
         self.startup_seconds = time.monotonic() - started
 

@@ -30,6 +30,7 @@ class ModelConfig(_Config):
     served_model_name: str | None = Field(None, description="Model name the server reports; defaults to the model path.")
     max_logprobs: int = Field(20, ge=0, description="Largest number of logprobs a request may ask for.")
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field("raw_logprobs", description="What logprobs report.")
+    enforce_eager: bool = Field(False, description="Never capture CUDA graphs; every step runs eagerly (GPU platforms).")
 
 
 class CacheConfig(_Config):
@@ -46,6 +47,7 @@ class SchedulerConfig(_Config):
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget of one step; None = a platform default.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of waiting requests.")
+    cuda_graph_sizes: list[int] | None = Field(None, description="Decode batch sizes to capture CUDA graphs for; None = 1, 2, 4, then every 8 up to max_num_seqs (at most 512).")
 
 
 class ParallelConfig(_Config):
@@ -128,6 +130,7 @@ class EngineArgs(_Config):
     served_model_name: str | None = _field_of(ModelConfig, "served_model_name")
     max_logprobs: int = _field_of(ModelConfig, "max_logprobs")
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = _field_of(ModelConfig, "logprobs_mode")
+    enforce_eager: bool = _field_of(ModelConfig, "enforce_eager")
     block_size: int | None = _field_of(CacheConfig, "block_size")
     enable_prefix_caching: bool = _field_of(CacheConfig, "enable_prefix_caching")
     num_kv_blocks: int | None = _field_of(CacheConfig, "num_kv_blocks")
@@ -138,6 +141,7 @@ class EngineArgs(_Config):
     max_num_batched_tokens: int | None = _field_of(SchedulerConfig, "max_num_batched_tokens")
     enable_chunked_prefill: bool = _field_of(SchedulerConfig, "enable_chunked_prefill")
     scheduling_policy: Literal["fcfs", "priority"] = _field_of(SchedulerConfig, "scheduling_policy")
+    cuda_graph_sizes: list[int] | None = _field_of(SchedulerConfig, "cuda_graph_sizes")
     tensor_parallel_size: int = _field_of(ParallelConfig, "tensor_parallel_size")
     pipeline_parallel_size: int = _field_of(ParallelConfig, "pipeline_parallel_size")
     device: str = _field_of(DeviceConfig, "device")

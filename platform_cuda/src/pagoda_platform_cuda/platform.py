@@ -9,6 +9,7 @@ from pagoda.platforms import Platform
 from pagoda_platform_cuda.gpu_config import (
     CAPTURE_SIZES_KEY,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    ENFORCE_EAGER_KEY,
     PIN_MEMORY_KEY,
     kv_budget_from_memory,
     resolve_capture_sizes,
@@ -77,12 +78,19 @@ class CudaPlatform(Platform):
         if config.scheduler_config.max_num_batched_tokens is None:
             config.scheduler_config.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         extra = dict(config.extra)
+        # The typed engine arguments (vLLM's names) win over the same keys given in `extra`.
+        if config.model.enforce_eager:
+            extra[ENFORCE_EAGER_KEY] = True
+        if config.scheduler_config.cuda_graph_sizes is not None:
+            extra[CAPTURE_SIZES_KEY] = list(config.scheduler_config.cuda_graph_sizes)
         extra[CAPTURE_SIZES_KEY] = resolve_capture_sizes(extra, config.scheduler_config.max_num_seqs)
         extra.setdefault(PIN_MEMORY_KEY, True)
         config.extra = extra
 
     def cuda_graph_capture_sizes(self, config: EngineConfig) -> list[int]:
         """Decode batch sizes the model runner captures graphs for ([] = eager)."""
+        if config.extra.get(ENFORCE_EAGER_KEY, False):
+            return []
         sizes = config.extra.get(CAPTURE_SIZES_KEY)
         return list(sizes) if sizes is not None else resolve_capture_sizes(config.extra, config.scheduler_config.max_num_seqs)
 

@@ -75,6 +75,13 @@ class AttentionBackend:
     """One attention implementation. Instances are created once per engine."""
 
     name: ClassVar[str] = "base"
+    # True when an all-decode step can be captured in a CUDA graph and replayed
+    # (pagoda.worker.graphs). The runner then calls ``prepare`` once per capture
+    # size, on metadata whose tensors are static buffers refilled before each
+    # replay, with ``max_seq_len`` = max_model_len (an upper bound) and no host
+    # copies; ``prepare`` and ``forward`` on it must not sync with the device,
+    # read tensor values on the host, or pick shapes or kernels from the data.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec

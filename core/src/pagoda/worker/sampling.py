@@ -26,7 +26,7 @@ class RunnerSampler:
 
     def add(self, state: RowState) -> None:
         prompt = self.batch.token_ids[state.row, : state.num_prompt_tokens]
-        self.state.add_request(state.row, state.sampling_params, prompt, state.output_token_ids)
+        self.state.add_request(state.row, state.sampling_params, prompt.tolist(), state.output_token_ids)
 
     def remove(self, state: RowState) -> None:
         self.state.remove(state.row)

@@ -3,6 +3,13 @@
 Per layer: write the step's K/V into the paged cache by slot, then attend. A
 step of only decodes runs the split-K decode kernel; a step with any prefill
 (chunk) runs the varlen kernel, where decodes are one-row query tiles.
+
+The all-decode path is CUDA-graph safe (``supports_cuda_graphs``): ``prepare``
+decides the split-K fan-out from host ints only, and ``forward`` launches a
+grid fixed by the batch size and that fan-out. Under a graph the runner
+prepares with ``max_seq_len = max_model_len``, so the fan-out suits the
+longest context; the kernel reads each row's real length from ``seq_lens`` on
+the device, and splits past it do no work and weigh zero in the reduce.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ NUM_SPLITS_KEY = "triton_decode_num_splits"
 
 class TritonPagedAttentionBackend(AttentionBackend):
     name = "triton_paged"
+    supports_cuda_graphs = True
 
     @classmethod
     def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
@@ -44,6 +52,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         # Decide the decode split-K fan-out once per step, from host ints (no device sync).
+        # Graph capture calls this once per batch size with max_seq_len = max_model_len.
         if metadata.is_all_decode:
             from pagoda_kernels.triton_impl.decode import choose_num_splits
 
@@ -65,7 +74,8 @@ class TritonPagedAttentionBackend(AttentionBackend):
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         n = metadata.num_tokens
-        # Rows past num_tokens are padding (e.g. up to a CUDA graph's batch size).
+        # Rows past num_tokens are padding. (Graph replays pass num_tokens = the padded
+        # size instead: their padding rows have slot -1, so nothing is written for them.)
         reshape_and_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], impl="triton")
         if metadata.is_all_decode:
             splits = (metadata.extra or {}).get(NUM_SPLITS_KEY)
