@@ -122,6 +122,26 @@ def test_half_precision(dtype: torch.dtype, soft_cap: float | None) -> None:
     run_and_check(make_batch(MIXED + CHUNKED[:2], shape, dtype=dtype, seed=10), shape, dtype, logits_soft_cap=soft_cap)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(8, 1, 64, 16), (7, 1, 64, 32), (6, 3, 128, 16), (10, 2, 40, 16), (3, 1, 80, 8), (5, 5, 96, 16)],
+    ids=["group-8", "group-7-block-32", "dim-128", "dim-40", "dim-80-block-8", "mha-dim-96"],
+)
+def test_kernel_paths(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    """Whole-vector and padded head dims, query-head groups split into runs of up to four, blocks of
+    one or several vector widths; bf16 rows are widened in a permuted order and stored back in order."""
+    shape = Shape(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    lens = MIXED + [(3, 70)]
+    run_and_check(make_batch(lens, shape, dtype=dtype, seed=30), shape, dtype)
+    run_and_check(make_batch(DECODE, shape, dtype=dtype, seed=31), shape, dtype, sliding_window=21)
+    batch = make_batch(DECODE + [(0, 1)], shape, dtype=dtype, seed=32)
+    batch.query.mul_(4)
+    for seq in batch.sequences:
+        seq.query.mul_(4)
+    run_and_check(batch, shape, dtype, logits_soft_cap=3.0)
+
+
 def test_batch_padding_rows_are_zero_and_not_written() -> None:
     shape = Shape(block_size=8)
     for lens in (MIXED, DECODE):

@@ -17,6 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from pagoda.model_loader.convert_cache import CACHEABLE_DTYPES, ConvertCache
 from pagoda.model_loader.errors import ModelLoadError
 from pagoda.model_loader.gguf_file import GGUFFile, GGUFTensorInfo, open_gguf
 
@@ -126,10 +127,13 @@ def _head_counts(gguf_file: GGUFFile, architecture: str) -> tuple[int, int]:
     return num_heads, num_kv_heads if isinstance(num_kv_heads, int) else num_heads
 
 
-def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(path: Path, cache_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_param_name, tensor)`` for every tensor of the file, one at a time.
 
     The file is checked (architecture, tensor types and names) before this returns.
+    With ``cache_dtype`` (the dtype the caller casts every tensor to) the tensors
+    come cast to it, and through pagoda's convert cache when it is on: read from
+    it when it holds this file, otherwise dequantized and written to it on the way.
     """
     gguf_file = open_gguf(path)
     architecture = gguf_file.architecture
@@ -141,7 +145,17 @@ def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         )
     _check_supported(gguf_file, names)
     num_heads, num_kv_heads = _head_counts(gguf_file, architecture)
-    return _dequantized_tensors(gguf_file, names, num_heads, num_kv_heads)
+    tensors = _dequantized_tensors(gguf_file, names, num_heads, num_kv_heads)
+    if cache_dtype is None:
+        return tensors
+    cache = ConvertCache.for_gguf(path) if cache_dtype in CACHEABLE_DTYPES else None
+    if cache is None:
+        return ((name, tensor.to(cache_dtype)) for name, tensor in tensors)
+    plan = [(name, tensor.shape) for tensor in gguf_file.tensors if (name := hf_name(tensor.name, names)) is not None]
+    cached = cache.read_weights(plan, cache_dtype)
+    if cached is not None:
+        return cached
+    return cache.write_weights_through(tensors, plan, cache_dtype)
 
 
 def _dequantized_tensors(

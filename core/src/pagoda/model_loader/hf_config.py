@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagoda.model_loader.convert_cache import ConvertCache
 from pagoda.model_loader.errors import ModelLoadError
 from pagoda.model_loader.gguf_config import load_gguf_config
 from pagoda.model_loader.source import ModelSource
@@ -20,9 +21,7 @@ def load_hf_config(source: ModelSource, hf_overrides: dict[str, Any] | None = No
 
     try:
         if source.kind == "gguf":
-            config = load_gguf_config(source.gguf_path) or AutoConfig.from_pretrained(
-                str(source.path), gguf_file=source.gguf_file, local_files_only=True
-            )
+            config = _load_gguf_config_cached(source)
         else:
             config = AutoConfig.from_pretrained(str(source.path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
@@ -39,6 +38,24 @@ def load_hf_config(source: ModelSource, hf_overrides: dict[str, Any] | None = No
 
     if hf_overrides:
         apply_hf_overrides(config, hf_overrides)
+    return config
+
+
+def _load_gguf_config_cached(source: ModelSource) -> PretrainedConfig:
+    """The GGUF file's config, from pagoda's convert cache when it holds it (the architectures are filled in after)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    cache = ConvertCache.for_gguf(source.gguf_path)
+    cached = cache.read_config() if cache is not None else None
+    if cached is not None and cached.get("model_type") in CONFIG_MAPPING:
+        config = CONFIG_MAPPING[cached["model_type"]].from_dict(cached)
+        config.name_or_path = str(source.path)
+        return config
+    config = load_gguf_config(source.gguf_path) or AutoConfig.from_pretrained(
+        str(source.path), gguf_file=source.gguf_file, local_files_only=True
+    )
+    if cache is not None:
+        cache.write_config(config.to_dict())
     return config
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagoda.model_loader.convert_cache import ConvertCache
 from pagoda.model_loader.errors import ModelLoadError
 from pagoda.model_loader.source import ModelSource, resolve_model_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | Path | None = None) -> PreTrainedTokenizerFast:
@@ -20,11 +24,7 @@ def load_tokenizer(source: ModelSource, tokenizer: str | Path | None = None) -> 
     tokenizer_source = source if tokenizer is None else resolve_tokenizer_path(tokenizer)
     try:
         if tokenizer_source.kind == "gguf":
-            # Not AutoTokenizer: for GGUF it re-parses the whole file with gguf.GGUFReader just to pick a
-            # class, and picks PreTrainedTokenizerFast anyway (a test checks both give the same tokenizer).
-            loaded = PreTrainedTokenizerFast.from_pretrained(
-                str(tokenizer_source.path), gguf_file=tokenizer_source.gguf_file, local_files_only=True
-            )
+            loaded = _load_gguf_tokenizer(tokenizer_source)
         else:
             loaded = AutoTokenizer.from_pretrained(
                 str(tokenizer_source.path), local_files_only=True, trust_remote_code=False
@@ -45,3 +45,25 @@ def resolve_tokenizer_path(tokenizer: str | Path) -> ModelSource:
     if path.is_dir() and not (path / "config.json").exists() and not any(path.glob("*.gguf")):
         return ModelSource(kind="hf", path=path.resolve())
     return resolve_model_path(tokenizer)
+
+
+def _load_gguf_tokenizer(source: ModelSource) -> PreTrainedTokenizerFast:
+    """From pagoda's convert cache when it holds this file's tokenizer; converting the GGUF vocabulary takes longer."""
+    from transformers import PreTrainedTokenizerFast
+
+    cache = ConvertCache.for_gguf(source.gguf_path)
+    cached_dir = cache.tokenizer_dir() if cache is not None else None
+    if cached_dir is not None:
+        try:
+            loaded = PreTrainedTokenizerFast.from_pretrained(str(cached_dir), local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring the cached tokenizer %s (%s); converting the GGUF vocabulary again", cached_dir, exc)
+        else:
+            loaded.name_or_path = str(source.path)  # as if loaded from the GGUF file
+            return loaded
+    # Not AutoTokenizer: for GGUF it re-parses the whole file with gguf.GGUFReader just to pick a
+    # class, and picks PreTrainedTokenizerFast anyway (a test checks both give the same tokenizer).
+    loaded = PreTrainedTokenizerFast.from_pretrained(str(source.path), gguf_file=source.gguf_file, local_files_only=True)
+    if cache is not None and isinstance(loaded, PreTrainedTokenizerFast):
+        cache.write_tokenizer(loaded)
+    return loaded

@@ -17,11 +17,16 @@ LoadFormat = Literal["auto", "safetensors", "pt", "gguf", "dummy"]
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
 
 
-def iter_weights(source: ModelSource, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    source: ModelSource, load_format: str = "auto", cache_dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_param_name, tensor)`` one at a time, streaming from disk.
 
     ``dummy`` yields nothing: the caller keeps its randomly initialised weights.
     Format problems are raised here, before the first tensor is yielded.
+    ``cache_dtype``: the dtype the caller will cast every tensor to. A GGUF
+    file's tensors then come cast to it, through pagoda's converted-weights
+    cache (see ``convert_cache``); other formats ignore it.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"Unknown load_format {load_format!r}; expected one of: {', '.join(LOAD_FORMATS)}")
@@ -31,7 +36,7 @@ def iter_weights(source: ModelSource, load_format: str = "auto") -> Iterator[tup
     if source.kind == "gguf":
         if load_format not in ("auto", "gguf"):
             raise ModelLoadError(f"load_format={load_format!r} does not fit {source.display_name}, which is a GGUF file")
-        return iter_gguf(source.gguf_path)
+        return iter_gguf(source.gguf_path, cache_dtype)
 
     if load_format == "gguf":
         raise ModelLoadError(f"load_format='gguf' but {source.path} is a Hugging Face directory, not a .gguf file")

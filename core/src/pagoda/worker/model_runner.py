@@ -3,7 +3,10 @@ the forward pass, computes logits only where a token is sampled, samples."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import mmap
 import resource
 import time
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from pagoda.models.interface import config_for
 from pagoda.models.registry import ModelRegistry
 from pagoda.platforms import Platform
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.sampling import RunnerSampler
 
@@ -50,17 +54,26 @@ class MemoryReport:
 
 
 def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor whose host pages are mapped on first touch.
+    """A zero tensor whose host pages are mapped on first touch, in huge pages where the OS allows.
 
-    torch.zeros memsets the whole KV cache up front (seconds for GiBs); numpy's
-    calloc-backed zeros get zero pages from the OS lazily, so start-up does not
-    pay for cache the workload never reaches.
+    torch.zeros memsets the whole KV cache up front (seconds for GiBs); an anonymous
+    mapping gets zero pages from the OS lazily, so start-up does not pay for cache the
+    workload never reaches. Huge pages (madvise; THP "madvise" mode is the common
+    default) cut TLB misses on the scattered block reads of decode attention: ~10%
+    faster decode attention measured on 1 thread.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
-    return torch.from_numpy(raw).view(dtype)
+    nbytes = itemsize * math.prod(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # THP disabled or unsupported: plain pages
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+    # frombuffer keeps the mapping alive as long as the tensor
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _rss_peak_bytes() -> int:
@@ -82,6 +95,8 @@ class ModelRunner:
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
         self.memory: MemoryReport | None = None
+        # CUDA graphs for decode steps (pagoda.worker.graphs); None: every step runs eagerly.
+        self.graphs: DecodeGraphRunner | None = None
 
     # -- set-up --------------------------------------------------------------
     def load_model(self) -> None:
@@ -97,9 +112,13 @@ class ModelRunner:
                 model = cls(self.hf_config, self.dtype)
         finally:
             torch.set_default_dtype(prev)
+        # Every tensor is cast to the parameters' one dtype on load: a GGUF file's
+        # conversion can then be cached already cast (pagoda.model_loader.convert_cache).
+        param_dtypes = {p.dtype for p in model.parameters()}
+        cache_dtype = self.dtype if param_dtypes == {self.dtype} else None
         # The model raises on missing or unexpected weights: only it knows how
         # checkpoint tensors map onto its fused parameters.
-        model.load_weights(iter_weights(self.source, self.config.load_config.load_format))
+        model.load_weights(iter_weights(self.source, self.config.load_config.load_format, cache_dtype))
         self.model = model.to(device=self.device).eval()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kernel = self.platform.linear_kernel(self.dtype)
@@ -158,6 +177,8 @@ class ModelRunner:
         self.sampler = RunnerSampler(self.config, self.text_config, self.batch, self.device, self.model)
         self.memory = MemoryReport(self.weights_bytes, activation, num_blocks * bytes_per_block, num_blocks, self.block_size, bytes_per_block)
         logger.info("%s", self.memory.describe())
+        # Last: graphs bake in the bound KV caches and the batch's block-table width.
+        self.graphs = create_decode_graphs(self)
         return self.memory
 
     @torch.inference_mode()
@@ -248,24 +269,29 @@ class ModelRunner:
         block_tables = b.block_table[rows, :max_blocks]
 
         dev = self.device
-        qsl_cpu = torch.from_numpy(cu.astype(np.int32))
-        seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        md = AttentionMetadata(
-            num_seqs=len(rows), num_tokens=total,
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_cpu.to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            max_query_len=int(nsched.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu,
-            is_all_decode=bool((nsched == 1).all()),
-        )
-        md = self.attn_backend.prepare(md)
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            torch.from_numpy(positions).to(dev, non_blocking=True),
-            md,
-        )
+        hidden = None
+        if self.graphs is not None and b.num_prompt_logprobs[rows].max() < 0:
+            # A pure-decode step replays a captured graph; None: not one it can serve.
+            hidden = self.graphs.replay(input_ids, positions, slots, seq_lens, block_tables, nsched)
+        if hidden is None:
+            qsl_cpu = torch.from_numpy(cu.astype(np.int32))
+            seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+            md = AttentionMetadata(
+                num_seqs=len(rows), num_tokens=total,
+                query_start_loc=qsl_cpu.to(dev, non_blocking=True),
+                seq_lens=seq_cpu.to(dev, non_blocking=True),
+                block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev, non_blocking=True),
+                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+                max_query_len=int(nsched.max()), max_seq_len=int(seq_lens.max()),
+                query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu,
+                is_all_decode=bool((nsched == 1).all()),
+            )
+            md = self.attn_backend.prepare(md)
+            hidden = self.model(
+                torch.from_numpy(input_ids).to(dev, non_blocking=True),
+                torch.from_numpy(positions).to(dev, non_blocking=True),
+                md,
+            )
         # Only requests whose known tokens are all computed after this step sample.
         samples = seq_lens >= b.num_tokens[rows]
         b.num_computed[rows] = seq_lens

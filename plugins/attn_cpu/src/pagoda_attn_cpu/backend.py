@@ -45,8 +45,9 @@ class CpuStep:
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     """Every sequence of the step (decodes, chunks, prefills) in one OpenMP-parallel kernel call.
 
-    Work items are (sequence, KV head, tile of up to TILE_TOKENS query tokens), so a batch
-    of decodes balances over the cores and the query heads of a GQA group share each K/V read.
+    Work items are (sequence, tile of up to TILE_TOKENS query tokens), each reading its blocks
+    once for every KV head (split per KV head when there are too few items for the cores), so a
+    batch of decodes balances over the cores and the query heads of a GQA group share each K/V read.
     """
 
     name: ClassVar[str] = "cpu_paged"
