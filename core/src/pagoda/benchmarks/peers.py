@@ -155,7 +155,7 @@ def _served(cmd: list[str], env: dict[str, str], model_name: str, vocab: int, st
 
 
 def _pagoda_served(model_dir: str, dtype: str, vocab: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", "--model", model_dir, "--dtype", dtype,
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", model_dir, "--dtype", dtype,
            "--max-model-len", "2048", "--served-model-name", "bench"]
     return _served(cmd, dict(os.environ), "bench", vocab, startup_timeout=300)
 
