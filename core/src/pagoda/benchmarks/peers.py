@@ -129,6 +129,7 @@ def _wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout: float) 
 def _served(cmd: list[str], env: dict[str, str], model_name: str, vocab: int, startup_timeout: float) -> dict[str, Any]:
     """W3: start a server, run 128 streaming requests (32 concurrent, 128 in / 64 out), stop it."""
     from pagoda.benchmarks.serve import run_serve
+    from pagoda.benchmarks.startup import stop_process
 
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
@@ -146,12 +147,7 @@ def _served(cmd: list[str], env: dict[str, str], model_name: str, vocab: int, st
         tail = Path(log.name).read_text(errors="replace")[-1500:]
         return {"error": f"{type(exc).__name__}: {exc}", "server_log_tail": tail}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _pagoda_served(model_dir: str, dtype: str, vocab: int) -> dict[str, Any]:

@@ -52,9 +52,15 @@ def run_startup(serve_args: list[str], timeout: float = 300.0, command: list[str
                     first_token = time.perf_counter() - start
                     break
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     return {"command": " ".join(cmd), "healthy_s": healthy, "first_token_s": first_token}
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if the server is still there after ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
