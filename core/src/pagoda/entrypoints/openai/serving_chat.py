@@ -3,31 +3,29 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagoda.engine.async_llm import EngineGenerateError
 from pagoda.entrypoints.openai.chat_template import render_chat
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.logprobs_format import TokenText, chat_logprobs
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.serving_common import (
-    SSE_DONE,
     ServingContext,
     build_sampling_params,
     check_limits,
     check_prompt_length,
+    collect_finals,
     merge_streams,
     new_id,
     sse,
+    sse_response_body,
     start_streams,
-    until_disconnected,
     usage,
 )
-from pagoda.outputs import RequestOutput
 
 
 def chat_prompt(ctx: ServingContext, req: Any) -> tuple[str, list[int]]:
@@ -68,24 +66,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         last = req.messages[-1].content
         echo_text = last if isinstance(last, str) else "\n".join(p.text for p in last or [])
     if req.stream:
-        return StreamingResponse(
-            _stream(ctx, req, streams, request_id, created, len(ids), token_text, num_logprobs, echo_text),
-            media_type="text/event-stream",
-        )
-    final: list[RequestOutput] = []
-
-    async def collect() -> None:
-        async for _, out in merge_streams(streams):
-            final[:] = [out]
-
-    try:
-        await until_disconnected(raw_request, collect())
-    except EngineGenerateError as exc:
-        raise APIError(f"internal engine error: {exc}", 500) from None
-    finally:
-        for s in streams:
-            s.abort()
-    ro = final[0]
+        events = _events(ctx, req, streams, request_id, created, len(ids), token_text, num_logprobs, echo_text)
+        return StreamingResponse(sse_response_body(streams, events), media_type="text/event-stream")
+    ro = (await collect_finals(raw_request, streams))[0]
     choices = []
     completion_tokens = 0
     for o in sorted(ro.outputs, key=lambda o: o.index):
@@ -106,9 +89,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return JSONResponse(body)
 
 
-async def _stream(ctx: ServingContext, req: ChatCompletionRequest, streams: list[Any], request_id: str, created: int,
+async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list[Any], request_id: str, created: int,
                   prompt_tokens: int, token_text: TokenText, num_logprobs: int | None,
-                  echo_text: str) -> AsyncIterator[str]:
+                  echo_text: str) -> AsyncGenerator[str, None]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     completion_tokens = 0
@@ -120,32 +103,24 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, streams: list
             c["usage"] = usage(prompt_tokens, completion_tokens)
         return c
 
-    try:
-        # the role goes first, once per choice, before any token is ready (as OpenAI does)
-        for i in range(req.n):
-            yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": echo_text}, "logprobs": None,
-                              "finish_reason": None}]))
-        async for _, ro in merge_streams(streams):
-            for o in ro.outputs:
-                if not o.token_ids and not o.text and o.finish_reason is None:
-                    continue
-                completion_tokens += len(o.token_ids)
-                delta: dict[str, Any] = {"content": o.text} if o.text or o.finish_reason is None else {}
-                yield sse(chunk([{
-                    "index": o.index,
-                    "delta": delta,
-                    "logprobs": chat_logprobs(token_text, list(o.token_ids), o.logprobs, num_logprobs)
-                    if num_logprobs is not None else None,
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason,
-                }]))
-        if include_usage:
-            yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
-                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-    except EngineGenerateError as exc:
-        yield sse({"error": {"message": f"internal engine error: {exc}", "type": "InternalServerError", "param": None,
-                             "code": 500}})
-    finally:
-        for s in streams:
-            s.abort()
-    yield SSE_DONE
+    # the role goes first, once per choice, before any token is ready (as OpenAI does)
+    for i in range(req.n):
+        yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": echo_text}, "logprobs": None,
+                          "finish_reason": None}]))
+    async for _, ro in merge_streams(streams):
+        for o in ro.outputs:
+            if not o.token_ids and not o.text and o.finish_reason is None:
+                continue
+            completion_tokens += len(o.token_ids)
+            delta: dict[str, Any] = {"content": o.text} if o.text or o.finish_reason is None else {}
+            yield sse(chunk([{
+                "index": o.index,
+                "delta": delta,
+                "logprobs": chat_logprobs(token_text, list(o.token_ids), o.logprobs, num_logprobs)
+                if num_logprobs is not None else None,
+                "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason,
+            }]))
+    if include_usage:
+        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+                   "choices": [], "usage": usage(prompt_tokens, completion_tokens)})

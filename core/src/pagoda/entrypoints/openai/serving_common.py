@@ -7,13 +7,13 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pagoda.engine.async_llm import AsyncLLM, RequestStream
+from pagoda.engine.async_llm import AsyncLLM, EngineGenerateError, RequestStream
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import _SamplingFields
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -219,6 +219,40 @@ async def until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
         return task.result()
     task.cancel()
     raise APIError("the client disconnected", 499)
+
+
+async def collect_finals(raw_request: Request, streams: list[RequestStream]) -> dict[int, Any]:
+    """Each prompt's final output (non-streaming answers); streams are aborted however this ends."""
+    finals: dict[int, Any] = {}
+
+    async def collect() -> None:
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+
+    try:
+        await until_disconnected(raw_request, collect())
+    except EngineGenerateError as exc:
+        raise APIError(f"internal engine error: {exc}", 500) from None
+    finally:
+        for stream in streams:
+            stream.abort()
+    return finals
+
+
+async def sse_response_body(streams: list[RequestStream], events: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    """``events`` then ``[DONE]``; an engine failure becomes an error event, and the streams
+    are aborted however the response ends (a client that goes away closes this generator)."""
+    try:
+        async for event in events:
+            yield event
+    except EngineGenerateError as exc:
+        yield sse({"error": {"message": f"internal engine error: {exc}", "type": "InternalServerError", "param": None,
+                             "code": 500}})
+    finally:
+        await events.aclose()
+        for stream in streams:
+            stream.abort()
+    yield SSE_DONE
 
 
 def sse(payload: dict[str, Any]) -> str:

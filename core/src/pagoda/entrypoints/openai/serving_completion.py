@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagoda.engine.async_llm import EngineGenerateError
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.logprobs_format import CompletionLogprobs, TokenText
 from pagoda.entrypoints.openai.protocol import CompletionRequest
 from pagoda.entrypoints.openai.serving_common import (
-    SSE_DONE,
     ServingContext,
     build_sampling_params,
     check_limits,
     check_prompt_length,
+    collect_finals,
     merge_streams,
     new_id,
     sse,
+    sse_response_body,
     start_streams,
-    until_disconnected,
     usage,
 )
 from pagoda.outputs import RequestOutput
@@ -73,20 +72,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
     created = int(time.time())
     renderer = _Renderer(ctx, req, prompts)
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, streams, request_id, created, renderer), media_type="text/event-stream")
-    finals: dict[int, RequestOutput] = {}
-
-    async def collect() -> None:
-        async for i, out in merge_streams(streams):
-            finals[i] = out
-
-    try:
-        await until_disconnected(raw_request, collect())
-    except EngineGenerateError as exc:
-        raise APIError(f"internal engine error: {exc}", 500) from None
-    finally:
-        for s in streams:
-            s.abort()
+        events = _events(ctx, req, streams, request_id, created, renderer)
+        return StreamingResponse(sse_response_body(streams, events), media_type="text/event-stream")
+    finals: dict[int, RequestOutput] = await collect_finals(raw_request, streams)
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
     for i in range(len(prompts)):
@@ -142,36 +130,28 @@ class _Renderer:
                 "stop_reason": o.stop_reason}
 
 
-async def _stream(ctx: ServingContext, req: CompletionRequest, streams: list[Any], request_id: str, created: int,
-                  renderer: _Renderer) -> AsyncIterator[str]:
+async def _events(ctx: ServingContext, req: CompletionRequest, streams: list[Any], request_id: str, created: int,
+                  renderer: _Renderer) -> AsyncGenerator[str, None]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     prompt_tokens = sum(len(ids) for _, ids in renderer.prompts)
     completion_tokens = 0
     started: set[int] = set()
-    try:
-        async for i, ro in merge_streams(streams):
-            for o in ro.outputs:
-                index = i * req.n + o.index
-                first = index not in started
-                if not o.token_ids and not o.text and o.finish_reason is None and not first:
-                    continue
-                started.add(index)
-                completion_tokens += len(o.token_ids)
-                chunk: dict[str, Any] = {
-                    "id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
-                    "choices": [renderer.choice(i, o, ro, first=first, final=o.finish_reason is not None)],
-                }
-                if include_usage and continuous:
-                    chunk["usage"] = usage(prompt_tokens, completion_tokens)
-                yield sse(chunk)
-        if include_usage:
-            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
-                       "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-    except EngineGenerateError as exc:
-        yield sse({"error": {"message": f"internal engine error: {exc}", "type": "InternalServerError", "param": None,
-                             "code": 500}})
-    finally:
-        for s in streams:
-            s.abort()
-    yield SSE_DONE
+    async for i, ro in merge_streams(streams):
+        for o in ro.outputs:
+            index = i * req.n + o.index
+            first = index not in started
+            if not o.token_ids and not o.text and o.finish_reason is None and not first:
+                continue
+            started.add(index)
+            completion_tokens += len(o.token_ids)
+            chunk: dict[str, Any] = {
+                "id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+                "choices": [renderer.choice(i, o, ro, first=first, final=o.finish_reason is not None)],
+            }
+            if include_usage and continuous:
+                chunk["usage"] = usage(prompt_tokens, completion_tokens)
+            yield sse(chunk)
+    if include_usage:
+        yield sse({"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+                   "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
