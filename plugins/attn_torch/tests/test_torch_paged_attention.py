@@ -4,33 +4,27 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch_paged_cases import (
+    CHUNKED,
+    DECODE,
+    MIXED,
+    PREFILL,
+    TOLERANCE,
+    Batch,
+    Shape,
+    check_cache,
+    make_batch,
+    reference_attention,
+    spec_for,
+)
+from torch_paged_cases import run_and_check as check_backend
+
 from pagoda.attention.interface import AttentionMetadata, AttentionSpec
 from pagoda_attn_torch.backend import TorchPagedAttentionBackend
-from torch_paged_cases import Batch, Shape, make_batch, reference_attention
-
-TOLERANCE = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
-    torch.float16: dict(atol=3e-3, rtol=3e-3),
-}
-
-PREFILL = [(0, n) for n in (1, 5, 16, 17, 33, 70)]
-CHUNKED = [(20, 30), (37, 50), (16, 16), (5, 3), (64, 17)]
-DECODE = [(c, 1) for c in (0, 1, 15, 16, 31, 64, 100)]
-MIXED = [(40, 1), (0, 25), (7, 1), (33, 12), (0, 3), (100, 1), (17, 40), (0, 1)]
 
 
 def make_backend(shape: Shape, dtype: torch.dtype = torch.float32, **spec_fields) -> TorchPagedAttentionBackend:
-    spec = AttentionSpec(
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        dtype=dtype,
-        device_type="cpu",
-        block_size=shape.block_size,
-        **spec_fields,
-    )
-    return TorchPagedAttentionBackend(spec)
+    return TorchPagedAttentionBackend(spec_for(shape, dtype, **spec_fields))
 
 
 def run_and_check(
@@ -40,34 +34,7 @@ def run_and_check(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> None:
-    backend = make_backend(shape, dtype)
-    metadata = backend.prepare(batch.metadata)
-    scale = shape.head_dim**-0.5
-    out = backend.forward(
-        batch.query, batch.key, batch.value, batch.kv_cache, metadata, scale, sliding_window, logits_soft_cap
-    )
-    assert out.shape == batch.query.shape and out.dtype == dtype
-
-    row = 0
-    for i, seq in enumerate(batch.sequences):
-        expected = reference_attention(seq, scale, sliding_window, logits_soft_cap)
-        got = out[row : row + seq.query_len].double()
-        where = f"sequence {i} ({seq.context_len} cached + {seq.query_len} new)"
-        torch.testing.assert_close(got, expected, **TOLERANCE[dtype], msg=lambda m, where=where: f"{where}: {m}")
-        row += seq.query_len
-    assert torch.equal(out[row:], torch.zeros_like(out[row:])), "padding rows must come out as zeros"
-    check_cache(batch, shape)
-
-
-def check_cache(batch: Batch, shape: Shape) -> None:
-    """Every sequence's tokens sit at their slots; every other slot is untouched."""
-    expected = batch.initial_cache.clone()
-    bs = shape.block_size
-    for seq in batch.sequences:
-        for t in range(seq.seq_len):
-            expected[0, seq.blocks[t // bs], t % bs] = seq.keys[t]
-            expected[1, seq.blocks[t // bs], t % bs] = seq.values[t]
-    assert torch.equal(batch.kv_cache, expected)
+    check_backend(make_backend(shape, dtype), batch, shape, dtype, sliding_window, logits_soft_cap)
 
 
 @pytest.mark.parametrize("block_size", [16, 8])

@@ -1,11 +1,26 @@
-"""Builds paged batches from explicit per-sequence K/V, and the dense reference they must match."""
+"""Builds paged batches from explicit per-sequence K/V, the dense reference they must match,
+and the check every paged backend's tests run (torch_paged here, cpu_paged beside it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from pagoda.attention.interface import AttentionMetadata
+
+from pagoda.attention.interface import AttentionMetadata, AttentionSpec
+
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+}
+
+# (cached tokens, new tokens) per sequence
+PREFILL = [(0, n) for n in (1, 5, 16, 17, 33, 70)]
+CHUNKED = [(20, 30), (37, 50), (16, 16), (5, 3), (64, 17)]
+DECODE = [(c, 1) for c in (0, 1, 15, 16, 31, 64, 100)]
+MIXED = [(40, 1), (0, 25), (7, 1), (33, 12), (0, 3), (100, 1), (17, 40), (0, 1)]
 
 
 @dataclass(frozen=True)
@@ -136,3 +151,55 @@ def reference_attention(
         allowed &= keys > positions - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+
+
+def spec_for(shape: Shape, dtype: torch.dtype = torch.float32, **spec_fields: Any) -> AttentionSpec:
+    return AttentionSpec(
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=dtype,
+        device_type="cpu",
+        block_size=shape.block_size,
+        **spec_fields,
+    )
+
+
+def run_and_check(
+    backend: Any,
+    batch: Batch,
+    shape: Shape,
+    dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """One step through ``backend``: every sequence's output against the dense reference,
+    padding rows zero, and the new K/V at their slots with nothing else in the cache touched."""
+    metadata = backend.prepare(batch.metadata)
+    scale = shape.head_dim**-0.5
+    out = backend.forward(
+        batch.query, batch.key, batch.value, batch.kv_cache, metadata, scale, sliding_window, logits_soft_cap
+    )
+    assert out.shape == batch.query.shape and out.dtype == dtype
+
+    row = 0
+    for i, seq in enumerate(batch.sequences):
+        expected = reference_attention(seq, scale, sliding_window, logits_soft_cap)
+        got = out[row : row + seq.query_len].double()
+        where = f"sequence {i} ({seq.context_len} cached + {seq.query_len} new)"
+        torch.testing.assert_close(got, expected, **TOLERANCE[dtype], msg=lambda m, where=where: f"{where}: {m}")
+        row += seq.query_len
+    assert torch.equal(out[row:], torch.zeros_like(out[row:])), "padding rows must come out as zeros"
+    check_cache(batch, shape)
+    return out
+
+
+def check_cache(batch: Batch, shape: Shape) -> None:
+    """Every sequence's tokens sit at their slots; every other slot is untouched."""
+    expected = batch.initial_cache.clone()
+    bs = shape.block_size
+    for seq in batch.sequences:
+        for t in range(seq.seq_len):
+            expected[0, seq.blocks[t // bs], t % bs] = seq.keys[t]
+            expected[1, seq.blocks[t // bs], t % bs] = seq.values[t]
+    assert torch.equal(batch.kv_cache, expected)
