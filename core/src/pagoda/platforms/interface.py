@@ -78,6 +78,13 @@ class Platform:
         """
         return None
 
+    def cuda_graph_capture_sizes(self, config: EngineConfig) -> list[int]:
+        """Decode batch sizes the model runner captures graphs for; [] runs every step eagerly.
+
+        Only asked when ``supports_graphs``.
+        """
+        return []
+
     def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
         """Absolute KV cache budget in bytes when the user gave none."""
         raise NotImplementedError

@@ -106,14 +106,11 @@ def capture_sizes_for(platform: Platform, config: EngineConfig) -> list[int]:
     """Decode batch sizes to capture (ascending); [] turns graphs off.
 
     The platform owns the setting (``enforce_eager``, ``cuda_graph_sizes``); a
-    platform without graphs, or without a sizes rule, captures nothing.
+    platform without graphs captures nothing.
     """
     if not platform.supports_graphs:
         return []
-    sizes_of = getattr(platform, "cuda_graph_capture_sizes", None)
-    if sizes_of is None:
-        return []
-    return sorted({int(s) for s in sizes_of(config) if int(s) > 0})
+    return sorted({int(s) for s in platform.cuda_graph_capture_sizes(config) if int(s) > 0})
 
 
 class DecodeGraphRunner:

@@ -270,7 +270,8 @@ class ModelRunner:
 
         dev = self.device
         hidden = None
-        if self.graphs is not None and b.num_prompt_logprobs[rows].max() < 0:
+        wants_prompt_logprobs = bool(b.num_prompt_logprobs[rows].max() >= 0)
+        if self.graphs is not None and not wants_prompt_logprobs:
             # A pure-decode step replays a captured graph; None: not one it can serve.
             hidden = self.graphs.replay(input_ids, positions, slots, seq_lens, block_tables, nsched)
         if hidden is None:
@@ -298,7 +299,7 @@ class ModelRunner:
         sample_idx = np.nonzero(samples)[0]
         sampled: list[list[int]] = [[] for _ in req_ids]
         result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
-        if b.num_prompt_logprobs[rows].max() >= 0:
+        if wants_prompt_logprobs:
             result.prompt_logprobs = self.sampler.prompt_logprobs(self.model, hidden, req_ids, rows, start, nsched, cu)
         if len(sample_idx):
             logits_rows = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev)
