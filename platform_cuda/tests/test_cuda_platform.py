@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from pagoda.config import EngineArgs
 from pagoda_platform_cuda import plugin
 from pagoda_platform_cuda.gpu_config import (

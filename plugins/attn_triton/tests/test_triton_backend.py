@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from pagoda.attention import AttentionMetadata, AttentionSpec
 from pagoda_attn_triton import plugin
 from pagoda_attn_triton.backend import TritonPagedAttentionBackend
