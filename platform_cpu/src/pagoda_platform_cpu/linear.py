@@ -35,6 +35,4 @@ class OneDNNLinearKernel:
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
     def apply(self, x: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
-        if not x.is_contiguous():
-            x = x.contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, prepared, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepared, bias, "none", [], "")

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import struct
@@ -144,8 +145,7 @@ class ConvertCache:
                 path.unlink()
             return None
         logger.info("reading converted weights from the pagoda cache: %s", path)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        header, _ = _header(plan, _SAFETENSORS_DTYPES[dtype], itemsize, self._weights_metadata(dtype))
+        header, _ = _header(plan, _SAFETENSORS_DTYPES[dtype], self._weights_metadata(dtype))
         return _iter_cached(path, plan, dtype, len(header))
 
     def write_weights_through(
@@ -281,15 +281,16 @@ def _older_than(path: Path, now: float, seconds: float) -> bool:
 # written as they are converted and never all held at once.
 
 
-def _header(plan: list[tuple[str, tuple[int, ...]]], dtype_code: str, itemsize: int,
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def _header(plan: list[tuple[str, tuple[int, ...]]], dtype_code: str,
             metadata: dict[str, str]) -> tuple[bytes, list[int]]:
     header: dict[str, Any] = {"__metadata__": metadata}
     ends = []
     offset = 0
     for name, shape in plan:
-        nbytes = itemsize
-        for dim in shape:
-            nbytes *= dim
+        nbytes = _ITEMSIZE[dtype_code] * math.prod(shape)
         header[name] = {"dtype": dtype_code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
         ends.append(offset)
@@ -309,8 +310,7 @@ class _SafetensorsWriter:
     @classmethod
     def open(cls, path: Path, plan: list[tuple[str, tuple[int, ...]]], dtype_code: str,
              metadata: dict[str, str]) -> _SafetensorsWriter | None:
-        itemsize = {"F32": 4, "F16": 2, "BF16": 2}[dtype_code]
-        header, _ = _header(plan, dtype_code, itemsize, metadata)
+        header, _ = _header(plan, dtype_code, metadata)
         try:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
             file = os.fdopen(fd, "wb")
@@ -356,8 +356,7 @@ class _SafetensorsWriter:
 def _check_safetensors(path: Path, plan: list[tuple[str, tuple[int, ...]]], dtype_code: str,
                        metadata: dict[str, str]) -> str | None:
     """Why the file at ``path`` is not the one ``plan`` would write, or None when it is."""
-    itemsize = {"F32": 4, "F16": 2, "BF16": 2}[dtype_code]
-    expected, ends = _header(plan, dtype_code, itemsize, metadata)
+    expected, ends = _header(plan, dtype_code, metadata)
     try:
         with open(path, "rb") as f:
             head = f.read(len(expected))
