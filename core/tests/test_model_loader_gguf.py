@@ -217,3 +217,25 @@ def test_hf_load_format_on_gguf(tmp_path: Path, load_format: str) -> None:
     write_llama_gguf(path, llama_state_dict(), Q.F32)
     with pytest.raises(ModelLoadError, match="is a GGUF file"):
         iter_weights(resolve_model_path(path), load_format)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_benchmark_export_rewrites_a_quantized_gguf_at_full_precision(tmp_path: Path, dtype: torch.dtype) -> None:
+    """llama.cpp, the benchmark peer, must run the very weights pagoda loads from the quantized file."""
+    from gguf import GGUFReader
+
+    from pagoda.benchmarks.export import export_gguf
+    from pagoda.model_loader import load_hf_config
+
+    source = tmp_path / "tiny.gguf"
+    write_llama_gguf(source, llama_state_dict(), Q.Q4_1)
+    out = export_gguf(str(source), tmp_path / "tiny-full.gguf", dtype)
+    quantized = dict(iter_weights(resolve_model_path(source)))
+    rewritten = dict(iter_weights(resolve_model_path(out)))
+    assert set(rewritten) == set(quantized)
+    for name, tensor in quantized.items():
+        want = tensor.float().to(dtype) if tensor.dim() == 2 else tensor.float()
+        assert rewritten[name].dtype == want.dtype, name
+        assert torch.equal(rewritten[name], want), name
+    assert load_hf_config(resolve_model_path(out)).to_dict() == load_hf_config(resolve_model_path(source)).to_dict()
+    assert GGUFReader(out).fields["general.file_type"].contents() == {torch.float32: 0, torch.bfloat16: 32}[dtype]

@@ -52,11 +52,9 @@ def export_gguf(model: str | None, out_path: str | Path, dtype: torch.dtype = to
     tmp = out.with_suffix(".partial")
     writer = GGUFWriter(tmp, arch)
     file_type = {torch.float32: 0, torch.bfloat16: 32}[dtype]  # LLAMA_FTYPE_ALL_F32 / MOSTLY_BF16
+    writer.add_uint32("general.file_type", file_type)  # what this file holds now, not the source's quantization
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if key == "general.file_type":
-            writer.add_uint32(key, file_type)
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
             continue
         vtype = GGUFValueType(field.types[0])
         sub = GGUFValueType(field.types[1]) if vtype == GGUFValueType.ARRAY and len(field.types) > 1 else None
