@@ -196,14 +196,13 @@ def test_long_fresh_prefill_beside_decodes(dtype: torch.dtype, window: int | Non
 
 def test_a_failed_build_is_a_reason_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
     """When the C++ kernel cannot be compiled, the selector sees why and moves on to the next backend."""
+    from pagoda.cpp_extension import CppExtension
     from pagoda_attn_cpu import kernel as kernel_module
 
-    def broken_build() -> None:
+    def broken_sources() -> list[str]:
         raise RuntimeError("g++: command not found")
 
-    monkeypatch.setattr(kernel_module, "_module", None)
-    monkeypatch.setattr(kernel_module, "_failure", None)
-    monkeypatch.setattr(kernel_module, "_build", broken_build)
+    monkeypatch.setattr(kernel_module, "EXTENSION", CppExtension("pagoda_test_broken_attn", broken_sources, ["f"]))
     spec = AttentionSpec(
         num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, device_type="cpu", block_size=16
     )

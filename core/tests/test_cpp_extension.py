@@ -1,4 +1,6 @@
-"""The compiled kernel's cached copy: stored after a build, imported directly by the next process, keyed by its inputs."""
+"""A compiled extension's cached copy: stored after a build, imported directly by the next process, keyed by its inputs.
+
+Also: a failed build is remembered with its reason."""
 
 from __future__ import annotations
 
@@ -6,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pagoda_attn_cpu import prebuilt
-from pagoda_attn_cpu.kernel import COMPILE_FLAGS, EXTENSION_NAME, KernelBuildError, kernel
+from pagoda.cpp_extension import CppExtension, ExtensionBuildError, prebuilt
+from pagoda.cpp_extension.build import DEFAULT_CFLAGS
+
+EXTENSION_NAME = "pagoda_test_cpp_extension"
+COMPILE_FLAGS = list(DEFAULT_CFLAGS)
+_SOURCE = "#include <torch/extension.h>\nint64_t add_one(int64_t x) { return x + 1; }\n"
+_EXTENSION = CppExtension(EXTENSION_NAME, lambda: [_SOURCE], ["add_one"])
 
 
 @pytest.fixture
@@ -20,8 +27,8 @@ def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def built():  # type: ignore[no-untyped-def]
     try:
-        return kernel()
-    except KernelBuildError as exc:
+        return _EXTENSION.module()
+    except ExtensionBuildError as exc:
         pytest.skip(f"no C++ toolchain here: {exc}")
 
 
@@ -38,7 +45,7 @@ def test_stored_library_is_loaded_again(cache_root: Path, built) -> None:  # typ
     stored = list(cache_root.glob(f"torch_extensions/{EXTENSION_NAME}-k1/*"))
     assert len(stored) == 1 and stored[0].stat().st_size == Path(built.__file__).stat().st_size
     module = prebuilt.load_prebuilt(EXTENSION_NAME, "k1")
-    assert module is not None and hasattr(module, "paged_attention")
+    assert module is not None and module.add_one(41) == 42
     assert prebuilt.load_prebuilt(EXTENSION_NAME, "k2") is None
 
 
@@ -56,3 +63,18 @@ def test_disabled_cache_stores_nothing(cache_root: Path, monkeypatch: pytest.Mon
     prebuilt.store_prebuilt(built, EXTENSION_NAME, "k1")
     assert not any(cache_root.iterdir())
     assert prebuilt.load_prebuilt(EXTENSION_NAME, "k1") is None
+
+
+def test_failed_build_is_remembered_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def broken() -> list[str]:
+        calls.append(1)
+        raise RuntimeError("g++: command not found")
+
+    extension = CppExtension("pagoda_test_broken", broken, ["f"])
+    failure = extension.build_failure()
+    assert failure is not None and "could not be compiled" in failure and "g++: command not found" in failure
+    with pytest.raises(ExtensionBuildError, match="g\\+\\+: command not found"):
+        extension.module()
+    assert len(calls) == 1  # not rebuilt on every call
