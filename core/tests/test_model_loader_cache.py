@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -14,8 +16,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from pagoda.model_loader import gguf_weights as gguf_weights_module
-from pagoda.model_loader import iter_weights, load_hf_config, load_tokenizer, resolve_model_path
+from pagoda.model_loader import iter_weights, load_hf_config, load_model_config, load_tokenizer, resolve_model_path
 from pagoda.model_loader.convert_cache import CACHE_ROOT_ENV, DISABLE_ENV, ConvertCache, cache_root
+from pagoda.model_loader.hf_config import CachedHFConfig
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 96
 BLOCK_NAMES = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -209,16 +212,35 @@ def test_config_is_cached(cache_dir: Path, model_file: Path, monkeypatch: pytest
         raise AssertionError("the config was built from the GGUF file again")
 
     monkeypatch.setattr(hf_config_module, "load_gguf_config", no_conversion)
-    second = load_hf_config(source)
-    assert second.to_dict() == first.to_dict()
+    assert not isinstance(load_hf_config(source), CachedHFConfig)  # transformers' models take only its own
+    second = load_model_config(source)
+    assert isinstance(second, CachedHFConfig)
+    for key, value in first.to_dict().items():
+        assert getattr(second, key) == value, key
+    # what the model reads but to_dict may name otherwise
+    for key in ("head_dim", "num_key_value_heads", "rope_parameters", "tie_word_embeddings", "rms_norm_eps"):
+        assert getattr(second, key) == getattr(first, key), key
     assert second.name_or_path == first.name_or_path == str(model_file.parent)
-    assert second.architectures == ["LlamaForCausalLM"]
+    assert second.architectures == first.architectures == ["LlamaForCausalLM"]
 
     config_file.write_text("{not json")  # damaged: converted again
     monkeypatch.undo()
     monkeypatch.setenv(CACHE_ROOT_ENV, str(cache_dir))
     assert load_hf_config(source).to_dict() == first.to_dict()
     assert json.loads(config_file.read_text())["config"]["model_type"] == "llama"
+
+
+def test_cached_config_is_read_without_transformers_config_classes(cache_dir: Path, model_file: Path) -> None:
+    """The point of CachedHFConfig: a warm start skips ~1.5 s of transformers imports."""
+    load_hf_config(resolve_model_path(model_file))  # fills the cache
+    code = (
+        "import sys; from pagoda.model_loader import load_model_config, resolve_model_path; "
+        f"c = load_model_config(resolve_model_path({str(model_file)!r})); "
+        "print(type(c).__name__, c.num_hidden_layers, 'transformers.models.llama' in sys.modules)"
+    )
+    env = {**os.environ, CACHE_ROOT_ENV: str(cache_dir)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["CachedHFConfig", "2", "False"]
 
 
 def test_default_model_config_and_tokenizer_from_cache_equal_the_converted(cache_dir: Path) -> None:

@@ -15,19 +15,61 @@ if TYPE_CHECKING:
 
 def load_hf_config(source: ModelSource, hf_overrides: dict[str, Any] | None = None) -> PretrainedConfig:
     """Read the config (offline: ``local_files_only``) and apply ``hf_overrides`` on top."""
-    # transformers takes seconds to import: only pay for it when a config is read
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    config: PretrainedConfig = _load_config(source, hf_overrides, light=False)
+    return config
 
+
+def load_model_config(source: ModelSource, hf_overrides: dict[str, Any] | None = None) -> Any:
+    """What the engine builds its model from: ``load_hf_config``'s values, or a ``CachedHFConfig`` of them.
+
+    The engine's start-up path: a GGUF file's cached config comes back without
+    importing transformers' config classes. Not for handing to transformers' own
+    model classes, which insist on a ``PretrainedConfig`` (use ``load_hf_config``).
+    """
+    return _load_config(source, hf_overrides, light=True)
+
+
+def _load_config(source: ModelSource, hf_overrides: dict[str, Any] | None, light: bool) -> Any:
+    # transformers takes seconds to import: only pay for it when a config is read
     try:
         if source.kind == "gguf":
-            config = _load_gguf_config_cached(source)
+            config = _load_gguf_config_cached(source, light)
         else:
+            from transformers import AutoConfig
+
             config = AutoConfig.from_pretrained(str(source.path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"Cannot read the model config of {source.display_name}: {exc}") from exc
 
-    if source.kind == "gguf" and not config.architectures:
+    if hf_overrides:
+        apply_hf_overrides(config, hf_overrides)
+    return config
+
+
+def _load_gguf_config_cached(source: ModelSource, light: bool) -> Any:
+    """The GGUF file's config, from pagoda's convert cache when it holds it.
+
+    With ``light``, a cached entry written with its architectures comes back as a ``CachedHFConfig``
+    without importing transformers' config classes (~1.5 s of imports on the
+    reference CPU, a third of the server's start-up).
+    """
+    cache = ConvertCache.for_gguf(source.gguf_path)
+    cached = cache.read_config() if cache is not None else None
+    if light and cached is not None and CachedHFConfig.can_hold(cached):
+        config: Any = CachedHFConfig(cached)
+        config.name_or_path = str(source.path)
+        return config
+    from transformers import CONFIG_MAPPING, AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if cached is not None and cached.get("model_type") in CONFIG_MAPPING:
+        config = CONFIG_MAPPING[cached["model_type"]].from_dict(cached)
+    else:
+        config = load_gguf_config(source.gguf_path) or AutoConfig.from_pretrained(
+            str(source.path), gguf_file=source.gguf_file, local_files_only=True
+        )
+    config.name_or_path = str(source.path)
+    if not config.architectures:
         # GGUF metadata names only the model type; the causal-LM class is what the engine serves.
         causal_lm_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         if causal_lm_class is None:
@@ -35,28 +77,45 @@ def load_hf_config(source: ModelSource, hf_overrides: dict[str, Any] | None = No
                 f"GGUF file {source.display_name} has model type {config.model_type!r}, which has no causal-LM architecture"
             )
         config.architectures = [causal_lm_class]
-
-    if hf_overrides:
-        apply_hf_overrides(config, hf_overrides)
-    return config
-
-
-def _load_gguf_config_cached(source: ModelSource) -> PretrainedConfig:
-    """The GGUF file's config, from pagoda's convert cache when it holds it (the architectures are filled in after)."""
-    from transformers import CONFIG_MAPPING, AutoConfig
-
-    cache = ConvertCache.for_gguf(source.gguf_path)
-    cached = cache.read_config() if cache is not None else None
-    if cached is not None and cached.get("model_type") in CONFIG_MAPPING:
-        config = CONFIG_MAPPING[cached["model_type"]].from_dict(cached)
-        config.name_or_path = str(source.path)
-        return config
-    config = load_gguf_config(source.gguf_path) or AutoConfig.from_pretrained(
-        str(source.path), gguf_file=source.gguf_file, local_files_only=True
-    )
     if cache is not None:
         cache.write_config(config.to_dict())
     return config
+
+
+class CachedHFConfig:
+    """A text model's config read back from the ``to_dict()`` of its transformers config.
+
+    ``to_dict`` lists every attribute the config's constructor set (defaults
+    included), which is all that model code reads; class-level properties of
+    transformers' config classes are not there. Held only for configs without
+    sub-configs (``can_hold``), so every value is plain data.
+    """
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__.update(values)
+        if isinstance(values.get("id2label"), dict):
+            # JSON made the integer keys strings; transformers turns them back the same way
+            self.id2label = {int(k): v for k, v in values["id2label"].items()}
+
+    @staticmethod
+    def can_hold(values: dict[str, Any]) -> bool:
+        has_sub_config = any(isinstance(v, dict) and "model_type" in v for v in values.values())
+        return bool(values.get("architectures")) and isinstance(values.get("model_type"), str) and not has_sub_config
+
+    @property
+    def name_or_path(self) -> str:
+        # as in transformers: stored as _name_or_path, which to_dict lists
+        return str(self.__dict__.get("_name_or_path", ""))
+
+    @name_or_path.setter
+    def name_or_path(self, value: str) -> None:
+        self.__dict__["_name_or_path"] = value
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"CachedHFConfig({self.__dict__!r})"
 
 
 def apply_hf_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> None:
