@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from pagoda.layers import TorchLayerOps
 from pagoda_models_llama.rope_scaling import RopeConfig, inv_freq_and_attention_factor, rope_config_from_hf
 from pagoda_models_llama.rotary import RotaryEmbedding
 
@@ -113,7 +114,7 @@ def test_rotation_is_the_rotate_half_formula() -> None:
     cos, sin = rope.cos_sin(positions)
     expected = x * torch.cat([cos, cos], -1) + torch.cat([-x[..., 4:], x[..., :4]], -1) * torch.cat([sin, sin], -1)
     rotated = x.clone()
-    RotaryEmbedding.rotate_(rotated, cos, sin)
+    TorchLayerOps().rotary_neox_(rotated, cos, sin)
     torch.testing.assert_close(rotated, expected)
     torch.testing.assert_close(rotated[0], x[0])  # position 0 is the identity
 

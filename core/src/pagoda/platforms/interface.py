@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagoda.config import EngineConfig
-    from pagoda.layers import LinearKernel
+    from pagoda.layers import LayerOps, LinearKernel
 
 
 class Platform:
@@ -75,6 +75,13 @@ class Platform:
         """The matmul ``pagoda.layers.Linear`` layers use here, or None for plain ``F.linear``.
 
         Asked once after the weights are loaded; the kernel may re-lay-out each weight.
+        """
+        return None
+
+    def layer_ops(self, dtype: torch.dtype) -> LayerOps | None:
+        """The elementwise decoder ops (RMSNorm, SiLU-and-mul, RoPE) models use here, or None for torch's.
+
+        Asked once after the weights are loaded; ``pagoda.layers.bind_layer_ops`` installs the result.
         """
         return None
 

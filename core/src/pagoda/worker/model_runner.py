@@ -18,8 +18,8 @@ import torch
 from pagoda.attention import Attention, AttentionMetadata, AttentionSpec
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
-from pagoda.layers import prepare_linear_layers
-from pagoda.model_loader import checkpoint_dtype, iter_weights, load_hf_config, resolve_model_path
+from pagoda.layers import bind_layer_ops, prepare_linear_layers
+from pagoda.model_loader import checkpoint_dtype, iter_weights, load_model_config, resolve_model_path
 from pagoda.models.interface import config_for
 from pagoda.models.registry import ModelRegistry
 from pagoda.platforms import Platform
@@ -87,7 +87,7 @@ class ModelRunner:
         self.device = platform.device()
         mc = config.model
         self.source = resolve_model_path(mc.model)
-        self.hf_config = load_hf_config(self.source, mc.hf_overrides)
+        self.hf_config = load_model_config(self.source, mc.hf_overrides)
         self.text_config = config_for(self.hf_config)
         self.dtype = platform.resolve_dtype(mc.dtype, checkpoint_dtype(self.source))
         self.block_size: int = config.cache_config.block_size or platform.default_block_size
@@ -123,9 +123,12 @@ class ModelRunner:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kernel = self.platform.linear_kernel(self.dtype)
         prepared = prepare_linear_layers(self.model, kernel) if kernel is not None else 0
+        ops = self.platform.layer_ops(self.dtype)
+        bound = bind_layer_ops(self.model, ops) if ops is not None else 0
         logger.info(
-            "loaded %s (%s) in %.2fs; linear kernel: %s (%d layers)",
+            "loaded %s (%s) in %.2fs; linear kernel: %s (%d layers); layer ops: %s (%d modules)",
             archs[0], self.dtype, time.perf_counter() - t0, kernel.name if kernel else "F.linear", prepared,
+            ops.name if ops is not None else "torch", bound,
         )
 
     def attention_spec(self) -> AttentionSpec:

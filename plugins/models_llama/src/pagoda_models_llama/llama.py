@@ -17,16 +17,16 @@ import torch
 from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
-from pagoda.layers import Linear
+from pagoda.layers import LayerOpsModule, Linear, RMSNorm, SiluAndMul
 from pagoda.models.interface import config_for
 from pagoda_models_llama.arch import DecoderOptions, llama_options, mistral_options, qwen2_options, qwen3_options
-from pagoda_models_llama.layers import Embedding, RMSNorm, silu_and_mul
+from pagoda_models_llama.layers import Embedding
 from pagoda_models_llama.rope_scaling import rope_config_from_hf
 from pagoda_models_llama.rotary import RotaryEmbedding
 from pagoda_models_llama.weights import load_llama_weights
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(LayerOpsModule):  # self.ops rotates q and k
     def __init__(self, cfg: Any, options: DecoderOptions, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
             q_heads, k_heads = qk[:, : self.num_heads], qk[:, self.num_heads :]
             q_heads.copy_(self.q_norm(q_heads))
             k_heads.copy_(self.k_norm(k_heads))
-        RotaryEmbedding.rotate_(qk, cos, sin)
+        self.ops.rotary_neox_(qk, cos, sin)
         q = qkv[:, : self.q_size]
         k = qkv[:, self.q_size : self.q_size + self.kv_size]
         v = qkv[:, self.q_size + self.kv_size :]
@@ -78,9 +78,10 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, options.mlp_bias, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
+        self.act_fn = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -99,7 +100,11 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns this layer's output and the residual stream, not yet added (the next norm adds them)."""
+        """Returns this layer's output and the residual stream, not yet added (the next norm adds them).
+
+        The residual stream is this model's own tensor (the embedding output, then sums):
+        ``add_and_norm`` may write each new sum into it in place.
+        """
         normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(normed, cos, sin, metadata)
         normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)

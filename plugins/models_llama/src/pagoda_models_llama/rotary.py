@@ -35,19 +35,11 @@ class RotaryEmbedding(nn.Module):
         self._sin = (angles.sin() * attention_factor).to(self.dtype)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for each position: [T, 1, rotary_dim // 2] each, shared by every layer of a step."""
+        """cos, sin for each position: [T, 1, rotary_dim // 2] each, shared by every layer of a step.
+
+        The rotation itself is ``LayerOps.rotary_neox_`` (platform kernels).
+        """
         if self._cos is None or self._cos.device != positions.device:
             self._build(positions.device)
         assert self._cos is not None and self._sin is not None
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate ``x`` [T, heads, head_dim] in place (it may be a strided view into the fused QKV output)."""
-        half = cos.shape[-1]
-        x1 = x[..., :half]
-        x2 = x[..., half : 2 * half]
-        rotated_first = x1 * cos - x2 * sin
-        rotated_second = x2 * cos + x1 * sin
-        x1.copy_(rotated_first)
-        x2.copy_(rotated_second)

@@ -1,0 +1,286 @@
+// y[M, N] = x[M, K] W[N, K]^T (+ bias) for the few rows of a decode step, on plain row-major weights.
+//
+// At decode sizes a linear layer is a read of its weight: the kernel's job is to stream W at
+// the memory's speed and do the arithmetic under that read. Each thread takes one contiguous
+// range of W's rows and walks it front to back, one row at a time, applying every x row to
+// each loaded weight vector. Measured on the 2-core Zen 4 reference VM (all 120 matrices of
+// SmolLM2-135M in sequence, M = 1), one row at a time reads W as fast as a bare read loop
+// (27-40 GB/s, depending on the neighbours), where blocks of 2 or 4 rows read at 18-25 GB/s
+// with or without software prefetch: a single forward stream per core is what the hardware
+// prefetcher follows best.
+//
+// Paths, chosen at compile time (-march=native): AVX-512 (fp32 FMA; bf16 with AVX512_BF16's
+// vdpbf16ps, else widened to fp32), or portable loops the compiler vectorises (AVX2 and others).
+// Accumulation is fp32 throughout; a bf16 result is rounded once, to nearest even, here.
+//
+// Built with PAGODA_GEMV_STANDALONE the file has no torch dependency and exports a C ABI:
+// tests compile it with other -m flags (no AVX-512) to check the paths this CPU does not take.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagoda_gemv {
+
+#define PAGODA_INLINE inline __attribute__((always_inline))
+
+typedef uint16_t bf16_bits;
+
+PAGODA_INLINE float bf16_to_float(bf16_bits v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, NaN kept quiet: what torch's float -> bfloat16 conversion does.
+PAGODA_INLINE bf16_bits float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_bits>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<bf16_bits>(u >> 16);
+}
+
+PAGODA_INLINE float to_float(float v) { return v; }
+PAGODA_INLINE float to_float(bf16_bits v) { return bf16_to_float(v); }
+PAGODA_INLINE void store(float* p, float v) { *p = v; }
+PAGODA_INLINE void store(bf16_bits* p, float v) { *p = float_to_bf16(v); }
+
+// The K % vector-width elements left after the vector loop.
+template <int MB, typename T>
+PAGODA_INLINE void dot_tail(const T* x, int64_t K, const T* w, int64_t k, float* out) {
+  for (; k < K; ++k) {
+    const float wk = to_float(w[k]);
+    for (int m = 0; m < MB; ++m) out[m] += wk * to_float(x[m * K + k]);
+  }
+}
+
+#if defined(__AVX512F__)
+constexpr const char* kIsa =
+#if defined(__AVX512BF16__)
+    "avx512_bf16";
+#else
+    "avx512";
+#endif
+
+// out[m] = x[m, :] . w for MB rows of x, with U accumulators per x row along k.
+//
+// A row's multiply-adds form U dependent chains of K / (width * U) links; short chains let a
+// row's arithmetic finish under the read of the next ones. Measured in situ (decode of 1-8
+// streams, SmolLM2-135M): fp32 2-4 rows 10-20% faster with 4 accumulators than with 1 or 2,
+// 1 row best with 2; bf16 with one accumulator per x row took 4 rows 30% longer than 3 or 5
+// (21.9 vs 15.0 / 18.0 ms a step), with 2 the cost grows smoothly (13.8, 14.2, 14.5, 17.0 ms
+// for 1-4 rows), and 3 or 4 were no better.
+template <int MB>
+PAGODA_INLINE void dot_rows(const float* x, int64_t K, const float* w, float* out) {
+  constexpr int U = MB == 1 ? 2 : 4;
+  __m512 acc[MB][U];
+  for (int m = 0; m < MB; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 * U <= K; k += 16 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m512 wv = _mm512_loadu_ps(w + k + 16 * u);
+      for (int m = 0; m < MB; ++m) acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[m][u]);
+    }
+  for (; k + 16 <= K; k += 16) {
+    const __m512 wv = _mm512_loadu_ps(w + k);
+    for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m][0]);
+  }
+  for (int m = 0; m < MB; ++m) {
+    __m512 s = acc[m][0];
+    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[m][u]);
+    out[m] = _mm512_reduce_add_ps(s);
+  }
+  dot_tail<MB>(x, K, w, k, out);
+}
+
+#if defined(__AVX512BF16__)
+// vdpbf16ps: 32 bf16 products per instruction, summed in pairs into 16 fp32 lanes.
+template <int MB>
+PAGODA_INLINE void dot_rows(const bf16_bits* x, int64_t K, const bf16_bits* w, float* out) {
+  constexpr int U = 2;
+  __m512 acc[MB][U];
+  for (int m = 0; m < MB; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 * U <= K; k += 32 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
+      for (int m = 0; m < MB; ++m)
+        acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u));
+    }
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+  }
+  for (int m = 0; m < MB; ++m) {
+    __m512 s = acc[m][0];
+    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[m][u]);
+    out[m] = _mm512_reduce_add_ps(s);
+  }
+  dot_tail<MB>(x, K, w, k, out);
+}
+#else
+// No bf16 arithmetic: widen 16 values at a time (bf16 is fp32's upper half) and use fp32 FMAs.
+PAGODA_INLINE __m512 load_bf16x16(const bf16_bits* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+template <int MB>
+PAGODA_INLINE void dot_rows(const bf16_bits* x, int64_t K, const bf16_bits* w, float* out) {
+  constexpr int U = 2;  // as for vdpbf16ps; not measured (no such CPU at hand)
+  __m512 acc[MB][U];
+  for (int m = 0; m < MB; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 * U <= K; k += 16 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m512 wv = load_bf16x16(w + k + 16 * u);
+      for (int m = 0; m < MB; ++m) acc[m][u] = _mm512_fmadd_ps(wv, load_bf16x16(x + m * K + k + 16 * u), acc[m][u]);
+    }
+  for (; k + 16 <= K; k += 16) {
+    const __m512 wv = load_bf16x16(w + k);
+    for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(wv, load_bf16x16(x + m * K + k), acc[m][0]);
+  }
+  for (int m = 0; m < MB; ++m) {
+    __m512 s = acc[m][0];
+    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[m][u]);
+    out[m] = _mm512_reduce_add_ps(s);
+  }
+  dot_tail<MB>(x, K, w, k, out);
+}
+#endif
+
+#else  // no AVX-512: fixed-width loops that -O3 turns into the host's vectors (AVX2: two ymm per lane group)
+constexpr const char* kIsa = "portable";
+
+template <int MB, typename T>
+PAGODA_INLINE void dot_rows(const T* x, int64_t K, const T* w, float* out) {
+  constexpr int L = 16;
+  float acc[MB][L] = {};
+  int64_t k = 0;
+  for (; k + L <= K; k += L) {
+    float wv[L];
+    for (int l = 0; l < L; ++l) wv[l] = to_float(w[k + l]);
+    for (int m = 0; m < MB; ++m)
+      for (int l = 0; l < L; ++l) acc[m][l] += wv[l] * to_float(x[m * K + k + l]);
+  }
+  for (int m = 0; m < MB; ++m) {
+    float s = 0.0f;
+    for (int l = 0; l < L; ++l) s += acc[m][l];
+    out[m] = s;
+  }
+  dot_tail<MB>(x, K, w, k, out);
+}
+#endif
+
+// x rows in groups of up to 4: the weight row is read from memory once, then from L1 for
+// the later groups; 4 rows x up to 4 accumulators still fit the 32 vector registers.
+constexpr int kGroup = 4;
+
+template <int MB, typename T>
+PAGODA_INLINE void emit(const T* x, int64_t K, const T* w_row, const T* bias, T* y, int64_t N, int64_t n) {
+  float s[MB];
+  dot_rows<MB>(x, K, w_row, s);
+  const float b = bias != nullptr ? to_float(bias[n]) : 0.0f;
+  for (int m = 0; m < MB; ++m) store(y + m * N + n, s[m] + b);
+}
+
+template <typename T>
+void gemv_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* w_row = w + n * K;
+    int64_t m = 0;
+    for (; m + kGroup <= M; m += kGroup) emit<kGroup>(x + m * K, K, w_row, bias, y + m * N, N, n);
+    switch (M - m) {
+      case 3: emit<3>(x + m * K, K, w_row, bias, y + m * N, N, n); break;
+      case 2: emit<2>(x + m * K, K, w_row, bias, y + m * N, N, n); break;
+      case 1: emit<1>(x + m * K, K, w_row, bias, y + m * N, N, n); break;
+      default: break;
+    }
+  }
+}
+
+// Below this much weight per thread, waking another thread costs more than its share of the read.
+constexpr int64_t kMinBytesPerThread = 64 * 1024;
+
+template <typename T>
+void gemv(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K, int max_threads) {
+  if (M <= 0 || N <= 0) return;
+  const int64_t bytes = N * K * static_cast<int64_t>(sizeof(T));
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({max_threads, N, bytes / kMinBytesPerThread})));
+  if (threads == 1) {
+    gemv_rows(x, w, bias, y, M, N, K, 0, N);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    // One contiguous range of rows per thread: a forward stream through W (see the top).
+    const int t = omp_get_thread_num();
+    const int nt = omp_get_num_threads();
+    gemv_rows(x, w, bias, y, M, N, K, N * t / nt, N * (t + 1) / nt);
+  }
+}
+
+}  // namespace pagoda_gemv
+
+#if defined(PAGODA_GEMV_STANDALONE)
+
+extern "C" {
+const char* pagoda_gemv_isa() { return pagoda_gemv::kIsa; }
+void pagoda_gemv_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
+                     int threads) {
+  pagoda_gemv::gemv(x, w, bias, y, M, N, K, threads);
+}
+void pagoda_gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
+                      int64_t K, int threads) {
+  pagoda_gemv::gemv(x, w, bias, y, M, N, K, threads);
+}
+}
+
+#else
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+std::string gemv_isa() { return pagoda_gemv::kIsa; }
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gemv: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(x.size(1) == weight.size(1), "gemv: x has ", x.size(1), " columns, weight ", weight.size(1));
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "gemv: x and weight dtypes differ");
+  TORCH_CHECK(weight.is_contiguous() && weight.device().is_cpu() && x.device().is_cpu(), "gemv: contiguous CPU weight expected");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const void* b = nullptr;
+  torch::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type(), "gemv: bias of [", N, "] in x's dtype expected");
+    bias_c = bias->contiguous();
+    b = bias_c.data_ptr();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const int threads = at::get_num_threads();
+  if (x.scalar_type() == torch::kFloat) {
+    pagoda_gemv::gemv(x.data_ptr<float>(), weight.data_ptr<float>(), static_cast<const float*>(b), y.data_ptr<float>(),
+                      M, N, K, threads);
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    using bits = pagoda_gemv::bf16_bits;
+    pagoda_gemv::gemv(reinterpret_cast<const bits*>(x.data_ptr()), reinterpret_cast<const bits*>(weight.data_ptr()),
+                      static_cast<const bits*>(b), reinterpret_cast<bits*>(y.data_ptr()), M, N, K, threads);
+  } else {
+    TORCH_CHECK(false, "gemv: float32 or bfloat16 expected, got ", x.scalar_type());
+  }
+  return y;
+}
+
+#endif
