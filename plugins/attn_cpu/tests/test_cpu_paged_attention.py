@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch_paged_cases import (
@@ -173,6 +175,23 @@ def test_bad_input_is_refused_with_a_clear_error() -> None:
         backend.prepare(batch.metadata)
 
 
+def test_the_kernel_checks_every_block_it_reads_before_writing() -> None:
+    """Block ids are checked per layer call (each layer has its own cache), and a refused call writes nothing."""
+    shape = Shape(block_size=8)
+    backend = make_backend(shape)
+    batch = make_batch([(10, 1), (20, 1)], shape, seed=16)
+    metadata = backend.prepare(batch.metadata)
+    tables = metadata.extra["cpu_paged"].block_tables  # what the kernel reads
+    last_column = len(batch.sequences[1].blocks) - 1
+    tables[1, last_column] = batch.kv_cache.shape[1]
+    with pytest.raises(ValueError, match="past the cache"):
+        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, 0.25)
+    tables[1, last_column] = -1
+    with pytest.raises(ValueError, match="negative block id"):
+        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, 0.25)
+    assert torch.equal(batch.kv_cache, batch.initial_cache)
+
+
 def test_refuses_other_devices() -> None:
     spec = AttentionSpec(
         num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, device_type="cuda", block_size=16
@@ -210,3 +229,32 @@ def test_a_failed_build_is_a_reason_unsupported(monkeypatch: pytest.MonkeyPatch)
     assert "could not be compiled" in reason and "g++: command not found" in reason
     with pytest.raises(ValueError, match="could not be compiled"):
         CpuPagedAttentionBackend(spec)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """The kernel plans its work for torch's thread count: two threads split a lone long decode."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 128), (2, 1, 40)], ids=["9-3", "mqa-dim-128", "dim-40"]
+)
+def test_few_long_decodes_split_their_keys(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Decodes too few to busy the threads split their keys into parts whose partial results are
+    merged; a window or a soft cap applies within each part, short decodes stay whole, and a
+    batch too small to be worth a second thread runs on the calling one."""
+    shape = Shape(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    for lens in ([(300, 1)], [(130, 1), (200, 1), (5, 1)], [(64, 1), (0, 40)], [(20, 1)]):
+        run_and_check(make_batch(lens, shape, dtype=dtype, seed=40), shape, dtype)
+        run_and_check(make_batch(lens, shape, dtype=dtype, seed=41), shape, dtype, sliding_window=150)
+        batch = make_batch(lens, shape, dtype=dtype, seed=42)
+        batch.query.mul_(4)
+        for seq in batch.sequences:
+            seq.query.mul_(4)
+        run_and_check(batch, shape, dtype, logits_soft_cap=3.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,8 +32,6 @@ class CpuStep:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
-    # Largest block id any sequence reads, checked against each layer's cache (-1: none).
-    max_block_id: int
     # int32 ids of the sequences the kernel attends: all of them, or all but the SDPA prefills.
     all_seqs: torch.Tensor
     kernel_seqs: torch.Tensor
@@ -46,8 +45,9 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     """Every sequence of the step (decodes, chunks, prefills) in one OpenMP-parallel kernel call.
 
     Work items are (sequence, tile of up to TILE_TOKENS query tokens), each reading its blocks
-    once for every KV head (split per KV head when there are too few items for the cores), so a
-    batch of decodes balances over the cores and the query heads of a GQA group share each K/V read.
+    once for every KV head, so a batch of decodes balances over the cores and the query heads of
+    a GQA group share each K/V read. With too few items for the cores, tiles split per KV head and
+    a long decode splits its keys over the threads; a tiny batch stays on the calling thread.
     """
 
     name: ClassVar[str] = "cpu_paged"
@@ -86,29 +86,30 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        step = (metadata.extra or {}).get(PLAN_KEY)
+        step = metadata.extra.get(PLAN_KEY) if metadata.extra else None
         if step is None:
             raise RuntimeError(
                 "cpu_paged attention: metadata was not prepared; call backend.prepare(metadata) once per step"
             )
-        self._check_cache(kv_cache, key)
-        if step.max_block_id >= kv_cache.shape[1]:
-            raise ValueError(
-                f"attention metadata: block id {step.max_block_id} is past the cache's {kv_cache.shape[1]} blocks"
-            )
+        # Per layer only what can differ between layers, cheaply: the kernel checks the cache's
+        # contiguity and head layout against key, and every block id it reads against the cache.
+        cache_shape = kv_cache.shape
+        if len(cache_shape) != 5 or cache_shape[0] != 2 or cache_shape[2] != self.spec.block_size:
+            self._check_cache(kv_cache, key)
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window={sliding_window} must be positive")
         if logits_soft_cap is not None and logits_soft_cap <= 0:
             raise ValueError(f"logits_soft_cap={logits_soft_cap} must be positive")
         cache_dtype = kv_cache.dtype
         use_sdpa = bool(step.sdpa_prefills) and sliding_window is None and logits_soft_cap is None
-        q = query.to(cache_dtype)
+        # The model's activations are normally in the cache dtype already: no casts then.
+        q = query if query.dtype == cache_dtype else query.to(cache_dtype)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = self._kernel.paged_attention(
             q,
-            key.to(cache_dtype),
-            value.to(cache_dtype),
+            key if key.dtype == cache_dtype else key.to(cache_dtype),
+            value if value.dtype == cache_dtype else value.to(cache_dtype),
             kv_cache,
             step.slot_mapping,
             step.query_start,
@@ -131,7 +132,12 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
 
 
 def build_step(metadata: AttentionMetadata, block_size: int) -> CpuStep:
-    """Validate the batch layout once per step and put it in the form the kernel reads."""
+    """Put the batch layout in the form the kernel reads, checking it once per step.
+
+    The checks run on plain lists (a handful of torch or numpy ops would cost more than a small
+    batch's attention in a layer). Block ids are left to the kernel, which checks every id it
+    reads against each layer's cache on every call.
+    """
     if metadata.block_tables.device.type != "cpu":
         raise ValueError(f"cpu_paged attention needs CPU metadata, got block_tables on {metadata.block_tables.device}")
     num_seqs = metadata.num_seqs
@@ -142,61 +148,61 @@ def build_step(metadata: AttentionMetadata, block_size: int) -> CpuStep:
             f"attention metadata: query_start_loc has {query_start.numel()} entries and seq_lens "
             f"{seq_lens.numel()}, expected {num_seqs + 1} and {num_seqs} for num_seqs={num_seqs}"
         )
-    block_tables = metadata.block_tables.to(torch.int32).contiguous()
-    max_block_id = -1
+    block_tables = _int32(metadata.block_tables)
+    starts, lens = query_start.tolist(), seq_lens.tolist()
+    query_lens = [end - start for start, end in zip(starts, starts[1:])]
     if num_seqs:
-        query_lens = query_start[1:] - query_start[:-1]
-        if int(query_start[0]) != 0 or int(query_lens.min()) < 0 or int((seq_lens - query_lens).min()) < 0:
+        if starts[0] != 0 or min(query_lens) < 0 or any(n < q for n, q in zip(lens, query_lens)):
             raise ValueError(
                 "attention metadata: query_start_loc must start at 0 and not decrease, and seq_lens be >= query lengths"
             )
-        if int(query_start[-1]) > metadata.num_tokens:
+        if starts[-1] > metadata.num_tokens:
             raise ValueError(
-                f"attention metadata: sequences cover {int(query_start[-1])} rows but num_tokens={metadata.num_tokens}"
+                f"attention metadata: sequences cover {starts[-1]} rows but num_tokens={metadata.num_tokens}"
             )
-        blocks_needed = (seq_lens.to(torch.int64) + block_size - 1) // block_size
-        widest = int(blocks_needed.max())
-        if widest > block_tables.shape[1]:
-            raise ValueError(
-                f"attention metadata: a sequence needs {widest} blocks but block_tables has {block_tables.shape[1]} columns"
-            )
-        used = torch.arange(widest).unsqueeze(0) < blocks_needed.unsqueeze(1)
-        used_ids = block_tables[:, :widest][used]
-        if used_ids.numel():
-            if int(used_ids.min()) < 0:
-                raise ValueError("attention metadata: block_tables holds a negative block id for a used block")
-            max_block_id = int(used_ids.max())
-    slot_mapping = metadata.slot_mapping[: metadata.num_tokens].to(torch.int64).contiguous()
+    slot_mapping = metadata.slot_mapping[: metadata.num_tokens]
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        slot_mapping = slot_mapping.to(torch.int64).contiguous()
 
-    query_lens = query_start[1:] - query_start[:-1]
-    long_fresh = (query_lens >= SDPA_PREFILL_MIN_TOKENS) & (query_lens == seq_lens)
-    sdpa_ids = torch.nonzero(long_fresh).flatten().tolist()
+    all_seqs = _seq_ids(num_seqs)
+    sdpa_ids = [i for i, (q, n) in enumerate(zip(query_lens, lens)) if q >= SDPA_PREFILL_MIN_TOKENS and q == n]
+    if not sdpa_ids:
+        return CpuStep(query_start, seq_lens, block_tables, slot_mapping, all_seqs, all_seqs, [], None)
     sdpa_prefills = [
         LoopedSequence(
-            row_start=int(query_start[i]),
-            row_end=int(query_start[i + 1]),
+            row_start=starts[i],
+            row_end=starts[i + 1],
             context_len=0,
-            seq_len=int(seq_lens[i]),
-            block_ids=block_tables[i, : -(-int(seq_lens[i]) // block_size)].to(torch.int64),
+            seq_len=lens[i],
+            block_ids=block_tables[i, : -(-lens[i] // block_size)].to(torch.int64),
         )
         for i in sdpa_ids
     ]
-    sdpa_plan = None
-    if sdpa_prefills:
-        sdpa_plan = StepPlan(
-            num_tokens=metadata.num_tokens,
-            num_real_tokens=int(query_start[-1]),
-            write_rows=None,
-            write_slots=slot_mapping,
-            batched=[],
-            looped=sdpa_prefills,
-        )
-    all_seqs = torch.arange(num_seqs, dtype=torch.int32)
-    kernel_seqs = torch.nonzero(~long_fresh).flatten().to(torch.int32) if sdpa_prefills else all_seqs
-    return CpuStep(
-        query_start, seq_lens, block_tables, slot_mapping, max_block_id, all_seqs, kernel_seqs, sdpa_prefills, sdpa_plan
+    sdpa_plan = StepPlan(
+        num_tokens=metadata.num_tokens,
+        num_real_tokens=starts[-1],
+        write_rows=None,
+        write_slots=slot_mapping,
+        batched=[],
+        looped=sdpa_prefills,
     )
+    sdpa = set(sdpa_ids)
+    kernel_seqs = torch.tensor([i for i in range(num_seqs) if i not in sdpa], dtype=torch.int32)
+    return CpuStep(query_start, seq_lens, block_tables, slot_mapping, all_seqs, kernel_seqs, sdpa_prefills, sdpa_plan)
+
+
+@functools.lru_cache(maxsize=256)
+def _seq_ids(num_seqs: int) -> torch.Tensor:
+    """0 .. num_seqs - 1 as int32, made once per batch size (the kernel only reads it)."""
+    return torch.arange(num_seqs, dtype=torch.int32)
 
 
 def _host_int32(host: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
-    return (host if host is not None else fallback.cpu()).to(torch.int32).contiguous()
+    return _int32(host if host is not None else fallback.cpu())
+
+
+def _int32(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous int32 tensor: the same one when it is already (the usual case), else a copy."""
+    if tensor.dtype == torch.int32 and tensor.is_contiguous():
+        return tensor
+    return tensor.to(torch.int32).contiguous()

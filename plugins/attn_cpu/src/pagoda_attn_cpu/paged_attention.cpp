@@ -2,23 +2,32 @@
 //
 // Work item = (sequence, tile of query tokens, range of KV heads). A decode batch
 // gets one item per sequence covering every KV head, so each cache block is read
-// once, front to back, while the next one is prefetched; the heads are split into
-// separate items only when there are too few items to keep the cores busy. Every
-// query head of a KV head's group and every token of the tile reuse the block's
-// K/V from L1 (GQA). Softmax is online (running max and sum per query row) in
-// float32; V accumulates in float32; the output is written in the model dtype.
+// once, front to back; items are handed out biggest first to whichever thread is
+// free. With too few items to keep the cores busy, tiles split per KV head and a
+// long decode splits its keys into one part per thread (flash-decoding style), the
+// parts' partial results merged at the end. Every query head of a KV head's group
+// and every token of the tile reuse the block's K/V from L1 (GQA). Softmax is
+// online (running max and sum per query row) in float32; V accumulates in float32;
+// the output is written in the model dtype.
 //
 // The arithmetic uses GCC vector extensions of the machine's widest float vector
 // (16 lanes with AVX-512, else 8): one query row against W keys is W dot products
 // done lane-parallel over head_dim, then summed across lanes all at once by a
 // shuffle tree, so the W scores land in one vector for a vectorized exp. The query
 // heads of a group go through a block together (up to four rows), each K/V vector
-// loaded once for all of them. The next block is prefetched into L2 a few lines at
-// a time while the current one is worked on. The block loop is memory-bound for
-// float32 decode (it reads the whole cache at close to DRAM bandwidth).
+// loaded once for all of them. bf16 decodes read the cache in place with the
+// AVX512_BF16 dot-product instruction where the CPU has it.
+//
+// Decode is memory-bound: each thread runs a read-ahead cursor over the cache lines
+// it will read (across its next items too), a fixed distance ahead, and the inner
+// loops prefetch each key's lines into L2 as they read a key. Blocks sit at random
+// places in the cache, which defeats the hardware prefetchers at every block edge.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -62,7 +71,8 @@ PAGODA_INLINE vfloat loadv(const float* p) {
   return v;
 }
 PAGODA_INLINE void storev(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
-PAGODA_INLINE vfloat splat(float x) { return vfloat{} + x; }
+// x - 0 is x for every x (x + 0 is not, for -0), so this folds to a plain broadcast.
+PAGODA_INLINE vfloat splat(float x) { return x - vfloat{}; }
 
 // Lanes rotated down by N (lane i takes lane i + N): log2(W) rotate-and-combine steps reduce a vector.
 template <int N>
@@ -152,6 +162,17 @@ PAGODA_INLINE vfloat exp_nonpositive(vfloat x) {
   return x < -87.0f ? splat(0.0f) : p * scale;
 }
 
+// soft_cap * tanh(s / soft_cap) on every lane; out of line, as the tanh calls would spill the caller's registers.
+__attribute__((noinline)) void soft_cap_lanes_slow(float* lanes, float soft_cap) {
+  for (int j = 0; j < W; ++j) lanes[j] = soft_cap * std::tanh(lanes[j] / soft_cap);
+}
+PAGODA_INLINE void soft_cap_lanes(vfloat& s, float soft_cap) {
+  float lanes[W];
+  storev(lanes, s);
+  soft_cap_lanes_slow(lanes, soft_cap);
+  s = loadv(lanes);
+}
+
 // A head row as float32, zero-padded to `padded` (a multiple of W) so the vector loops need no tails.
 inline void widen_row(const float* src, float* dst, int64_t dim, int64_t padded) {
   std::memcpy(dst, src, static_cast<size_t>(dim) * sizeof(float));
@@ -197,49 +218,41 @@ inline void store_row(at::BFloat16* dst, const float* acc, int64_t dim, float in
   for (; d < dim; ++d) dst[d] = static_cast<at::BFloat16>(acc[d] * inv);
 }
 
-// Prefetch into L2 (prefetcht2): measured faster here than into L1, which has fewer miss buffers.
+// Where widen_row puts element d of a row of T (bf16: the even/odd order of each 2W chunk).
+template <typename T>
+inline int64_t widened_index(int64_t d, int64_t dim) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const int64_t chunk = d - d % (2 * W), e = d % (2 * W);
+    if (chunk + 2 * W <= dim) return chunk + (e % 2 == 0 ? e / 2 : W + e / 2);
+  }
+  return d;
+}
+
+#if defined(__AVX512BF16__) && PAGODA_W16
+#define PAGODA_BF16_DOT 1
+// A bf16 dot product instruction (vdpbf16ps): products of bf16 pairs are exact in float32, so
+// scores from it match widening both rows first. The float32 probabilities meet V as two bf16
+// parts (the rounded value and what rounding left), 16 bits of mantissa: rounding them once
+// would add an error as large as the output's own bf16 rounding (measured), for ~5% speed.
+typedef __m512bh vbf16;
+PAGODA_INLINE vbf16 load_bf16(const uint16_t* p) {
+  vbf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+PAGODA_INLINE vfloat dot_bf16(vfloat acc, vbf16 a, vbf16 b) {
+  return reinterpret_cast<vfloat>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), a, b));
+}
+#else
+#define PAGODA_BF16_DOT 0
+#endif
+
+// Prefetch into L2 (prefetcht2): on the EPYC this was tuned on, a decode read from DRAM runs about
+// twice as fast with it; prefetcht0 and prefetchnta did no better than no prefetch at all.
 constexpr int kPrefetchLocality = 1;
-
-// Prefetches the K and V rows of a block a few cache lines per step, spread over the work on
-// the block before it: a burst of hundreds of prefetches would stall on full miss buffers.
-class Prefetcher {
- public:
-  // rows of row_bytes each, row_stride_bytes apart, in both k and v; over about `steps` steps.
-  void start(const void* k, const void* v, int64_t rows, int64_t row_stride_bytes, int64_t row_bytes,
-             int64_t steps) {
-    if (row_stride_bytes == row_bytes) {  // every KV head of the block: one contiguous run
-      row_bytes *= rows;
-      rows = 1;
-    }
-    k_ = static_cast<const char*>(k);
-    v_ = static_cast<const char*>(v);
-    rows_ = rows;
-    stride_ = row_stride_bytes;
-    row_bytes_ = row_bytes;
-    row_ = 0;
-    byte_ = 0;
-    const int64_t lines = rows * ((row_bytes + 63) / 64);
-    per_step_ = (lines + steps - 1) / std::max<int64_t>(steps, 1);
-  }
-  void step() { issue(per_step_); }
-  void finish() { issue(std::numeric_limits<int64_t>::max()); }
-
- private:
-  void issue(int64_t lines) {
-    for (; lines > 0 && row_ < rows_; --lines) {
-      __builtin_prefetch(k_ + row_ * stride_ + byte_, 0, kPrefetchLocality);
-      __builtin_prefetch(v_ + row_ * stride_ + byte_, 0, kPrefetchLocality);
-      byte_ += 64;
-      if (byte_ >= row_bytes_) {
-        byte_ = 0;
-        ++row_;
-      }
-    }
-  }
-  const char* k_ = nullptr;
-  const char* v_ = nullptr;
-  int64_t rows_ = 0, stride_ = 0, row_bytes_ = 0, row_ = 0, byte_ = 0, per_step_ = 0;
-};
+// How far a thread's read-ahead runs in front of its reads, in (K line, V line) pairs: about two
+// blocks of a small model's decode, enough to cover DRAM latency at the rate a core reads.
+constexpr int64_t kReadAheadPairs = 256;
 
 struct WorkItem {
   int32_t seq;
@@ -247,6 +260,9 @@ struct WorkItem {
   int32_t token_end;
   int32_t kv_begin;  // KV heads of this item
   int32_t kv_end;
+  int32_t key_begin;  // key positions [key_begin, key_end) of a decode split over the threads
+  int32_t key_end;
+  int32_t part;  // -1: the item writes the output; else its partial result's slot, merged afterwards
   int64_t cost;  // rows x keys: bigger items are handed out first
 };
 
@@ -261,26 +277,240 @@ struct Layout {
   float soft_cap;  // 0: none
 };
 
+// Everything an item reads and writes.
+template <typename T>
+struct Inputs {
+  const T* query;
+  const T* key_cache;
+  const T* value_cache;
+  const int32_t* block_tables;
+  const int32_t* query_start;
+  const int32_t* seq_lens;
+  T* out;
+  // Split decodes: per part, [num_heads][head_dim + 2] floats (the unnormalized output in natural
+  // element order, then the running max and sum).
+  float* partials;
+  Layout L;
+};
+
+// Writes one finished row: normalized into the output, or as a part's partial result.
+// `index(d)` is where the accumulator holds element d.
+template <typename T, typename Index>
+inline void finish_row(const WorkItem& item, const Inputs<T>& in, int64_t token, int64_t head, const float* acc,
+                       float row_max, float row_sum, Index index) {
+  const int64_t dim = in.L.head_dim;
+  if (item.part >= 0) {
+    float* dst = in.partials + (item.part * in.L.num_heads + head) * (dim + 2);
+    for (int64_t d = 0; d < dim; ++d) dst[d] = acc[index(d)];
+    dst[dim] = row_max;
+    dst[dim + 1] = row_sum;
+    return;
+  }
+  T* dst = in.out + token * in.L.out_token_stride + head * dim;
+  const float inv = 1.0f / row_sum;  // > 0: every query sees at least its own key
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t d = 0; d < dim; ++d) dst[d] = acc[index(d)] * inv;
+  } else {
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[index(d)] * inv);
+  }
+}
+
+// Key positions [lo, hi] that some query row of the item sees.
+struct KeySpan {
+  int64_t lo, hi;
+};
+inline KeySpan key_span(const WorkItem& item, const int32_t* query_start, const int32_t* seq_lens,
+                        const Layout& L) {
+  const int64_t first_token = query_start[item.seq];
+  const int64_t context_len = seq_lens[item.seq] - (query_start[item.seq + 1] - first_token);
+  const int64_t first_pos = context_len + (item.token_begin - first_token);
+  const int64_t last_pos = context_len + (item.token_end - 1 - first_token);
+  const int64_t lowest = L.window > 0 ? std::max<int64_t>(0, first_pos - L.window + 1) : 0;
+  return {std::max<int64_t>(lowest, item.key_begin), std::min<int64_t>(last_pos, item.key_end - 1)};
+}
+
+// The items of one thread, claimed from the shared counter in order (biggest first), up to a
+// window ahead of the one it works on, so its read-ahead knows which blocks come next.
+class ItemQueue {
+ public:
+  ItemQueue(const WorkItem* items, int64_t n, std::atomic<int64_t>& next) : items_(items), n_(n), next_(next) {}
+
+  // The item at queue position `pos` (0: the thread's first), claiming more as needed; nullptr
+  // when the batch has no more, or for now when `pos` is a whole window ahead of the work.
+  const WorkItem* at(int64_t pos) {
+    while (pos >= tail_) {
+      if (exhausted_ || tail_ - head_ == kWindow) return nullptr;
+      const int64_t i = next_.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n_) {
+        exhausted_ = true;
+        return nullptr;
+      }
+      claimed_[tail_ % kWindow] = i;
+      ++tail_;
+    }
+    return &items_[claimed_[pos % kWindow]];
+  }
+  void pop() { ++head_; }
+
+ private:
+  static constexpr int64_t kWindow = 32;
+  const WorkItem* items_;
+  int64_t n_;
+  std::atomic<int64_t>& next_;
+  int64_t claimed_[kWindow];
+  int64_t head_ = 0, tail_ = 0;
+  bool exhausted_ = false;
+};
+
+// A cursor over the K/V cache lines a thread reads, in the order it reads them, running a fixed
+// number of lines in front of the reads: the kernels issue as many prefetches per key as the key
+// has lines, so the distance holds, the prefetches spread evenly over the work, and the next
+// block (or the next item's first block) is in L2 before the loads reach it. Random block
+// placement defeats the hardware prefetchers at every block boundary; this does not care.
+class ReadAhead {
+ public:
+  ReadAhead(ItemQueue& queue, const void* key_cache, const void* value_cache, const int32_t* block_tables,
+            const int32_t* query_start, const int32_t* seq_lens, const Layout& L, int64_t element_size)
+      : queue_(queue),
+        k_cache_(static_cast<const char*>(key_cache)),
+        v_cache_(static_cast<const char*>(value_cache)),
+        block_tables_(block_tables),
+        query_start_(query_start),
+        seq_lens_(seq_lens),
+        L_(L),
+        es_(element_size) {}
+
+  // Called as the thread starts on queue position `pos`: a cursor behind it (at the start, or
+  // after reads outran it) jumps there and runs `distance` pairs ahead at once.
+  void catch_up(int64_t pos, int64_t distance) {
+    if (started_ && pos_ >= pos) return;
+    started_ = true;
+    pos_ = pos;
+    enter_item(*queue_.at(pos));
+    issue(distance);
+  }
+
+  // The K lines of the next `pairs` pairs into `dst` (their V lines lie value_offset() further),
+  // for the kernels to prefetch from their inner loops; past the last item, a harmless address.
+  __attribute__((noinline)) void fill(const char** dst, int64_t pairs) {
+    for (int64_t i = 0; i < pairs;) {
+      if (line_ == lines_ && !next_run()) {
+        for (; i < pairs; ++i) dst[i] = k_cache_;
+        return;
+      }
+      const int64_t m = std::min(pairs - i, lines_ - line_);
+      for (int64_t e = i + m; i < e; ++i, ++line_) dst[i] = k_ + line_ * 64;
+    }
+  }
+  int64_t value_offset() const { return v_cache_ - k_cache_; }
+
+  // Prefetch the next `pairs` (K line, V line) pairs.
+  __attribute__((noinline)) void issue(int64_t pairs) {
+    while (pairs > 0) {
+      if (line_ == lines_ && !next_run()) return;
+      const int64_t m = std::min(pairs, lines_ - line_);
+      for (int64_t i = line_; i < line_ + m; ++i) {
+        __builtin_prefetch(k_ + i * 64, 0, kPrefetchLocality);
+        __builtin_prefetch(k_ + i * 64 + value_offset(), 0, kPrefetchLocality);
+      }
+      line_ += m;
+      pairs -= m;
+    }
+  }
+
+ private:
+  bool next_run() {
+    if (run_ + 1 < runs_) {
+      ++run_;
+      set_run();
+      return true;
+    }
+    if (block_ + 1 < block_end_) {
+      ++block_;
+      enter_block();
+      return true;
+    }
+    const WorkItem* item = queue_.at(pos_ + 1);
+    if (item == nullptr) return false;  // the batch is done, or the window is full for now
+    ++pos_;
+    enter_item(*item);
+    return true;
+  }
+
+  void enter_item(const WorkItem& item) {
+    const KeySpan span = key_span(item, query_start_, seq_lens_, L_);
+    first_key_ = span.lo;
+    last_key_ = span.hi;
+    block_ = span.lo / L_.block_size;
+    block_end_ = span.hi / L_.block_size + 1;
+    table_ = block_tables_ + item.seq * L_.block_table_stride;
+    head_offset_ = item.kv_begin * L_.head_dim;
+    head_bytes_ = (item.kv_end - item.kv_begin) * L_.head_dim * es_;
+    enter_block();
+  }
+
+  void enter_block() {
+    const int64_t start = block_ * L_.block_size;
+    const int64_t row_lo = std::max<int64_t>(first_key_ - start, 0);
+    const int64_t row_hi = std::min<int64_t>(L_.block_size - 1, last_key_ - start);
+    const int64_t token_bytes = L_.cache_token_stride * es_;
+    base_ = (static_cast<int64_t>(table_[block_]) * L_.cache_block_stride + head_offset_) * es_ + row_lo * token_bytes;
+    if (head_bytes_ == token_bytes) {  // every KV head of the block: one contiguous run
+      runs_ = 1;
+      run_bytes_ = (row_hi - row_lo + 1) * head_bytes_;
+    } else {
+      runs_ = row_hi - row_lo + 1;
+      run_bytes_ = head_bytes_;
+    }
+    run_ = 0;
+    set_run();
+  }
+
+  void set_run() {
+    const int64_t offset = base_ + run_ * L_.cache_token_stride * es_;
+    const auto k = reinterpret_cast<uintptr_t>(k_cache_ + offset);
+    k_ = reinterpret_cast<const char*>(k & ~uintptr_t{63});
+    lines_ = static_cast<int64_t>(((k + run_bytes_ - 1) >> 6) - (k >> 6) + 1);
+    line_ = 0;
+  }
+
+  ItemQueue& queue_;
+  const char* k_cache_;
+  const char* v_cache_;
+  const int32_t* block_tables_;
+  const int32_t* query_start_;
+  const int32_t* seq_lens_;
+  const Layout& L_;
+  int64_t es_;
+  bool started_ = false;
+  int64_t pos_ = 0;  // queue position of the cursor's item
+  const int32_t* table_ = nullptr;
+  int64_t first_key_ = 0, last_key_ = 0, head_offset_ = 0, head_bytes_ = 0;
+  int64_t block_ = 0, block_end_ = 0;
+  int64_t base_ = 0, runs_ = 0, run_ = 0, run_bytes_ = 0;
+  const char* k_ = nullptr;
+  int64_t lines_ = 0, line_ = 0;
+};
+
 // The online-softmax step for one query row and the W keys of the chunk at c0, of which
 // [jlo, jhi] are visible: caps and masks the scores, updates the running max and sum, and
 // returns the weights (0 for the masked keys) and, in `correction`, the factor for the row's
-// accumulator (0 on its first keys).
+// accumulator (0 on its first keys). Branch-free: a mispredicted branch here would also throw
+// away the loads running ahead, the memory-level parallelism a decode lives on.
+template <bool SoftCap>
 PAGODA_INLINE vfloat softmax_step(vfloat s, int64_t c0, int64_t jlo, int64_t jhi, float soft_cap, float& row_max,
-                           float& row_sum, float& correction) {
-  if (soft_cap > 0.0f) {
-    float lanes[W];
-    storev(lanes, s);
-    for (int64_t j = jlo; j <= jhi; ++j) lanes[j - c0] = soft_cap * std::tanh(lanes[j - c0] / soft_cap);
-    s = loadv(lanes);
+                                  float& row_sum, float& correction) {
+  if constexpr (SoftCap) soft_cap_lanes(s, soft_cap);
+  if (jhi - jlo != W - 1) {  // a partial chunk: the lanes of hidden keys get no weight
+    const vint iota = {PAGODA_IOTA};
+    const vint key = iota + static_cast<int32_t>(c0);
+    s = (key >= static_cast<int32_t>(jlo)) & (key <= static_cast<int32_t>(jhi)) ? s : splat(kNegInf);
   }
-  const vint iota = {PAGODA_IOTA};
-  const vint key = iota + static_cast<int32_t>(c0);
-  s = (key >= static_cast<int32_t>(jlo)) & (key <= static_cast<int32_t>(jhi)) ? s : splat(kNegInf);
   const float new_max = std::max(row_max, hmax(s));
   correction = exp_nonpositive(row_max - new_max);
+  row_max = new_max;
   const vfloat p = exp_nonpositive(s - new_max);
   row_sum = row_sum * correction + hsum(p);
-  row_max = new_max;
   return p;
 }
 
@@ -289,16 +519,36 @@ struct RowVectors {
   vfloat v[RB];
 };
 
+// The K/V lines a block's keys prefetch, a pointer per (K line, V line) pair: the read-ahead
+// fills them as the block starts (the cursor's bookkeeping stays out of the vector loops, where
+// a call would spill every register). The score loop prefetches a key's K lines as it reads the
+// key, the V loop its V lines: spread over both halves of the work, measured faster than both
+// at once.
+struct KeyPrefetch {
+  const char* const* lines;  // key j's: lines[j * Rate .. j * Rate + Rate); nullptr: none
+  int64_t value_offset;      // a V line lies this many bytes past its K line
+};
+template <int Rate, bool Value>
+PAGODA_INLINE void prefetch_key(const KeyPrefetch& pf, int64_t j) {
+  if (pf.lines == nullptr) return;
+#pragma GCC unroll 8
+  for (int r = 0; r < Rate; ++r) {
+    const char* line = pf.lines[j * Rate + r];
+    __builtin_prefetch(Value ? line + pf.value_offset : line, 0, kPrefetchLocality);
+  }
+}
+
 // Scores of RB query rows (q, in registers) against keys [j, j + N): one vector per row with
 // a lane per key once N == W. Keys outside [jlo, jhi] are never read (a block's tail may be
 // unwritten): their lanes hold a visible key's score, for the caller to mask. Depth first, so
 // only one partial vector per tree level and row is live.
 template <int NV, int RB, int N>
 PAGODA_INLINE RowVectors<RB> score_tree(const vfloat (&q)[RB][NV], const float* keys, int64_t stride, int64_t j,
-                                 int64_t jlo, int64_t jhi) {
+                                        int64_t jlo, int64_t jhi, const KeyPrefetch& pf) {
   RowVectors<RB> r;
   if constexpr (N == 1) {
     const int64_t readable = std::min(std::max(j, jlo), jhi);  // a stand-in for a hidden key, masked later
+    if (j == readable) prefetch_key<(NV * W * 4 + 63) / 64, false>(pf, j);
     vfloat k[NV];
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) k[v] = loadv(keys + readable * stride + v * W);
@@ -310,8 +560,8 @@ PAGODA_INLINE RowVectors<RB> score_tree(const vfloat (&q)[RB][NV], const float* 
       r.v[i] = s;
     }
   } else {
-    const RowVectors<RB> a = score_tree<NV, RB, N / 2>(q, keys, stride, j, jlo, jhi);
-    const RowVectors<RB> b = score_tree<NV, RB, N / 2>(q, keys, stride, j + N / 2, jlo, jhi);
+    const RowVectors<RB> a = score_tree<NV, RB, N / 2>(q, keys, stride, j, jlo, jhi, pf);
+    const RowVectors<RB> b = score_tree<NV, RB, N / 2>(q, keys, stride, j + N / 2, jlo, jhi, pf);
 #pragma GCC unroll 4
     for (int i = 0; i < RB; ++i) r.v[i] = merge_pairs(a.v[i], b.v[i]);
   }
@@ -322,9 +572,10 @@ PAGODA_INLINE RowVectors<RB> score_tree(const vfloat (&q)[RB][NV], const float* 
 // at one position), `dp` floats apart in q and acc: online-softmax update of their max, sum and
 // accumulator, W keys at a time, each K/V vector loaded once for all RB rows. `keys` and
 // `values` are float32 rows `stride` floats apart; NV vectors per row.
-template <int NV, int RB>
+template <int NV, int RB, bool SoftCap>
 inline void attend_rows(const float* q, float* acc, int64_t dp, float* row_max, float* row_sum, const float* keys,
-                        const float* values, int64_t stride, int64_t lo, int64_t hi, float soft_cap) {
+                        const float* values, int64_t stride, int64_t lo, int64_t hi, float soft_cap,
+                        const KeyPrefetch& pf) {
   vfloat qv[RB][NV];
 #pragma GCC unroll 4
   for (int i = 0; i < RB; ++i) {
@@ -333,17 +584,19 @@ inline void attend_rows(const float* q, float* acc, int64_t dp, float* row_max, 
   }
   for (int64_t c0 = lo - lo % W; c0 <= hi; c0 += W) {
     const int64_t jlo = std::max(lo, c0), jhi = std::min(hi, c0 + W - 1);
-    const RowVectors<RB> scores = score_tree<NV, RB, W>(qv, keys, stride, c0, jlo, jhi);
+    const RowVectors<RB> scores = score_tree<NV, RB, W>(qv, keys, stride, c0, jlo, jhi, pf);
     float weights[RB][W];
     vfloat a[RB][NV];
 #pragma GCC unroll 4
     for (int i = 0; i < RB; ++i) {
       float correction;
-      storev(weights[i], softmax_step(scores.v[i], c0, jlo, jhi, soft_cap, row_max[i], row_sum[i], correction));
+      storev(weights[i],
+             softmax_step<SoftCap>(scores.v[i], c0, jlo, jhi, soft_cap, row_max[i], row_sum[i], correction));
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) a[i][v] = loadv(acc + i * dp + v * W) * correction;
     }
     for (int64_t j = jlo; j <= jhi; ++j) {
+      prefetch_key<(NV * W * 4 + 63) / 64, true>(pf, j);
       vfloat value[NV];
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) value[v] = loadv(values + j * stride + v * W);
@@ -362,6 +615,32 @@ inline void attend_rows(const float* q, float* acc, int64_t dp, float* row_max, 
   }
 }
 
+// attend_rows for RB = min(4, rows) rows, with or without a soft cap: each variant a
+// straight-line kernel without calls in its loops (a call would spill the vector registers).
+template <int NV>
+inline void attend_group(int64_t rows, const float* q, float* acc, int64_t dp, float* row_max, float* row_sum,
+                         const float* keys, const float* values, int64_t stride, int64_t lo, int64_t hi,
+                         float soft_cap, const KeyPrefetch& pf) {
+#define PAGODA_ROWS(RB, CAP) \
+  attend_rows<NV, RB, CAP>(q, acc, dp, row_max, row_sum, keys, values, stride, lo, hi, soft_cap, pf)
+  if (soft_cap > 0.0f) {
+    switch (rows) {
+      case 1: PAGODA_ROWS(1, true); break;
+      case 2: PAGODA_ROWS(2, true); break;
+      case 3: PAGODA_ROWS(3, true); break;
+      default: PAGODA_ROWS(4, true);
+    }
+  } else {
+    switch (rows) {
+      case 1: PAGODA_ROWS(1, false); break;
+      case 2: PAGODA_ROWS(2, false); break;
+      case 3: PAGODA_ROWS(3, false); break;
+      default: PAGODA_ROWS(4, false);
+    }
+  }
+#undef PAGODA_ROWS
+}
+
 // One row, nv vectors (any head_dim): the same steps with runtime loops.
 inline void attend_row_any(const float* q, float* acc, float& row_max, float& row_sum, const float* keys,
                            const float* values, int64_t stride, int64_t lo, int64_t hi, int64_t nv, float soft_cap) {
@@ -378,7 +657,9 @@ inline void attend_row_any(const float* q, float* acc, float& row_max, float& ro
     }
     float correction;
     float weights[W];
-    storev(weights, softmax_step(transpose_sum(part), c0, jlo, jhi, soft_cap, row_max, row_sum, correction));
+    const vfloat scores = transpose_sum(part);
+    storev(weights, soft_cap > 0.0f ? softmax_step<true>(scores, c0, jlo, jhi, soft_cap, row_max, row_sum, correction)
+                                    : softmax_step<false>(scores, c0, jlo, jhi, soft_cap, row_max, row_sum, correction));
     for (int64_t v = 0; v < nv; ++v) {
       vfloat a = loadv(acc + v * W) * correction;
       for (int64_t j = jlo; j <= jhi; ++j) a += splat(weights[j - c0]) * loadv(values + j * stride + v * W);
@@ -387,18 +668,15 @@ inline void attend_row_any(const float* q, float* acc, float& row_max, float& ro
   }
 }
 
-// The position of the first key any query of the item sees.
-int64_t first_key(const WorkItem& item, const int32_t* query_start, const int32_t* seq_lens, const Layout& L) {
-  if (L.window <= 0) return 0;
-  const int64_t first_token = query_start[item.seq];
-  const int64_t context_len = seq_lens[item.seq] - (query_start[item.seq + 1] - first_token);
-  return std::max<int64_t>(0, context_len + (item.token_begin - first_token) - L.window + 1);
-}
+// Line pairs to prefetch per key read: the lines of one head's K row.
+inline int64_t lines_per_key(int64_t head_dim, int64_t element_size) { return (head_dim * element_size + 63) / 64; }
 
+// A tile of query tokens (or one decode) over the item's KV heads, reading float32 rows in place
+// or widening each block's rows into a float32 buffer first.
 template <typename T, int NV>
-void attend_item(const WorkItem& item, const WorkItem* next, const T* query, const T* key_cache,
-                 const T* value_cache, const int32_t* block_tables, const int32_t* query_start,
-                 const int32_t* seq_lens, T* out, const Layout& L, std::vector<float>& scratch) {
+void attend_item(const WorkItem& item, const Inputs<T>& in, ReadAhead& ahead, std::vector<float>& scratch,
+                 std::vector<const char*>& lines) {
+  const Layout& L = in.L;
   const int64_t dim = L.head_dim;
   const int64_t nv = NV > 0 ? NV : (dim + W - 1) / W;
   const int64_t dp = nv * W;  // padded head_dim
@@ -409,12 +687,12 @@ void attend_item(const WorkItem& item, const WorkItem* next, const T* query, con
   const int64_t heads = item.kv_end - item.kv_begin;
   const int64_t head_rows = num_tokens * G;  // row = head * head_rows + token * G + member
   const int64_t rows = heads * head_rows;
-  const int64_t seq_len = seq_lens[item.seq];
-  const int64_t first_token = query_start[item.seq];
-  const int64_t context_len = seq_len - (query_start[item.seq + 1] - first_token);
+  const int64_t first_token = in.query_start[item.seq];
+  const int64_t context_len = in.seq_lens[item.seq] - (in.query_start[item.seq + 1] - first_token);
 
   // scratch: q [rows, dp] | acc [rows, dp] | max [rows] | sum [rows] | keys [BS, dp] | values [BS, dp]
-  scratch.resize(static_cast<size_t>(2 * rows * dp + 2 * rows + 2 * BS * dp));
+  const size_t need = static_cast<size_t>(2 * rows * dp + 2 * rows + 2 * BS * dp);
+  if (scratch.size() < need) scratch.resize(need);
   float* q = scratch.data();
   float* acc = q + rows * dp;
   float* row_max = acc + rows * dp;
@@ -427,7 +705,7 @@ void attend_item(const WorkItem& item, const WorkItem* next, const T* query, con
       for (int64_t g = 0; g < G; ++g) {
         const int64_t head = (item.kv_begin + h) * G + g;
         float* dst = q + (h * head_rows + t * G + g) * dp;
-        widen_row(query + (item.token_begin + t) * L.q_token_stride + head * L.q_head_stride, dst, dim, dp);
+        widen_row(in.query + (item.token_begin + t) * L.q_token_stride + head * L.q_head_stride, dst, dim, dp);
         for (int64_t d = 0; d < dim; ++d) dst[d] *= L.scale;
       }
     }
@@ -437,39 +715,21 @@ void attend_item(const WorkItem& item, const WorkItem* next, const T* query, con
   std::fill(row_sum, row_sum + rows, 0.0f);
 
   const int64_t first_pos = context_len + (item.token_begin - first_token);
-  const int64_t last_pos = context_len + (item.token_end - 1 - first_token);
-  const int64_t lowest_key = first_key(item, query_start, seq_lens, L);
-  const int32_t* table = block_tables + item.seq * L.block_table_stride;
-  const int64_t token_bytes = L.cache_token_stride * static_cast<int64_t>(sizeof(T));
+  const KeySpan span = key_span(item, in.query_start, in.seq_lens, L);
+  const int32_t* table = in.block_tables + item.seq * L.block_table_stride;
   const int64_t stride = in_place ? L.cache_token_stride : dp;
+  const int64_t rate = lines_per_key(dim, sizeof(T));
+  if (lines.size() < static_cast<size_t>(BS * rate)) lines.resize(static_cast<size_t>(BS * rate));
 
-  const int64_t first_block = lowest_key / BS;
-  Prefetcher prefetcher;
-  const int64_t steps_per_block = heads * (num_tokens * (NV > 0 ? (G + 3) / 4 : G) + 1);
-  // The next block's K/V stream in while this one is worked on; the last block's successor is
-  // the first block of the thread's next item.
-  auto prefetch_block = [&](const WorkItem& owner, int64_t b, int64_t steps) {
-    const int64_t base = static_cast<int64_t>(block_tables[owner.seq * L.block_table_stride + b]) * L.cache_block_stride +
-                         owner.kv_begin * dim;
-    const int64_t bytes = (owner.kv_end - owner.kv_begin) * dim * static_cast<int64_t>(sizeof(T));
-    prefetcher.start(key_cache + base, value_cache + base, BS, token_bytes, bytes, steps);
-  };
-  prefetch_block(item, first_block, 1);
-  prefetcher.finish();
-  for (int64_t b = first_block; b * BS <= last_pos; ++b) {
+  for (int64_t b = span.lo / BS; b * BS <= span.hi; ++b) {
     const int64_t block_start = b * BS;
     const int64_t block_base = static_cast<int64_t>(table[b]) * L.cache_block_stride + item.kv_begin * dim;
-    if ((b + 1) * BS <= last_pos) {
-      prefetch_block(item, b + 1, steps_per_block);
-    } else if (next != nullptr) {
-      prefetch_block(*next, first_key(*next, query_start, seq_lens, L) / BS, steps_per_block);
-    }
     // Keys of this block that any row of the item may read.
-    const int64_t union_lo = std::max(block_start, lowest_key) - block_start;
-    const int64_t union_hi = std::min(block_start + BS - 1, last_pos) - block_start;
+    const int64_t union_lo = std::max(block_start, span.lo) - block_start;
+    const int64_t union_hi = std::min(block_start + BS - 1, span.hi) - block_start;
     for (int64_t h = 0; h < heads; ++h) {
-      const T* key_src = key_cache + block_base + h * dim;
-      const T* value_src = value_cache + block_base + h * dim;
+      const T* key_src = in.key_cache + block_base + h * dim;
+      const T* value_src = in.value_cache + block_base + h * dim;
       const float* keys = key_buf;
       const float* values = value_buf;
       if constexpr (std::is_same_v<T, float>) {
@@ -478,17 +738,25 @@ void attend_item(const WorkItem& item, const WorkItem* next, const T* query, con
           values = value_src;
         }
       }
-      prefetcher.step();
+      // The read-ahead moves on by the lines of the keys read here: key by key in the inner
+      // loop of a decode (memory-bound), all at once for a tile (compute-bound, each key reused).
+      KeyPrefetch pf{nullptr, ahead.value_offset()};
       if (!in_place) {
         for (int64_t j = union_lo; j <= union_hi; ++j) {
+          ahead.issue(rate);
           widen_row(key_src + j * L.cache_token_stride, key_buf + j * dp, dim, dp);
           widen_row(value_src + j * L.cache_token_stride, value_buf + j * dp, dim, dp);
         }
+      } else if (num_tokens == 1) {
+        ahead.fill(lines.data() + union_lo * rate, (union_hi - union_lo + 1) * rate);
+        pf.lines = lines.data();
+      } else {
+        ahead.issue((union_hi - union_lo + 1) * rate);
       }
       for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t pos = first_pos + t;
-        const int64_t lo = std::max(block_start, L.window > 0 ? pos - L.window + 1 : int64_t{0}) - block_start;
-        const int64_t hi = std::min(block_start + BS - 1, pos) - block_start;
+        const int64_t lo = std::max({block_start, span.lo, L.window > 0 ? pos - L.window + 1 : int64_t{0}}) - block_start;
+        const int64_t hi = std::min({block_start + BS - 1, span.hi, pos}) - block_start;
         if (lo > hi) continue;
         const int64_t first_row = h * head_rows + t * G;
         if constexpr (NV > 0) {
@@ -497,82 +765,339 @@ void attend_item(const WorkItem& item, const WorkItem* next, const T* query, con
             const int64_t row = first_row + g;
             float* const qr = q + row * dp;
             float* const ar = acc + row * dp;
-            prefetcher.step();
-            switch (std::min<int64_t>(4, G - g)) {
-              case 1: attend_rows<NV, 1>(qr, ar, dp, row_max + row, row_sum + row, keys, values, stride, lo, hi, L.soft_cap); break;
-              case 2: attend_rows<NV, 2>(qr, ar, dp, row_max + row, row_sum + row, keys, values, stride, lo, hi, L.soft_cap); break;
-              case 3: attend_rows<NV, 3>(qr, ar, dp, row_max + row, row_sum + row, keys, values, stride, lo, hi, L.soft_cap); break;
-              default: attend_rows<NV, 4>(qr, ar, dp, row_max + row, row_sum + row, keys, values, stride, lo, hi, L.soft_cap);
-            }
+            attend_group<NV>(std::min<int64_t>(4, G - g), qr, ar, dp, row_max + row, row_sum + row, keys, values,
+                             stride, lo, hi, L.soft_cap, pf);
+            pf.lines = nullptr;  // the group's first rows prefetched the block
           }
         } else {
           for (int64_t row = first_row; row < first_row + G; ++row) {
-            prefetcher.step();
             attend_row_any(q + row * dp, acc + row * dp, row_max[row], row_sum[row], keys, values, stride, lo, hi,
                            nv, L.soft_cap);
           }
         }
       }
     }
-    prefetcher.finish();
   }
 
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t t = 0; t < num_tokens; ++t) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t row = h * head_rows + t * G + g;
-        T* dst = out + (item.token_begin + t) * L.out_token_stride + ((item.kv_begin + h) * G + g) * dim;
-        const float inv = 1.0f / row_sum[row];  // > 0: every query sees at least its own key
-        store_row(dst, acc + row * dp, dim, inv);
+        const int64_t head = (item.kv_begin + h) * G + g;
+        if (item.part < 0) {
+          T* dst = in.out + (item.token_begin + t) * L.out_token_stride + head * dim;
+          store_row(dst, acc + row * dp, dim, 1.0f / row_sum[row]);
+        } else {
+          finish_row(item, in, item.token_begin + t, head, acc + row * dp, row_max[row], row_sum[row],
+                     [dim](int64_t d) { return widened_index<T>(d, dim); });
+        }
       }
     }
   }
 }
 
-// One item per (sequence, tile) spanning every KV head; split per KV head when that leaves
-// fewer than a few items per thread (a lone decode or a short prefill).
-std::vector<WorkItem> plan_items(const int32_t* query_start, const int32_t* seq_lens, const int32_t* seq_ids,
-                                 int64_t num_ids, int64_t num_kv_heads, int64_t tile_tokens, int64_t threads) {
-  int64_t tiles = 0;
-  for (int64_t i = 0; i < num_ids; ++i) {
-    const int64_t s = seq_ids[i];
-    tiles += (query_start[s + 1] - query_start[s] + tile_tokens - 1) / tile_tokens;
+#if PAGODA_BF16_DOT
+// bf16 decodes read K/V in place: scores by bf16 dot products (NVB vectors of 32 elements per
+// row), and V multiplied by the probabilities two keys at a time: their rows interleaved
+// element by element meet a (p[j], p[j + 1]) pair in each lane. The interleave leaves the
+// accumulator in the order pair_order_index gives, undone when the row is stored. Compared
+// with widening K and V to float32, this halves the vector work of a bf16 decode.
+template <int NVB, int RB, int N>
+PAGODA_INLINE RowVectors<RB> score_tree_bf16(const vbf16 (&q)[RB][NVB], const uint16_t* keys, int64_t stride, int64_t j,
+                                             int64_t jlo, int64_t jhi, const KeyPrefetch& pf) {
+  RowVectors<RB> r;
+  if constexpr (N == 1) {
+    const int64_t readable = std::min(std::max(j, jlo), jhi);
+    if (j == readable) prefetch_key<NVB, false>(pf, j);
+    vbf16 k[NVB];
+#pragma GCC unroll 8
+    for (int v = 0; v < NVB; ++v) k[v] = load_bf16(keys + readable * stride + v * 32);
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; ++i) {
+      vfloat s = dot_bf16(vfloat{}, q[i][0], k[0]);
+#pragma GCC unroll 8
+      for (int v = 1; v < NVB; ++v) s = dot_bf16(s, q[i][v], k[v]);
+      r.v[i] = s;
+    }
+  } else {
+    const RowVectors<RB> a = score_tree_bf16<NVB, RB, N / 2>(q, keys, stride, j, jlo, jhi, pf);
+    const RowVectors<RB> b = score_tree_bf16<NVB, RB, N / 2>(q, keys, stride, j + N / 2, jlo, jhi, pf);
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; ++i) r.v[i] = merge_pairs(a.v[i], b.v[i]);
   }
-  const int64_t heads_per_item = tiles >= 4 * threads ? num_kv_heads : 1;
+  return r;
+}
+
+// Where element d of a head row sits in a bf16 decode accumulator: per 32 elements, the
+// interleave's low half (elements 8l..8l+3 of each 128-bit lane l) fills vector 2v, its high
+// half (8l+4..8l+7) vector 2v + 1.
+inline int64_t pair_order_index(int64_t d) {
+  const int64_t v = d / 32, e = d % 32, l = e / 8, k = e % 8;
+  return 32 * v + (k < 4 ? 0 : 16) + 4 * l + k % 4;
+}
+
+template <int NVB, int RB, bool SoftCap>
+inline void attend_rows_bf16(const uint16_t* q, int64_t q_stride, float* acc, int64_t dp, float* row_max,
+                             float* row_sum, const uint16_t* keys, const uint16_t* values, int64_t stride, int64_t lo,
+                             int64_t hi, float scale, float soft_cap, const KeyPrefetch& pf) {
+  vbf16 qv[RB][NVB];
+#pragma GCC unroll 4
+  for (int i = 0; i < RB; ++i) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NVB; ++v) qv[i][v] = load_bf16(q + i * q_stride + v * 32);
+  }
+  for (int64_t c0 = lo - lo % W; c0 <= hi; c0 += W) {
+    const int64_t jlo = std::max(lo, c0), jhi = std::min(hi, c0 + W - 1);
+    const RowVectors<RB> scores = score_tree_bf16<NVB, RB, W>(qv, keys, stride, c0, jlo, jhi, pf);
+    uint32_t weights[RB][W / 2];  // bf16 pairs (p[2m], p[2m + 1])
+    uint32_t residues[RB][W / 2];  // what bf16 left of each p, also in bf16
+    vfloat a[RB][2 * NVB];
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; ++i) {
+      float correction;
+      const vfloat p =
+          softmax_step<SoftCap>(scores.v[i] * scale, c0, jlo, jhi, soft_cap, row_max[i], row_sum[i], correction);
+      const __m256bh packed = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(p));
+      std::memcpy(weights[i], &packed, sizeof(packed));
+      const vfloat rounded = reinterpret_cast<vfloat>(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(packed)), 16));
+      const __m256bh rest = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(p - rounded));
+      std::memcpy(residues[i], &rest, sizeof(rest));
+#pragma GCC unroll 8
+      for (int v = 0; v < 2 * NVB; ++v) a[i][v] = loadv(acc + i * dp + v * W) * correction;
+    }
+    for (int64_t j = jlo - (jlo - c0) % 2; j <= jhi; j += 2) {
+      // Hidden keys of the pair read a visible row instead; their weight is 0.
+      const uint16_t* row0 = values + std::max(j, jlo) * stride;
+      const uint16_t* row1 = values + std::min(j + 1, jhi) * stride;
+      if (j >= jlo) prefetch_key<NVB, true>(pf, j);
+      if (j + 1 <= jhi) prefetch_key<NVB, true>(pf, j + 1);
+#pragma GCC unroll 8
+      for (int v = 0; v < NVB; ++v) {
+        __m512i x, y;
+        std::memcpy(&x, row0 + v * 32, sizeof(x));
+        std::memcpy(&y, row1 + v * 32, sizeof(y));
+        const vbf16 low = reinterpret_cast<vbf16>(_mm512_unpacklo_epi16(x, y));
+        const vbf16 high = reinterpret_cast<vbf16>(_mm512_unpackhi_epi16(x, y));
+#pragma GCC unroll 4
+        for (int i = 0; i < RB; ++i) {
+          const vbf16 w = reinterpret_cast<vbf16>(_mm512_set1_epi32(static_cast<int>(weights[i][(j - c0) / 2])));
+          const vbf16 r = reinterpret_cast<vbf16>(_mm512_set1_epi32(static_cast<int>(residues[i][(j - c0) / 2])));
+          a[i][2 * v] = dot_bf16(dot_bf16(a[i][2 * v], low, w), low, r);
+          a[i][2 * v + 1] = dot_bf16(dot_bf16(a[i][2 * v + 1], high, w), high, r);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; ++i) {
+#pragma GCC unroll 8
+      for (int v = 0; v < 2 * NVB; ++v) storev(acc + i * dp + v * W, a[i][v]);
+    }
+  }
+}
+
+template <int NVB>
+void attend_decode_bf16(const WorkItem& item, const Inputs<at::BFloat16>& in, ReadAhead& ahead,
+                        std::vector<float>& scratch, std::vector<const char*>& lines) {
+  const Layout& L = in.L;
+  const int64_t dim = L.head_dim, G = L.group, BS = L.block_size;
+  constexpr int64_t dp = NVB * 32;
+  const int64_t heads = item.kv_end - item.kv_begin;
+  const int64_t rows = heads * G;  // row = head * G + member
+  // scratch: acc [rows, dp] | max [rows] | sum [rows]
+  const size_t need = static_cast<size_t>(rows * (dp + 2));
+  if (scratch.size() < need) scratch.resize(need);
+  float* acc = scratch.data();
+  float* row_max = acc + rows * dp;
+  float* row_sum = row_max + rows;
+  std::fill(acc, acc + rows * dp, 0.0f);
+  std::fill(row_max, row_max + rows, kNegInf);
+  std::fill(row_sum, row_sum + rows, 0.0f);
+
+  const auto* query = reinterpret_cast<const uint16_t*>(in.query) + item.token_begin * L.q_token_stride;
+  const auto* key_cache = reinterpret_cast<const uint16_t*>(in.key_cache);
+  const auto* value_cache = reinterpret_cast<const uint16_t*>(in.value_cache);
+  const KeySpan span = key_span(item, in.query_start, in.seq_lens, L);
+  const int32_t* table = in.block_tables + item.seq * L.block_table_stride;
+  constexpr int64_t rate = NVB;  // lines per key row: 32 bf16 elements are half a line
+  if (lines.size() < static_cast<size_t>(BS * rate)) lines.resize(static_cast<size_t>(BS * rate));
+  for (int64_t b = span.lo / BS; b * BS <= span.hi; ++b) {
+    const int64_t block_start = b * BS;
+    const int64_t lo = std::max(block_start, span.lo) - block_start;
+    const int64_t hi = std::min(block_start + BS - 1, span.hi) - block_start;
+    const int64_t block_base = static_cast<int64_t>(table[b]) * L.cache_block_stride + item.kv_begin * dim;
+    if (lo > hi) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* keys = key_cache + block_base + h * dim;
+      const uint16_t* values = value_cache + block_base + h * dim;
+      ahead.fill(lines.data() + lo * rate, (hi - lo + 1) * rate);
+      KeyPrefetch pf{lines.data(), ahead.value_offset()};
+      for (int64_t g = 0; g < G; g += 4) {
+        const int64_t row = h * G + g;
+        const uint16_t* qr = query + ((item.kv_begin + h) * G + g) * L.q_head_stride;
+        float* const ar = acc + row * dp;
+        const int64_t qs = L.q_head_stride, ts = L.cache_token_stride;
+#define PAGODA_ROWS(RB, CAP) \
+  attend_rows_bf16<NVB, RB, CAP>(qr, qs, ar, dp, row_max + row, row_sum + row, keys, values, ts, lo, hi, L.scale, \
+                                 L.soft_cap, pf)
+        if (L.soft_cap > 0.0f) {
+          switch (std::min<int64_t>(4, G - g)) {
+            case 1: PAGODA_ROWS(1, true); break;
+            case 2: PAGODA_ROWS(2, true); break;
+            case 3: PAGODA_ROWS(3, true); break;
+            default: PAGODA_ROWS(4, true);
+          }
+        } else {
+          switch (std::min<int64_t>(4, G - g)) {
+            case 1: PAGODA_ROWS(1, false); break;
+            case 2: PAGODA_ROWS(2, false); break;
+            case 3: PAGODA_ROWS(3, false); break;
+            default: PAGODA_ROWS(4, false);
+          }
+        }
+#undef PAGODA_ROWS
+        pf.lines = nullptr;  // the group's first rows prefetched the block
+      }
+    }
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    finish_row(item, in, item.token_begin, item.kv_begin * G + row, acc + row * dp, row_max[row], row_sum[row],
+               pair_order_index);
+  }
+}
+#endif
+
+// A decode split over the threads: its parts' partial results, merged after the parallel region.
+struct Split {
+  int32_t seq;
+  int32_t token;
+  int32_t first_part;
+  int32_t parts;
+};
+
+struct Plan {
   std::vector<WorkItem> items;
-  items.reserve(static_cast<size_t>(tiles * (num_kv_heads / heads_per_item)));
+  std::vector<Split> splits;
+  int64_t parts = 0;
+  int threads = 1;  // to run the items on
+};
+
+// A part of a split decode covers at least this many blocks: less is not worth a merge.
+constexpr int64_t kMinPartBlocks = 2;
+// Batches of less work (query rows x keys, over the KV heads) run on the calling thread: waking
+// the other threads would cost more than they save.
+constexpr int64_t kSerialCost = 192;
+constexpr int32_t kAllKeys = std::numeric_limits<int32_t>::max();
+
+// One item per (sequence, tile) spanning every KV head. When that leaves fewer than a few items
+// per thread (a lone decode, a short prefill), tiles split per KV head and decodes with enough
+// context split their keys (block-aligned) into one part per thread, merged afterwards.
+Plan plan_items(const int32_t* query_start, const int32_t* seq_lens, const int32_t* seq_ids, int64_t num_ids,
+                const Layout& L, int64_t tile_tokens, int64_t threads) {
+  int64_t tiles = 0, total_cost = 0;
+  for (int64_t i = 0; i < num_ids; ++i) {
+    const int64_t s = seq_ids[i], rows = query_start[s + 1] - query_start[s];
+    tiles += (rows + tile_tokens - 1) / tile_tokens;
+    total_cost += rows * seq_lens[s] * L.num_kv_heads;
+  }
+  if (total_cost < kSerialCost) threads = 1;
+  const bool few = threads > 1 && tiles < 4 * threads;
+  const int64_t heads_per_item = few ? 1 : L.num_kv_heads;
+  Plan plan;
+  plan.items.reserve(static_cast<size_t>(tiles * (L.num_kv_heads / heads_per_item)));
   for (int64_t i = 0; i < num_ids; ++i) {
     const int64_t s = seq_ids[i];
     const int32_t begin = query_start[s], end = query_start[s + 1];
     const int64_t context_len = seq_lens[s] - (end - begin);
+    if (few && end - begin == 1) {
+      const int64_t hi = seq_lens[s] - 1;
+      const int64_t lo = L.window > 0 ? std::max<int64_t>(0, hi - L.window + 1) : 0;
+      const int64_t first_block = lo / L.block_size, blocks = hi / L.block_size - first_block + 1;
+      const int64_t parts = std::min<int64_t>(threads, blocks / kMinPartBlocks);
+      if (parts >= 2) {
+        plan.splits.push_back({static_cast<int32_t>(s), begin, static_cast<int32_t>(plan.parts),
+                               static_cast<int32_t>(parts)});
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t key_begin = std::max(lo, (first_block + p * blocks / parts) * L.block_size);
+          const int64_t key_end = std::min(hi + 1, (first_block + (p + 1) * blocks / parts) * L.block_size);
+          plan.items.push_back({static_cast<int32_t>(s), begin, end, 0, static_cast<int32_t>(L.num_kv_heads),
+                                static_cast<int32_t>(key_begin), static_cast<int32_t>(key_end),
+                                static_cast<int32_t>(plan.parts++), (key_end - key_begin) * L.num_kv_heads});
+        }
+        continue;
+      }
+    }
     for (int32_t t = begin; t < end; t += static_cast<int32_t>(tile_tokens)) {
       const int32_t t_end = std::min<int32_t>(end, t + static_cast<int32_t>(tile_tokens));
       const int64_t keys = context_len + (t_end - begin);
-      for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
-        items.push_back({static_cast<int32_t>(s), t, t_end, static_cast<int32_t>(h),
-                         static_cast<int32_t>(h + heads_per_item), keys * (t_end - t) * heads_per_item});
+      for (int64_t h = 0; h < L.num_kv_heads; h += heads_per_item)
+        plan.items.push_back({static_cast<int32_t>(s), t, t_end, static_cast<int32_t>(h),
+                              static_cast<int32_t>(h + heads_per_item), 0, kAllKeys, -1,
+                              keys * (t_end - t) * heads_per_item});
     }
   }
-  std::stable_sort(items.begin(), items.end(),
+  std::stable_sort(plan.items.begin(), plan.items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
-  return items;
+  plan.threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, plan.items.size())));
+  return plan;
+}
+
+// The output rows of the split decodes from their parts' partial results.
+template <typename T>
+void merge_splits(const Plan& plan, const Inputs<T>& in) {
+  const int64_t dim = in.L.head_dim, row_floats = dim + 2;
+  std::vector<float> acc(static_cast<size_t>(dim));
+  for (const Split& split : plan.splits) {
+    for (int64_t head = 0; head < in.L.num_heads; ++head) {
+      const float* first = in.partials + (split.first_part * in.L.num_heads + head) * row_floats;
+      const int64_t part_floats = in.L.num_heads * row_floats;
+      float max = kNegInf;
+      for (int64_t p = 0; p < split.parts; ++p) max = std::max(max, first[p * part_floats + dim]);
+      float sum = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t p = 0; p < split.parts; ++p) {
+        const float* part = first + p * part_floats;
+        const float weight = exp_nonpositive(part[dim] - max);
+        sum += part[dim + 1] * weight;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += part[d] * weight;
+      }
+      T* dst = in.out + split.token * in.L.out_token_stride + head * dim;
+      const float inv = 1.0f / sum;
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+    }
+  }
 }
 
 template <typename T, int NV>
-void run_items(const std::vector<WorkItem>& items, const T* q, const T* k, const T* v, const int32_t* bt,
-               const int32_t* qs, const int32_t* sl, T* o, const Layout& L) {
+void run_items(const std::vector<WorkItem>& items, int threads, const Inputs<T>& in) {
   const int64_t n = static_cast<int64_t>(items.size());
-  const int threads = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), n));
-  // Dynamic scheduling that claims one item ahead, so a thread knows which blocks it reads next.
   std::atomic<int64_t> next_item{0};
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    std::vector<float> scratch;
-    int64_t i = next_item.fetch_add(1);
-    while (i < n) {
-      const int64_t following = next_item.fetch_add(1);
-      attend_item<T, NV>(items[i], following < n ? &items[following] : nullptr, q, k, v, bt, qs, sl, o, L, scratch);
-      i = following;
+    // Kept per thread between calls: no allocation once the first batches have grown it.
+    static thread_local std::vector<float> scratch;
+    static thread_local std::vector<const char*> lines;
+    ItemQueue queue(items.data(), n, next_item);
+    ReadAhead ahead(queue, in.key_cache, in.value_cache, in.block_tables, in.query_start, in.seq_lens, in.L, sizeof(T));
+    for (int64_t pos = 0;; ++pos) {
+      const WorkItem* item = queue.at(pos);
+      if (item == nullptr) break;
+      ahead.catch_up(pos, kReadAheadPairs);
+#if PAGODA_BF16_DOT
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (item->token_end - item->token_begin == 1 && in.L.head_dim % 32 == 0) {
+          switch (in.L.head_dim / 32) {
+            case 2: attend_decode_bf16<2>(*item, in, ahead, scratch, lines); break;
+            case 4: attend_decode_bf16<4>(*item, in, ahead, scratch, lines); break;
+            default: attend_item<T, NV>(*item, in, ahead, scratch, lines);
+          }
+          queue.pop();
+          continue;
+        }
+      }
+#endif
+      attend_item<T, NV>(*item, in, ahead, scratch, lines);
+      queue.pop();
     }
   }
 }
@@ -583,23 +1108,89 @@ void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, co
                    torch::Tensor& out, const Layout& L, int64_t tile_tokens) {
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  const std::vector<WorkItem> items = plan_items(qs, sl, seq_ids.data_ptr<int32_t>(), seq_ids.numel(),
-                                                 L.num_kv_heads, tile_tokens, at::get_num_threads());
-  const T* q = query.data_ptr<T>();
+  const Plan plan = plan_items(qs, sl, seq_ids.data_ptr<int32_t>(), seq_ids.numel(), L, tile_tokens,
+                               at::get_num_threads());
+  std::vector<float> partials(static_cast<size_t>(plan.parts * L.num_heads * (L.head_dim + 2)));
   const T* k = kv_cache.data_ptr<T>();
-  const T* v = k + kv_cache.stride(0);
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  T* o = out.data_ptr<T>();
+  const Inputs<T> in{query.data_ptr<T>(), k, k + kv_cache.stride(0), block_tables.data_ptr<int32_t>(), qs, sl,
+                     out.data_ptr<T>(), partials.data(), L};
   // Whole vectors per head row known at compile time keep a row's accumulators in registers.
   switch (L.head_dim % W == 0 ? L.head_dim / W : 0) {
-    case 4: run_items<T, 4>(items, q, k, v, bt, qs, sl, o, L); break;
-    case 8: run_items<T, 8>(items, q, k, v, bt, qs, sl, o, L); break;
-    case 16: run_items<T, 16>(items, q, k, v, bt, qs, sl, o, L); break;
-    default: run_items<T, 0>(items, q, k, v, bt, qs, sl, o, L);
+    case 4: run_items<T, 4>(plan.items, plan.threads, in); break;
+    case 8: run_items<T, 8>(plan.items, plan.threads, in); break;
+    case 16: run_items<T, 16>(plan.items, plan.threads, in); break;
+    default: run_items<T, 0>(plan.items, plan.threads, in);
+  }
+  merge_splits(plan, in);
+}
+
+// New K/V rows into their slots (slot -1: skipped), straight from the caller's strided rows.
+void write_new_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+                  const torch::Tensor& slot_mapping, int64_t num_tokens) {
+  const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
+  const int64_t es = kv_cache.element_size();
+  const int64_t writes = std::min<int64_t>(slot_mapping.numel(), num_tokens);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < writes; ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "slot_mapping[", t, "]=", slots[t], " is past the cache's ", num_slots, " slots");
+  }
+  const int64_t row_bytes = num_kv_heads * head_dim * es;
+  auto* k_dst = static_cast<char*>(kv_cache.data_ptr());
+  auto* v_dst = k_dst + kv_cache.stride(0) * es;
+  for (const auto& [src, dst] : {std::pair{&key, k_dst}, std::pair{&value, v_dst}}) {
+    const torch::Tensor rows = src->stride(2) == 1 ? *src : src->contiguous();
+    const auto* base = static_cast<const char*>(rows.data_ptr());
+    const int64_t token_bytes = rows.stride(0) * es, head_bytes = rows.stride(1) * es;
+    const bool dense_row = num_kv_heads == 1 || head_bytes == head_dim * es;
+    for (int64_t t = 0; t < writes; ++t) {
+      if (slots[t] < 0) continue;
+      char* d = dst + slots[t] * row_bytes;
+      const char* s = base + t * token_bytes;
+      if (dense_row) {
+        std::memcpy(d, s, row_bytes);
+      } else {
+        for (int64_t h = 0; h < num_kv_heads; ++h) std::memcpy(d + h * head_dim * es, s + h * head_bytes, head_dim * es);
+      }
+    }
+  }
+}
+
+// Every sequence the kernel attends must fit the batch and the cache. Checked on every call,
+// before anything is written: a few integer compares per block, next to the attention itself.
+void check_metadata(const torch::Tensor& query_start, const torch::Tensor& seq_lens, const torch::Tensor& block_tables,
+                    const torch::Tensor& seq_ids, int64_t num_tokens, int64_t block_size, int64_t num_blocks) {
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK_VALUE(query_start.dim() == 1 && seq_lens.dim() == 1 && query_start.size(0) == num_seqs + 1,
+                    "attention metadata: query_start_loc needs one entry more than seq_lens");
+  TORCH_CHECK_VALUE(block_tables.dim() == 2 && (num_seqs == 0 || block_tables.size(0) >= num_seqs),
+                    "attention metadata: block_tables needs a row per sequence");
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* ids = seq_ids.data_ptr<int32_t>();
+  const int64_t columns = block_tables.size(1), row_stride = block_tables.stride(0);
+  for (int64_t i = 0; i < seq_ids.numel(); ++i) {
+    const int64_t s = ids[i];
+    TORCH_CHECK_VALUE(s >= 0 && s < num_seqs, "seq_ids[", i, "]=", s, " is not a sequence of this batch");
+    const int64_t begin = qs[s], end = qs[s + 1], len = sl[s];
+    TORCH_CHECK_VALUE(begin >= 0 && begin <= end && end <= num_tokens && len >= end - begin,
+                      "attention metadata: sequence ", s, " has rows [", begin, ", ", end, ") of ", num_tokens,
+                      " and seq_len ", len);
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    TORCH_CHECK_VALUE(blocks <= columns, "attention metadata: a sequence needs ", blocks,
+                      " blocks but block_tables has ", columns, " columns");
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t id = bt[s * row_stride + b];
+      TORCH_CHECK_VALUE(id >= 0, "attention metadata: block_tables holds a negative block id for a used block");
+      TORCH_CHECK_VALUE(id < num_blocks, "attention metadata: block id ", id, " is past the cache's ", num_blocks,
+                        " blocks");
+    }
   }
 }
 
 }  // namespace
+
 // Writes the new K/V (rows with slot -1 are skipped), then attends every sequence.
 // query [tokens, heads, head_dim] (head_dim contiguous); key/value [tokens, kv_heads, head_dim];
 // kv_cache [2, blocks, block_size, kv_heads, head_dim] contiguous; int32 host-side metadata.
@@ -622,41 +1213,18 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Ten
               "metadata tensors must be contiguous");
   TORCH_CHECK(tile_tokens > 0, "tile_tokens must be positive");
   TORCH_CHECK(seq_ids.scalar_type() == torch::kInt32 && seq_ids.is_contiguous(), "seq_ids must be contiguous int32");
-  for (int64_t i = 0; i < seq_ids.numel(); ++i) {
-    const int32_t id = seq_ids.data_ptr<int32_t>()[i];
-    TORCH_CHECK(id >= 0 && id < seq_lens.size(0), "seq_ids[", i, "]=", id, " is not a sequence of this batch");
-  }
 
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = kv_cache.size(3), block_size = kv_cache.size(2);
   TORCH_CHECK(kv_cache.size(4) == head_dim && num_heads % num_kv_heads == 0, "query and kv_cache heads do not fit");
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(0) >= num_tokens && value.size(0) >= num_tokens &&
+                  key.size(1) == num_kv_heads && value.size(1) == num_kv_heads && key.size(2) == head_dim &&
+                  value.size(2) == head_dim,
+              "key and value must be [tokens, kv_heads, head_dim]");
+  check_metadata(query_start, seq_lens, block_tables, seq_ids, num_tokens, block_size, kv_cache.size(1));
 
   // New K/V first: a query attends to its own token and the new ones before it.
-  if (slot_mapping.numel() > 0) {
-    auto key_slots = kv_cache[0].view({-1, num_kv_heads * head_dim});
-    auto value_slots = kv_cache[1].view({-1, num_kv_heads * head_dim});
-    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    const int64_t writes = std::min<int64_t>(slot_mapping.numel(), num_tokens);
-    const int64_t num_slots = key_slots.size(0);
-    auto key_rows = key.reshape({num_tokens, num_kv_heads * head_dim});
-    auto value_rows = value.reshape({num_tokens, num_kv_heads * head_dim});
-    for (int64_t t = 0; t < writes; ++t) {
-      TORCH_CHECK(slots[t] < num_slots, "slot_mapping[", t, "]=", slots[t], " is past the cache's ", num_slots, " slots");
-    }
-    const int64_t row_bytes = num_kv_heads * head_dim * kv_cache.element_size();
-    auto* k_dst = static_cast<char*>(key_slots.data_ptr());
-    auto* v_dst = static_cast<char*>(value_slots.data_ptr());
-    const bool dense = key_rows.is_contiguous() && value_rows.is_contiguous();
-    auto key_src = dense ? key_rows : key_rows.contiguous();
-    auto value_src = dense ? value_rows : value_rows.contiguous();
-    const auto* k_src = static_cast<const char*>(key_src.data_ptr());
-    const auto* v_src = static_cast<const char*>(value_src.data_ptr());
-    for (int64_t t = 0; t < writes; ++t) {
-      if (slots[t] < 0) continue;
-      std::memcpy(k_dst + slots[t] * row_bytes, k_src + t * row_bytes, row_bytes);
-      std::memcpy(v_dst + slots[t] * row_bytes, v_src + t * row_bytes, row_bytes);
-    }
-  }
+  if (slot_mapping.numel() > 0) write_new_kv(key, value, kv_cache, slot_mapping, num_tokens);
 
   auto out = torch::empty({num_tokens, num_heads, head_dim}, query.options());
   const int64_t num_seqs = seq_lens.size(0);
