@@ -78,78 +78,64 @@ constexpr const char* kIsa =
 // 1 row best with 2; bf16 with one accumulator per x row took 4 rows 30% longer than 3 or 5
 // (21.9 vs 15.0 / 18.0 ms a step), with 2 the cost grows smoothly (13.8, 14.2, 14.5, 17.0 ms
 // for 1-4 rows), and 3 or 4 were no better.
-template <int MB>
-PAGODA_INLINE void dot_rows(const float* x, int64_t K, const float* w, float* out) {
-  constexpr int U = MB == 1 ? 2 : 4;
-  __m512 acc[MB][U];
-  for (int m = 0; m < MB; ++m)
-    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 * U <= K; k += 16 * U)
-    for (int u = 0; u < U; ++u) {
-      const __m512 wv = _mm512_loadu_ps(w + k + 16 * u);
-      for (int m = 0; m < MB; ++m) acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[m][u]);
-    }
-  for (; k + 16 <= K; k += 16) {
-    const __m512 wv = _mm512_loadu_ps(w + k);
-    for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m][0]);
-  }
-  for (int m = 0; m < MB; ++m) {
-    __m512 s = acc[m][0];
-    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[m][u]);
-    out[m] = _mm512_reduce_add_ps(s);
-  }
-  dot_tail<MB>(x, K, w, k, out);
-}
+// How one element type is read and multiplied: N elements per vector, madd(acc, w, x) adds
+// their products into 16 fp32 lanes, U accumulators per x row (see above).
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  static constexpr int N = 16;
+  template <int MB>
+  static constexpr int U = MB == 1 ? 2 : 4;
+  using vec = __m512;
+  static PAGODA_INLINE vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static PAGODA_INLINE __m512 madd(__m512 acc, vec w, vec x) { return _mm512_fmadd_ps(w, x, acc); }
+};
 
 #if defined(__AVX512BF16__)
 // vdpbf16ps: 32 bf16 products per instruction, summed in pairs into 16 fp32 lanes.
-template <int MB>
-PAGODA_INLINE void dot_rows(const bf16_bits* x, int64_t K, const bf16_bits* w, float* out) {
-  constexpr int U = 2;
-  __m512 acc[MB][U];
-  for (int m = 0; m < MB; ++m)
-    for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 * U <= K; k += 32 * U)
-    for (int u = 0; u < U; ++u) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
-      for (int m = 0; m < MB; ++m)
-        acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u));
-    }
-  for (; k + 32 <= K; k += 32) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-    for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
-  }
-  for (int m = 0; m < MB; ++m) {
-    __m512 s = acc[m][0];
-    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[m][u]);
-    out[m] = _mm512_reduce_add_ps(s);
-  }
-  dot_tail<MB>(x, K, w, k, out);
-}
+template <>
+struct Lanes<bf16_bits> {
+  static constexpr int N = 32;
+  template <int MB>
+  static constexpr int U = 2;
+  using vec = __m512bh;
+  static PAGODA_INLINE vec load(const bf16_bits* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static PAGODA_INLINE __m512 madd(__m512 acc, vec w, vec x) { return _mm512_dpbf16_ps(acc, w, x); }
+};
 #else
 // No bf16 arithmetic: widen 16 values at a time (bf16 is fp32's upper half) and use fp32 FMAs.
-PAGODA_INLINE __m512 load_bf16x16(const bf16_bits* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
+template <>
+struct Lanes<bf16_bits> {
+  static constexpr int N = 16;
+  template <int MB>
+  static constexpr int U = 2;  // as for vdpbf16ps; not measured (no such CPU at hand)
+  using vec = __m512;
+  static PAGODA_INLINE vec load(const bf16_bits* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  }
+  static PAGODA_INLINE __m512 madd(__m512 acc, vec w, vec x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+#endif
 
-template <int MB>
-PAGODA_INLINE void dot_rows(const bf16_bits* x, int64_t K, const bf16_bits* w, float* out) {
-  constexpr int U = 2;  // as for vdpbf16ps; not measured (no such CPU at hand)
+template <int MB, typename T>
+PAGODA_INLINE void dot_rows(const T* x, int64_t K, const T* w, float* out) {
+  using L = Lanes<T>;
+  constexpr int N = L::N, U = L::template U<MB>;
   __m512 acc[MB][U];
   for (int m = 0; m < MB; ++m)
     for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 * U <= K; k += 16 * U)
+  for (; k + N * U <= K; k += N * U)
     for (int u = 0; u < U; ++u) {
-      const __m512 wv = load_bf16x16(w + k + 16 * u);
-      for (int m = 0; m < MB; ++m) acc[m][u] = _mm512_fmadd_ps(wv, load_bf16x16(x + m * K + k + 16 * u), acc[m][u]);
+      const typename L::vec wv = L::load(w + k + N * u);
+      for (int m = 0; m < MB; ++m) acc[m][u] = L::madd(acc[m][u], wv, L::load(x + m * K + k + N * u));
     }
-  for (; k + 16 <= K; k += 16) {
-    const __m512 wv = load_bf16x16(w + k);
-    for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(wv, load_bf16x16(x + m * K + k), acc[m][0]);
+  for (; k + N <= K; k += N) {
+    const typename L::vec wv = L::load(w + k);
+    for (int m = 0; m < MB; ++m) acc[m][0] = L::madd(acc[m][0], wv, L::load(x + m * K + k));
   }
   for (int m = 0; m < MB; ++m) {
     __m512 s = acc[m][0];
@@ -158,7 +144,6 @@ PAGODA_INLINE void dot_rows(const bf16_bits* x, int64_t K, const bf16_bits* w, f
   }
   dot_tail<MB>(x, K, w, k, out);
 }
-#endif
 
 #else  // no AVX-512: fixed-width loops that -O3 turns into the host's vectors (AVX2: two ymm per lane group)
 constexpr const char* kIsa = "portable";

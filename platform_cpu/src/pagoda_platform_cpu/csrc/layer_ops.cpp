@@ -272,9 +272,12 @@ float sum_squares(const T* x, int64_t d) {
   return sum;
 }
 
+// out = rms_norm(x); with a residual, first residual <- round(x + residual) and out = rms_norm(residual).
 template <typename T>
-void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, float eps) {
+void norm_rows_impl(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, at::Tensor& out,
+                    float eps) {
   const Rows<T> in = rows_of<T>(x);
+  const Rows<T> res = residual != nullptr ? rows_of<T>(*residual) : in;
   const int64_t d = x.size(-1);
   const int64_t rows = x.numel() / std::max<int64_t>(d, 1);
   const T* w = weight.data_ptr<T>();
@@ -282,29 +285,14 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, at::Tensor& ou
   for_rows(rows, d, kNormParallelElements, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = in.row(r);
+      if (residual != nullptr) {
+        T* rr = res.row(r);
+        int64_t i = 0;
+        for (; i + W <= d; i += W) store(rr + i, load(row + i) + load(rr + i));
+        if (i < d) store_n(rr + i, load_n(row + i, d - i) + load_n(rr + i, d - i), d - i);
+        row = rr;
+      }
       scale_row(row, w, o + r * d, d, sum_squares(row, d), eps);
-    }
-  });
-}
-
-// residual <- round(x + residual); out = rms_norm(residual).
-template <typename T>
-void add_rms_norm_impl(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, at::Tensor& out,
-                       float eps) {
-  const Rows<T> in = rows_of<T>(x);
-  const Rows<T> res = rows_of<T>(residual);
-  const int64_t d = x.size(-1);
-  const int64_t rows = x.numel() / std::max<int64_t>(d, 1);
-  const T* w = weight.data_ptr<T>();
-  T* o = out.data_ptr<T>();
-  for_rows(rows, d, kNormParallelElements, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = in.row(r);
-      T* rr = res.row(r);
-      int64_t i = 0;
-      for (; i + W <= d; i += W) store(rr + i, load(xr + i) + load(rr + i));
-      if (i < d) store_n(rr + i, load_n(xr + i, d - i) + load_n(rr + i, d - i), d - i);
-      scale_row(static_cast<const T*>(rr), w, o + r * d, d, sum_squares(static_cast<const T*>(rr), d), eps);
     }
   });
 }
@@ -425,9 +413,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   if (!plain(x) || !row_layout(x) || !norm_weight(weight, x)) return {};
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kFloat) {
-    rms_norm_impl<float>(x, weight, out, static_cast<float>(eps));
+    norm_rows_impl<float>(x, nullptr, weight, out, static_cast<float>(eps));
   } else {
-    rms_norm_impl<bf16>(x, weight, out, static_cast<float>(eps));
+    norm_rows_impl<bf16>(x, nullptr, weight, out, static_cast<float>(eps));
   }
   return out;
 }
@@ -440,9 +428,9 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   }
   at::Tensor out = at::empty(x.sizes(), x.options());
   if (x.scalar_type() == at::kFloat) {
-    add_rms_norm_impl<float>(x, residual, weight, out, static_cast<float>(eps));
+    norm_rows_impl<float>(x, &residual, weight, out, static_cast<float>(eps));
   } else {
-    add_rms_norm_impl<bf16>(x, residual, weight, out, static_cast<float>(eps));
+    norm_rows_impl<bf16>(x, &residual, weight, out, static_cast<float>(eps));
   }
   return out;
 }
