@@ -19,9 +19,11 @@ PLAN_KEY = "cpu_paged"
 # and a tile's K/V stays in cache while all its query rows pass over it.
 TILE_TOKENS = 32
 # Fresh prefills (nothing cached) of at least this many tokens go to torch's causal SDPA
-# (a blocked GEMM flash kernel), which beats this kernel's dot-product loops there;
-# everything else, and every sequence under a sliding window or soft cap, goes to the kernel.
-SDPA_PREFILL_MIN_TOKENS = 128
+# (a blocked GEMM flash kernel); everything else, and every sequence under a sliding window
+# or soft cap, goes to the kernel. Measured on SmolLM2 (9/3 heads, d=64), 2 Zen4 cores: the
+# kernel is ~2x faster at 128-512 tokens (no per-sequence call, no GQA expansion), even at
+# ~1,400, and SDPA ~15-20% faster from 2,048 on (its GEMM tiles win once the square term rules).
+SDPA_PREFILL_MIN_TOKENS = 1536
 
 
 @dataclass(frozen=True)
