@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagoda.sample import LogprobsTensors, Sampler, SamplingBatch, gather_logprobs, to_sample_logprobs
+from pagoda.sample.sampler import argmax_rows
 from pagoda.sample.truncation import apply_top_k_only, apply_top_k_top_p, apply_top_k_top_p_by_candidates
 from pagoda.sampling_params import SamplingParams
 
@@ -216,6 +217,40 @@ def test_all_greedy_fast_path_is_argmax_after_penalties() -> None:
     result = Sampler()(logits, metadata)
     assert result.sampled_token_ids.tolist() == [5, 6]
     assert result.logprobs_tensors is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [49152, 50000, 3000, 1500, 100])
+def test_argmax_rows_is_torch_argmax(dtype: torch.dtype, width: int) -> None:
+    """Blocked argmax == torch.argmax: ties to the first index, across and inside blocks and in the tail."""
+    g = torch.Generator().manual_seed(width)
+    values = torch.randn(12, width, generator=g).to(dtype)
+    # Row 1: one maximum in the last column (the tail when width is not a block multiple).
+    values[1, -1] = 100.0
+    # Row 2: equal maxima in two blocks and twice inside the later block.
+    for col in (width - 2, width // 2, width // 2 + 1):
+        values[2, col] = 50.0
+    # Row 3: all equal; row 4: all -inf (a fully masked row); row 5: a NaN wins, the first of two.
+    values[3] = 1.0
+    values[4] = float("-inf")
+    values[5, width // 3] = float("nan")
+    values[5, width - 1] = float("nan")
+    # Row 6: the maximum in column 0.
+    values[6, 0] = 100.0
+    assert torch.equal(argmax_rows(values), values.argmax(dim=-1))
+    assert torch.equal(argmax_rows(values[:, : width - 1]), values[:, : width - 1].argmax(dim=-1))  # strided view
+
+
+def test_greedy_fast_path_takes_low_precision_logits_as_they_are() -> None:
+    """bf16 logits from the model: the greedy argmax is the one of their exact float32 widening."""
+    batch = SamplingBatch(4, 5000)
+    for row in range(3):
+        batch.add_request(row, SamplingParams(temperature=0.0), [1], [])
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    logits[1, 4999] = logits[1, 17] = logits[1].max() + 1  # a tie across blocks
+    result = Sampler()(logits, batch.metadata([0, 1, 2]))
+    assert torch.equal(result.sampled_token_ids, logits.float().argmax(dim=-1))
+    assert result.sampled_token_ids.tolist()[1] == 17
 
 
 def test_greedy_rows_mixed_with_random_rows() -> None:

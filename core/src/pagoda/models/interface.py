@@ -30,7 +30,10 @@ class CausalLMModel(Protocol):
         ...
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 (only rows that sample are passed)."""
+        """[N, hidden] -> [N, vocab] in float32 or the model dtype (only rows that sample are passed).
+
+        The sampler widens to float32 where it needs to; a greedy step takes the argmax as is.
+        """
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
