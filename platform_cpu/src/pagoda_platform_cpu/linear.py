@@ -1,5 +1,9 @@
 """CPU linear layers: a streaming GEMV for decode-sized inputs, oneDNN's packed matmul above.
 
+This module serves float32, and bfloat16 on CPUs without AVX512_BF16. Where the CPU has
+it, every bf16 linear runs on ``pagoda_platform_cpu.gemm`` instead (one packed copy,
+faster than both paths below at every row count measured).
+
 ``F.linear`` hands MKL/oneDNN a plain [out, in] weight, which is re-blocked on
 every call; at decode batch sizes that dominates. Packing once after loading
 measured, on the 2-core AVX512 reference VM (GFLOP/s, F.linear -> packed):
@@ -47,6 +51,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pagoda.layers.linear import LinearKernel
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +108,7 @@ class GemvLinearKernel:
 
     def __init__(
         self,
-        packer: OneDNNLinearKernel | None,
+        packer: LinearKernel | None,
         max_rows: int = 3,
         max_rows_unpacked: int = GEMV_MAX_ROWS_UNPACKED,
         packed_budget_bytes: int | None = None,
