@@ -165,6 +165,8 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, std::o
     bias_f.narrow(0, 0, N).copy_(bias->reshape({N}));
     b = bias_f.data_ptr<float>();
   }
+  // Tensors only from here: the server's event loop may run meanwhile (as in torch's own ops).
+  pybind11::gil_scoped_release no_gil;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());

@@ -253,6 +253,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::T
     bias_c = bias->contiguous();
     b = bias_c.data_ptr();
   }
+  // Tensors only from here: the server's event loop may run meanwhile (as in torch's own ops).
+  pybind11::gil_scoped_release no_gil;
   auto y = torch::empty({M, N}, x.options());
   const int threads = at::get_num_threads();
   if (x.scalar_type() == torch::kFloat) {

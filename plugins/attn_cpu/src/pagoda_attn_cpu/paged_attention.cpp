@@ -1223,6 +1223,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Ten
               "key and value must be [tokens, kv_heads, head_dim]");
   check_metadata(query_start, seq_lens, block_tables, seq_ids, num_tokens, block_size, kv_cache.size(1));
 
+  // Tensors only from here: the server's event loop may run meanwhile (as in torch's own ops).
+  pybind11::gil_scoped_release no_gil;
   // New K/V first: a query attends to its own token and the new ones before it.
   if (slot_mapping.numel() > 0) write_new_kv(key, value, kv_cache, slot_mapping, num_tokens);
 
