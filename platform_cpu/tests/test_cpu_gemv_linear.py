@@ -19,7 +19,7 @@ from pagoda_platform_cpu.linear import (
     OneDNNLinearKernel,
     onednn_available,
 )
-from pagoda_platform_cpu.platform import BF16_GEMM_ENV, GEMV_ENV, PACKED_LINEAR_ENV, CpuPlatform
+from pagoda_platform_cpu.platform import GEMM_ENV, GEMV_ENV, PACKED_LINEAR_ENV, CpuPlatform
 
 pytestmark = pytest.mark.skipif(gemv_module.build_failure() is not None, reason="the GEMV extension cannot be built here")
 
@@ -133,7 +133,7 @@ def test_platform_chooses_the_gemv_unless_turned_off(monkeypatch: pytest.MonkeyP
     platform = CpuPlatform()
     monkeypatch.delenv(PACKED_LINEAR_ENV, raising=False)
     monkeypatch.delenv(GEMV_ENV, raising=False)
-    monkeypatch.setenv(BF16_GEMM_ENV, "0")  # bf16 takes the AVX512_BF16 matmul where the CPU has it
+    monkeypatch.setenv(GEMM_ENV, "0")  # the packed AVX-512 matmul takes both dtypes where the CPU has it
     for dtype in (torch.float32, torch.bfloat16):
         kernel = platform.linear_kernel(dtype)
         assert isinstance(kernel, GemvLinearKernel)
@@ -150,6 +150,7 @@ def test_platform_chooses_the_gemv_unless_turned_off(monkeypatch: pytest.MonkeyP
 def test_a_failed_build_falls_back_to_the_packed_kernel(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv(PACKED_LINEAR_ENV, raising=False)
     monkeypatch.delenv(GEMV_ENV, raising=False)
+    monkeypatch.setenv(GEMM_ENV, "0")
     monkeypatch.setattr(gemv_module, "build_failure", lambda: "no compiler here")
     with caplog.at_level(logging.WARNING, logger="pagoda_platform_cpu.platform"):
         kernel = CpuPlatform().linear_kernel(torch.float32)

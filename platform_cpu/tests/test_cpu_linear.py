@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagoda_platform_cpu.linear import OneDNNLinearKernel, onednn_available
-from pagoda_platform_cpu.platform import GEMV_ENV, PACKED_LINEAR_ENV, CpuPlatform
+from pagoda_platform_cpu.platform import GEMM_ENV, GEMV_ENV, PACKED_LINEAR_ENV, CpuPlatform
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 
@@ -41,6 +41,7 @@ def test_platform_offers_the_kernel_for_fp32_and_bf16_only(monkeypatch: pytest.M
     platform = CpuPlatform()
     monkeypatch.delenv(PACKED_LINEAR_ENV, raising=False)
     monkeypatch.setenv(GEMV_ENV, "0")
+    monkeypatch.setenv(GEMM_ENV, "0")
     assert platform.linear_kernel(torch.float32).name == "onednn_packed"
     assert platform.linear_kernel(torch.bfloat16) is not None
     assert platform.linear_kernel(torch.float16) is None

@@ -1,9 +1,11 @@
-"""The bf16 matmul for AVX512_BF16 CPUs: ``x @ W^T (+ b)`` from a weight packed once for ``vdpbf16ps``.
+"""pagoda's CPU matmul: ``x @ W^T (+ b)`` from a weight packed once into 32-column panels (AVX-512).
 
-A C++ kernel (``csrc/gemm_bf16.cpp``) built once per machine through ``pagoda.cpp_extension``.
-It beats oneDNN's packed bf16 matmul at every batch size measured (1.2-1.8x from 8 to 64
-rows, 1.06x at 512), so on CPUs with AVX512_BF16 it takes oneDNN's place as the packed
-path of ``GemvLinearKernel``; see ``pagoda_platform_cpu.linear``.
+A C++ kernel (``csrc/gemm.cpp``) built once per machine through ``pagoda.cpp_extension``:
+float32 on AVX-512F, bfloat16 on AVX512_BF16 (``vdpbf16ps``). It beats both the GEMV and
+oneDNN's packed matmul at every row count measured (figures in the source), so where the CPU
+has it, it serves every linear layer of its dtypes alone, from one packed copy of each weight;
+see ``pagoda_platform_cpu.platform`` for the choice and ``pagoda_platform_cpu.linear`` for the
+paths other CPUs take.
 """
 
 from __future__ import annotations
@@ -16,22 +18,25 @@ import torch
 
 from pagoda.cpp_extension import CppExtension
 
-EXTENSION_NAME = "pagoda_cpu_gemm_bf16"
-SOURCE = "csrc/gemm_bf16.cpp"
+EXTENSION_NAME = "pagoda_cpu_gemm"
+SOURCE = "csrc/gemm.cpp"
 _DECLARATIONS = """
 #include <torch/extension.h>
 #include <optional>
-bool gemm_bf16_supported();
-torch::Tensor pack_bf16(torch::Tensor weight);
-torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, std::optional<torch::Tensor> bias);
+#include <string>
+bool gemm_supports(std::string dtype);
+torch::Tensor gemm_pack(torch::Tensor weight);
+torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t N, std::optional<torch::Tensor> bias);
 """
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_NEEDS = {torch.float32: "AVX-512F", torch.bfloat16: "AVX512_BF16 (with AVX512BW and AVX512VL)"}
 
 
 def _sources() -> list[str]:
     return [_DECLARATIONS, resources.files("pagoda_platform_cpu").joinpath(SOURCE).read_text()]
 
 
-EXTENSION = CppExtension(EXTENSION_NAME, _sources, ["gemm_bf16_supported", "pack_bf16", "gemm_bf16"])
+EXTENSION = CppExtension(EXTENSION_NAME, _sources, ["gemm_supports", "gemm_pack", "gemm"])
 
 
 def kernel() -> ModuleType:
@@ -39,38 +44,41 @@ def kernel() -> ModuleType:
     return EXTENSION.module()
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernel cannot run here (no build, or a CPU without AVX512_BF16), or None."""
+def unavailable_reason(dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot run ``dtype`` here (no build, no such instructions), or None."""
+    if dtype not in _DTYPE_NAMES:
+        return f"{dtype} is not covered (float32 and bfloat16 are)"
     failure = EXTENSION.build_failure()
     if failure is not None:
         return failure
-    if not kernel().gemm_bf16_supported():
-        return "this CPU has no AVX512_BF16 (with AVX512BW and AVX512VL)"
+    if not kernel().gemm_supports(_DTYPE_NAMES[dtype]):
+        return f"this CPU has no {_NEEDS[dtype]}"
     return None
 
 
 @dataclass(frozen=True)
-class PackedBf16:
-    packed: torch.Tensor  # [ceil(N/32), ceil(K/2), 32, 2]
+class PackedWeight:
+    packed: torch.Tensor  # [ceil(N/32), k-steps, 32, elements per k-step]
     out_features: int
 
 
-class Bf16GemmKernel:
-    """The packer interface of ``GemvLinearKernel``: ``prepare`` packs a bf16 weight, ``apply`` multiplies."""
+class PackedGemmKernel:
+    """A ``LinearKernel``: ``prepare`` packs the weight, ``apply`` multiplies; float32 and bfloat16."""
 
-    name = "avx512_bf16_gemm"
+    name = "cpu_packed_gemm"
 
-    def __init__(self) -> None:
+    def __init__(self, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> None:
         self._kernel = kernel()
+        self.dtypes = dtypes
 
     def supports(self, weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.numel() > 0
+        return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self.dtypes and weight.numel() > 0
 
-    def prepare(self, weight: torch.Tensor) -> PackedBf16:
-        return PackedBf16(self._kernel.pack_bf16(weight), weight.shape[0])
+    def prepare(self, weight: torch.Tensor) -> PackedWeight:
+        return PackedWeight(self._kernel.gemm_pack(weight), weight.shape[0])
 
-    def apply(self, x: torch.Tensor, prepared: PackedBf16, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, prepared: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2:
-            return self._kernel.gemm_bf16(x, prepared.packed, prepared.out_features, bias)
+            return self._kernel.gemm(x, prepared.packed, prepared.out_features, bias)
         rows = x.reshape(-1, x.shape[-1])
-        return self._kernel.gemm_bf16(rows, prepared.packed, prepared.out_features, bias).reshape(*x.shape[:-1], -1)
+        return self._kernel.gemm(rows, prepared.packed, prepared.out_features, bias).reshape(*x.shape[:-1], -1)

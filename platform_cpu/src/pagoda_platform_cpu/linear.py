@@ -1,8 +1,8 @@
 """CPU linear layers: a streaming GEMV for decode-sized inputs, oneDNN's packed matmul above.
 
-This module serves float32, and bfloat16 on CPUs without AVX512_BF16. Where the CPU has
-it, every bf16 linear runs on ``pagoda_platform_cpu.gemm`` instead (one packed copy,
-faster than both paths below at every row count measured).
+This module serves CPUs without AVX-512 (and bf16 without AVX512_BF16). Where the CPU has
+them, linears run on ``pagoda_platform_cpu.gemm`` instead (one packed copy, faster than
+both paths below at every row count measured).
 
 ``F.linear`` hands MKL/oneDNN a plain [out, in] weight, which is re-blocked on
 every call; at decode batch sizes that dominates. Packing once after loading

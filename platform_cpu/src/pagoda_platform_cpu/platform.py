@@ -23,8 +23,8 @@ KVCACHE_SPACE_ENV = "PAGODA_CPU_KVCACHE_SPACE"  # GiB, as VLLM_CPU_KVCACHE_SPACE
 PACKED_LINEAR_ENV = "PAGODA_CPU_PACKED_LINEAR"
 # pagoda-only: "0" leaves decode-sized inputs to oneDNN's packed matmul instead of the C++ GEMV
 GEMV_ENV = "PAGODA_CPU_GEMV"
-# pagoda-only: "0" runs bf16 linears on the GEMV + oneDNN instead of pagoda's AVX512_BF16 matmul
-BF16_GEMM_ENV = "PAGODA_CPU_BF16_GEMM"
+# pagoda-only: "0" runs linears on the GEMV + oneDNN instead of pagoda's packed AVX-512 matmul
+GEMM_ENV = "PAGODA_CPU_GEMM"
 # pagoda-only: "0" keeps torch ops for RMSNorm / SiLU-and-mul / RoPE instead of the fused C++ kernels
 LAYER_OPS_ENV = "PAGODA_CPU_LAYER_OPS"
 DEFAULT_KVCACHE_GIB = 4.0
@@ -100,17 +100,16 @@ class CpuPlatform(Platform):
             return None
         if dtype not in (torch.float32, torch.bfloat16):
             return None
-        packer: LinearKernel | None = OneDNNLinearKernel() if onednn_available() else None
-        if dtype == torch.bfloat16 and os.environ.get(BF16_GEMM_ENV, "1") != "0":
-            from pagoda_platform_cpu.gemm import Bf16GemmKernel, unavailable_reason
+        if os.environ.get(GEMM_ENV, "1") != "0":
+            from pagoda_platform_cpu.gemm import PackedGemmKernel, unavailable_reason
 
-            reason = unavailable_reason()  # compiles on first use; cached per machine afterwards
+            reason = unavailable_reason(dtype)  # compiles on first use; cached per machine afterwards
             if reason is None:
                 # Faster than both the GEMV and oneDNN at every row count measured (1 row
-                # included), so it serves every bf16 linear alone, from one packed copy.
-                return Bf16GemmKernel()
-            if has_native_bf16():
-                logger.warning("AVX512_BF16 matmul unavailable, bf16 linears use %s: %s", packer.name if packer else "F.linear", reason)
+                # included), so it serves every linear of this dtype alone, from one packed copy.
+                return PackedGemmKernel((dtype,))
+            logger.info("pagoda's packed CPU matmul does not run %s here (%s); linears use the GEMV and oneDNN", dtype, reason)
+        packer: LinearKernel | None = OneDNNLinearKernel() if onednn_available() else None
         if os.environ.get(GEMV_ENV, "1") != "0":
             from pagoda_platform_cpu.gemv import build_failure
 

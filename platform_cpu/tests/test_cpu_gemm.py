@@ -1,0 +1,119 @@
+"""pagoda's packed AVX-512 matmul against F.linear, and the platform's choice of it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda_platform_cpu import gemm as gemm_module
+from pagoda_platform_cpu.gemm import PackedGemmKernel
+from pagoda_platform_cpu.linear import GemvLinearKernel
+from pagoda_platform_cpu.platform import GEMM_ENV, GEMV_ENV, PACKED_LINEAR_ENV, CpuPlatform
+
+DTYPES = [
+    pytest.param(
+        dtype,
+        marks=pytest.mark.skipif(
+            gemm_module.unavailable_reason(dtype) is not None, reason=f"{gemm_module.unavailable_reason(dtype)}"
+        ),
+    )
+    for dtype in (torch.float32, torch.bfloat16)
+]
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> None:
+    """fp32: F.linear's result up to summation order. bf16: one rounding of a float32 sum, within an ulp or two."""
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+        return
+    tol = 2 * 2.0**-8 * ref.abs() + 1e-3 * ref.abs().max()
+    assert bool(((out.float() - ref).abs() <= tol).all()), (out.float() - ref).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 16, 31, 64, 130])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 33), (31, 7), (576, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(dtype: torch.dtype, rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
+    """Every row-tile tail (1-7 rows past a multiple of 8), partial column panels and an odd K."""
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    kernel = PackedGemmKernel()
+    _check(x, w, b, kernel.apply(x, kernel.prepare(w), b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_and_batched_inputs_and_no_rows(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 24, generator=g).to(dtype)
+    kernel = PackedGemmKernel()
+    prepared = kernel.prepare(w)
+    wide = torch.randn(5, 60, generator=g).to(dtype)
+    strided = wide[:, 10:34]  # rows 60 elements apart
+    _check(strided, w, None, kernel.apply(strided, prepared, None))
+    cols = torch.randn(24, 5, generator=g).to(dtype).t()  # last dim not contiguous
+    _check(cols, w, None, kernel.apply(cols, prepared, None))
+    batched = torch.randn(2, 3, 24, generator=g).to(dtype)
+    out = kernel.apply(batched, prepared, None)
+    assert out.shape == (2, 3, 40)
+    _check(batched.reshape(6, 24), w, None, out.reshape(6, 40))
+    assert kernel.apply(torch.empty(0, 24, dtype=dtype), prepared, None).shape == (0, 40)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values_propagate(dtype: torch.dtype) -> None:
+    """inf and NaN in x reach exactly the outputs they touch; the zero padding never adds a NaN."""
+    w = torch.ones(33, 5, dtype=dtype)
+    x = torch.zeros(3, 5, dtype=dtype)
+    x[1, 4] = float("inf")  # for bf16 the lone last k of an odd K
+    x[2, 0] = float("nan")
+    kernel = PackedGemmKernel()
+    out = kernel.apply(x, kernel.prepare(w), None)
+    assert bool((out[0] == 0).all())
+    assert bool(torch.isinf(out[1]).all())
+    assert bool(torch.isnan(out[2]).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_refuses_what_does_not_fit(dtype: torch.dtype) -> None:
+    kernel = PackedGemmKernel()
+    prepared = kernel.prepare(torch.zeros(40, 24, dtype=dtype))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        kernel.apply(torch.zeros(2, 26, dtype=dtype), prepared, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel.apply(torch.zeros(2, 24, dtype=dtype), prepared, torch.zeros(39, dtype=dtype))
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        kernel.apply(torch.zeros(2, 24, dtype=other), prepared, None)
+    assert not kernel.supports(torch.zeros(4, 4, dtype=torch.float16))
+    assert gemm_module.unavailable_reason(torch.float16) is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_platform_runs_linears_on_it_unless_turned_off(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (PACKED_LINEAR_ENV, GEMV_ENV, GEMM_ENV):
+        monkeypatch.delenv(name, raising=False)
+    platform = CpuPlatform()
+    kernel = platform.linear_kernel(dtype)
+    assert isinstance(kernel, PackedGemmKernel) and kernel.dtypes == (dtype,)
+    monkeypatch.setenv(GEMM_ENV, "0")
+    assert isinstance(platform.linear_kernel(dtype), GemvLinearKernel)
+
+
+def test_without_the_instructions_linears_keep_the_gemv_and_onednn(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in (PACKED_LINEAR_ENV, GEMV_ENV, GEMM_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(gemm_module, "unavailable_reason", lambda dtype: "this CPU has no AVX-512F")
+    with caplog.at_level(logging.INFO, logger="pagoda_platform_cpu.platform"):
+        kernel = CpuPlatform().linear_kernel(torch.float32)
+    assert not isinstance(kernel, PackedGemmKernel)
+    assert "no AVX-512F" in caplog.text
