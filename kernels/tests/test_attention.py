@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+
 from pagoda_kernels import (
     paged_decode_attention,
     paged_decode_attention_torch,

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from pagoda_kernels import dispatch
 from pagoda_kernels.dispatch import KernelUnavailableError, use_triton
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from pagoda_kernels import (
     fused_add_rms_norm,
     fused_add_rms_norm_torch,

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from pagoda_kernels import reshape_and_cache, reshape_and_cache_torch
 
 

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from pagoda_kernels import (
     fused_add_rms_norm,
     fused_add_rms_norm_torch,

@@ -1,10 +1,11 @@
 """The custom ops: callable through torch.ops, and traceable with fake tensors."""
 
-import pagoda_kernels.ops  # noqa: F401  (registers torch.ops.pagoda_kernels.*)
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import pagoda_kernels.ops  # noqa: F401  (registers torch.ops.pagoda_kernels.*)
 from pagoda_kernels import paged_decode_attention_torch, reshape_and_cache_torch, silu_and_mul_torch
 from pagoda_kernels.testing import make_paged_batch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 ops = torch.ops.pagoda_kernels
 

@@ -386,6 +386,6 @@ def _iter_cached(path: Path, plan: list[tuple[str, tuple[int, ...]]], dtype: tor
             tensor = torch.empty(shape, dtype=dtype)
             if tensor.numel():
                 buffer = tensor.view(-1).view(torch.uint8).numpy()
-                if f.readinto(buffer) != buffer.nbytes:  # type: ignore[attr-defined]
+                if f.readinto(buffer) != buffer.nbytes:  # type: ignore[arg-type]
                     raise ModelLoadError(f"pagoda cache file {path} ended early at tensor {name}; delete it and retry")
             yield name, tensor

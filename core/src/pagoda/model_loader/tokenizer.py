@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagoda.model_loader.convert_cache import ConvertCache
 from pagoda.model_loader.errors import ModelLoadError
@@ -22,6 +22,7 @@ def load_tokenizer(source: ModelSource, tokenizer: str | Path | None = None) -> 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tokenizer_source = source if tokenizer is None else resolve_tokenizer_path(tokenizer)
+    loaded: Any
     try:
         if tokenizer_source.kind == "gguf":
             loaded = _load_gguf_tokenizer(tokenizer_source)
