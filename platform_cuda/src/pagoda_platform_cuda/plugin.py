@@ -14,5 +14,6 @@ def pagoda_register_platforms() -> list[PlatformSpec]:
             device_type="cuda",
             package="pagoda-platform-cuda",
             priority=100,
+            verified_on_hardware=False,  # see CudaPlatform.verified_on_hardware
         )
     ]
