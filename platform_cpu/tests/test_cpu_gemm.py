@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +118,27 @@ def test_without_the_instructions_linears_keep_the_gemv_and_onednn(
         kernel = CpuPlatform().linear_kernel(torch.float32)
     assert not isinstance(kernel, PackedGemmKernel)
     assert "no AVX-512F" in caplog.text
+
+
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512bf16"]], ids=["avx2", "avx512_no_bf16"])
+def test_source_compiles_for_cpus_without_the_instructions(flags: list[str], tmp_path: Path) -> None:
+    """The AVX-512 paths sit behind #if: the file must still compile where they do not (the platform then asks why).
+
+    Compiled to an object, not just parsed: a target-specific intrinsic outside its #if fails only in code generation.
+    """
+    import shutil
+    import subprocess
+
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    source = "\n".join(gemm_module._sources())
+    cmd = [compiler, "-c", "-O1", "-o", str(tmp_path / "gemm.o"), "-std=c++17", "-march=native", *flags, "-fopenmp", "-x", "c++", "-",
+           *[f"-I{p}" for p in include_paths()]]
+    import sysconfig
+
+    cmd.append(f"-I{sysconfig.get_paths()['include']}")
+    result = subprocess.run(cmd, input=source, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
