@@ -538,30 +538,52 @@ PAGODA_INLINE void prefetch_key(const KeyPrefetch& pf, int64_t j) {
   }
 }
 
+// How a score tree reads keys: float32 rows (W lanes a vector, multiply-adds), or bf16 rows
+// read in place (32 elements a vector, vdpbf16ps).
+struct Float32Keys {
+  using Elem = float;
+  using Vec = vfloat;
+  static constexpr int kElems = W;
+  static PAGODA_INLINE Vec load(const float* p) { return loadv(p); }
+  static PAGODA_INLINE vfloat first(Vec q, Vec k) { return q * k; }
+  static PAGODA_INLINE vfloat dot(vfloat acc, Vec q, Vec k) { return acc + q * k; }
+};
+#if PAGODA_BF16_DOT
+struct Bf16Keys {
+  using Elem = uint16_t;
+  using Vec = vbf16;
+  static constexpr int kElems = 32;
+  static PAGODA_INLINE Vec load(const uint16_t* p) { return load_bf16(p); }
+  static PAGODA_INLINE vfloat first(Vec q, Vec k) { return dot_bf16(vfloat{}, q, k); }
+  static PAGODA_INLINE vfloat dot(vfloat acc, Vec q, Vec k) { return dot_bf16(acc, q, k); }
+};
+#endif
+
 // Scores of RB query rows (q, in registers) against keys [j, j + N): one vector per row with
 // a lane per key once N == W. Keys outside [jlo, jhi] are never read (a block's tail may be
 // unwritten): their lanes hold a visible key's score, for the caller to mask. Depth first, so
 // only one partial vector per tree level and row is live.
-template <int NV, int RB, int N>
-PAGODA_INLINE RowVectors<RB> score_tree(const vfloat (&q)[RB][NV], const float* keys, int64_t stride, int64_t j,
-                                        int64_t jlo, int64_t jhi, const KeyPrefetch& pf) {
+template <class Keys, int NV, int RB, int N>
+PAGODA_INLINE RowVectors<RB> score_tree(const typename Keys::Vec (&q)[RB][NV], const typename Keys::Elem* keys,
+                                        int64_t stride, int64_t j, int64_t jlo, int64_t jhi, const KeyPrefetch& pf) {
   RowVectors<RB> r;
   if constexpr (N == 1) {
     const int64_t readable = std::min(std::max(j, jlo), jhi);  // a stand-in for a hidden key, masked later
-    if (j == readable) prefetch_key<(NV * W * 4 + 63) / 64, false>(pf, j);
-    vfloat k[NV];
+    constexpr int kRate = (NV * Keys::kElems * static_cast<int>(sizeof(typename Keys::Elem)) + 63) / 64;
+    if (j == readable) prefetch_key<kRate, false>(pf, j);
+    typename Keys::Vec k[NV];
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) k[v] = loadv(keys + readable * stride + v * W);
+    for (int v = 0; v < NV; ++v) k[v] = Keys::load(keys + readable * stride + v * Keys::kElems);
 #pragma GCC unroll 4
     for (int i = 0; i < RB; ++i) {
-      vfloat s = q[i][0] * k[0];
+      vfloat s = Keys::first(q[i][0], k[0]);
 #pragma GCC unroll 16
-      for (int v = 1; v < NV; ++v) s += q[i][v] * k[v];
+      for (int v = 1; v < NV; ++v) s = Keys::dot(s, q[i][v], k[v]);
       r.v[i] = s;
     }
   } else {
-    const RowVectors<RB> a = score_tree<NV, RB, N / 2>(q, keys, stride, j, jlo, jhi, pf);
-    const RowVectors<RB> b = score_tree<NV, RB, N / 2>(q, keys, stride, j + N / 2, jlo, jhi, pf);
+    const RowVectors<RB> a = score_tree<Keys, NV, RB, N / 2>(q, keys, stride, j, jlo, jhi, pf);
+    const RowVectors<RB> b = score_tree<Keys, NV, RB, N / 2>(q, keys, stride, j + N / 2, jlo, jhi, pf);
 #pragma GCC unroll 4
     for (int i = 0; i < RB; ++i) r.v[i] = merge_pairs(a.v[i], b.v[i]);
   }
@@ -584,7 +606,7 @@ inline void attend_rows(const float* q, float* acc, int64_t dp, float* row_max, 
   }
   for (int64_t c0 = lo - lo % W; c0 <= hi; c0 += W) {
     const int64_t jlo = std::max(lo, c0), jhi = std::min(hi, c0 + W - 1);
-    const RowVectors<RB> scores = score_tree<NV, RB, W>(qv, keys, stride, c0, jlo, jhi, pf);
+    const RowVectors<RB> scores = score_tree<Float32Keys, NV, RB, W>(qv, keys, stride, c0, jlo, jhi, pf);
     float weights[RB][W];
     vfloat a[RB][NV];
 #pragma GCC unroll 4
@@ -801,32 +823,8 @@ void attend_item(const WorkItem& item, const Inputs<T>& in, ReadAhead& ahead, st
 // row), and V multiplied by the probabilities two keys at a time: their rows interleaved
 // element by element meet a (p[j], p[j + 1]) pair in each lane. The interleave leaves the
 // accumulator in the order pair_order_index gives, undone when the row is stored. Compared
-// with widening K and V to float32, this halves the vector work of a bf16 decode.
-template <int NVB, int RB, int N>
-PAGODA_INLINE RowVectors<RB> score_tree_bf16(const vbf16 (&q)[RB][NVB], const uint16_t* keys, int64_t stride, int64_t j,
-                                             int64_t jlo, int64_t jhi, const KeyPrefetch& pf) {
-  RowVectors<RB> r;
-  if constexpr (N == 1) {
-    const int64_t readable = std::min(std::max(j, jlo), jhi);
-    if (j == readable) prefetch_key<NVB, false>(pf, j);
-    vbf16 k[NVB];
-#pragma GCC unroll 8
-    for (int v = 0; v < NVB; ++v) k[v] = load_bf16(keys + readable * stride + v * 32);
-#pragma GCC unroll 4
-    for (int i = 0; i < RB; ++i) {
-      vfloat s = dot_bf16(vfloat{}, q[i][0], k[0]);
-#pragma GCC unroll 8
-      for (int v = 1; v < NVB; ++v) s = dot_bf16(s, q[i][v], k[v]);
-      r.v[i] = s;
-    }
-  } else {
-    const RowVectors<RB> a = score_tree_bf16<NVB, RB, N / 2>(q, keys, stride, j, jlo, jhi, pf);
-    const RowVectors<RB> b = score_tree_bf16<NVB, RB, N / 2>(q, keys, stride, j + N / 2, jlo, jhi, pf);
-#pragma GCC unroll 4
-    for (int i = 0; i < RB; ++i) r.v[i] = merge_pairs(a.v[i], b.v[i]);
-  }
-  return r;
-}
+// with widening K and V to float32, this halves the vector work of a bf16 decode
+// (its scores: score_tree<Bf16Keys>).
 
 // Where element d of a head row sits in a bf16 decode accumulator: per 32 elements, the
 // interleave's low half (elements 8l..8l+3 of each 128-bit lane l) fills vector 2v, its high
@@ -848,7 +846,7 @@ inline void attend_rows_bf16(const uint16_t* q, int64_t q_stride, float* acc, in
   }
   for (int64_t c0 = lo - lo % W; c0 <= hi; c0 += W) {
     const int64_t jlo = std::max(lo, c0), jhi = std::min(hi, c0 + W - 1);
-    const RowVectors<RB> scores = score_tree_bf16<NVB, RB, W>(qv, keys, stride, c0, jlo, jhi, pf);
+    const RowVectors<RB> scores = score_tree<Bf16Keys, NVB, RB, W>(qv, keys, stride, c0, jlo, jhi, pf);
     uint32_t weights[RB][W / 2];  // bf16 pairs (p[2m], p[2m + 1])
     uint32_t residues[RB][W / 2];  // what bf16 left of each p, also in bf16
     vfloat a[RB][2 * NVB];
