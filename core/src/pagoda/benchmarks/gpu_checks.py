@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -69,39 +68,20 @@ def build_random_llama(out_dir: Path, tokenizer_dir: Path, config_kwargs: dict[s
     return out_dir
 
 
-@torch.inference_mode()
-def _hf_generate(model_dir: Path, dtype: torch.dtype, requests: list[BenchRequest], out_len: int) -> tuple[list[list[int]], float]:
-    """transformers' greedy batched generate on equal-length prompts (no padding): (new ids per prompt, seconds)."""
-    from transformers import AutoModelForCausalLM
+def _hf_generate(model_dir: Path, dtype: str, requests: list[BenchRequest], out_len: int) -> tuple[list[list[int]], float]:
+    from pagoda.benchmarks.peers import hf_generate
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(_device()).eval()  # type: ignore[arg-type]
-    ids = torch.tensor([r.prompt_token_ids for r in requests], device=_device())
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-    model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=2, **kw)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len, **kw)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    new = out[:, ids.shape[1]:].tolist()
-    del model, out
+    result = hf_generate(str(model_dir), dtype, requests, out_len, device=_device().type)
     _release()
-    return new, elapsed
+    return result
 
 
 def _pagoda_generate(model_dir: Path, dtype: str, requests: list[BenchRequest], **engine_kwargs: Any) -> tuple[list[list[int]], float]:
+    from pagoda.benchmarks.throughput import timed_generate
     from pagoda.entrypoints.llm import LLM
-    from pagoda.sampling_params import SamplingParams
 
     llm = LLM(model=str(model_dir), dtype=dtype, **engine_kwargs)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
-    llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    outputs, elapsed = timed_generate(llm, requests, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     del llm, outputs
     _release()
@@ -113,7 +93,7 @@ def check_greedy(model_dir: Path, num_prompts: int, in_len: int, out_len: int) -
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     requests = random_requests(num_prompts, in_len, out_len, vocab, seed=7)
     ours, _ = _pagoda_generate(model_dir, "float32", requests, max_model_len=in_len + out_len + 16)
-    theirs, _ = _hf_generate(model_dir, torch.float32, requests, out_len)
+    theirs, _ = _hf_generate(model_dir, "float32", requests, out_len)
     first_diffs = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, theirs)]
     return {
         "prompts": num_prompts,
@@ -131,7 +111,7 @@ def check_throughput(model_dir: Path, num_prompts: int, in_len: int, out_len: in
     for name, kwargs in (("pagoda", {}), ("pagoda_enforce_eager", {"enforce_eager": True})):
         tokens, elapsed = _pagoda_generate(model_dir, "bfloat16", requests, max_model_len=in_len + out_len + 16, **kwargs)
         results[name] = {"elapsed_s": elapsed, "output_tokens_per_s": sum(map(len, tokens)) / elapsed}
-    _, elapsed = _hf_generate(model_dir, torch.bfloat16, requests, out_len)
+    _, elapsed = _hf_generate(model_dir, "bfloat16", requests, out_len)
     results["transformers"] = {"elapsed_s": elapsed, "output_tokens_per_s": total / elapsed}
     for name in ("pagoda", "pagoda_enforce_eager"):
         results[f"{name}_vs_transformers"] = results[name]["output_tokens_per_s"] / results["transformers"]["output_tokens_per_s"]

@@ -59,16 +59,27 @@ def _hf_model(model_dir: str, dtype: str) -> Any:
 
 
 @torch.inference_mode()
-def _hf_offline(model_dir: str, dtype: str, n: int, in_len: int, out_len: int) -> dict[str, Any]:
-    model = _hf_model(model_dir, dtype)
-    reqs = random_requests(n, in_len, out_len, model.config.vocab_size)
-    ids = torch.tensor([r.prompt_token_ids for r in reqs])  # equal lengths: no padding needed
+def hf_generate(model_dir: str, dtype: str, requests: list[Any], out_len: int,
+                device: str = "cpu") -> tuple[list[list[int]], float]:
+    """transformers' batched greedy generate on equal-length prompts (no padding needed): (new ids per prompt, seconds)."""
+    model = _hf_model(model_dir, dtype).to(device)
+    ids = torch.tensor([r.prompt_token_ids for r in requests], device=device)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=2, **kw)
+    if device != "cpu":
+        torch.cuda.synchronize()
     t = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len, min_new_tokens=out_len, **kw)
+    if device != "cpu":
+        torch.cuda.synchronize()
     dt = time.perf_counter() - t
-    tokens = int((out.shape[1] - in_len) * out.shape[0])
+    return out[:, ids.shape[1]:].tolist(), dt
+
+
+def _hf_offline(model_dir: str, dtype: str, n: int, in_len: int, out_len: int) -> dict[str, Any]:
+    vocab = int(json.loads(Path(model_dir, "config.json").read_text())["vocab_size"])
+    new, dt = hf_generate(model_dir, dtype, random_requests(n, in_len, out_len, vocab), out_len)
+    tokens = sum(map(len, new))
     return {"output_tokens": tokens, "elapsed_s": dt, "output_tokens_per_s": tokens / dt}
 
 

@@ -8,8 +8,9 @@ from typing import Any
 from pagoda.benchmarks.datasets import BenchRequest
 
 
-def run_throughput(llm: Any, requests: list[BenchRequest], temperature: float = 0.0,
-                   use_tqdm: bool = True, warmup: bool = True) -> dict[str, Any]:
+def timed_generate(llm: Any, requests: list[BenchRequest], temperature: float = 0.0,
+                   use_tqdm: bool = True, warmup: bool = True) -> tuple[list[Any], float]:
+    """``llm.generate`` on the requests (ignore_eos, each its own output length): (outputs, seconds)."""
     from pagoda.sampling_params import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
@@ -18,7 +19,12 @@ def run_throughput(llm: Any, requests: list[BenchRequest], temperature: float = 
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    elapsed = time.perf_counter() - start
+    return outputs, time.perf_counter() - start
+
+
+def run_throughput(llm: Any, requests: list[BenchRequest], temperature: float = 0.0,
+                   use_tqdm: bool = True, warmup: bool = True) -> dict[str, Any]:
+    outputs, elapsed = timed_generate(llm, requests, temperature, use_tqdm, warmup)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(r.prompt_len for r in requests)
     return {
