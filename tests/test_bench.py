@@ -9,7 +9,6 @@ from typing import Any
 from typer.testing import CliRunner
 
 from pagoda.benchmarks.datasets import random_requests
-from pagoda.benchmarks.peers import _print
 from pagoda.benchmarks.serve import run_serve
 from pagoda.entrypoints.cli.main import app
 
@@ -45,15 +44,3 @@ def test_serve_bench_against_a_running_server(default_model_server: Any) -> None
     assert result["output_tokens_per_s"] > 0
     bad = run_serve(server.url, "no-such-model", random_requests(2, 4, 2, vocab_size=2000))
     assert bad["failed"] == 2 and bad["errors"][0].startswith("HTTP 404")
-
-
-def test_peer_table_prints_same_run_ratios(capsys: Any) -> None:
-    _print({
-        "W1/float32/pagoda": {"output_tokens_per_s": 300.0},
-        "W1/float32/vllm[bind=0-1]": {"output_tokens_per_s": 200.0},
-        "W2/float32/pagoda": {"decode_tokens_per_s": 30.0},
-        "W2/float32/llama.cpp": {"error": "not installed"},
-    })
-    out = capsys.readouterr().out
-    assert "ratio W1/float32: pagoda / vllm[bind=0-1] = 1.50" in out
-    assert "llama.cpp" in out and "not installed" in out

@@ -224,7 +224,7 @@ def test_benchmark_export_rewrites_a_quantized_gguf_at_full_precision(tmp_path: 
     """llama.cpp, the benchmark peer, must run the very weights pagoda loads from the quantized file."""
     from gguf import GGUFReader
 
-    from pagoda.benchmarks.export import export_gguf
+    from benchmarks.export import export_gguf
     from pagoda.model_loader import load_hf_config
 
     source = tmp_path / "tiny.gguf"

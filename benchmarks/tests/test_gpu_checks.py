@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pagoda.benchmarks.gpu_checks import main
+from benchmarks.gpu_checks import main
 
 
 def test_tiny_run_reports_greedy_equality_and_three_throughputs(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Beam search (beam_width 4) beside parallel sampling (n=4) on the same prompts: output tokens/s.
 
-    python -m pagoda.benchmarks.beam_vs_sampling [--model PATH] [--prompts 64] [--max-tokens 32]
+    python -m benchmarks.beam_vs_sampling [--model PATH] [--prompts 64] [--max-tokens 32]
 
 Without --model it builds a small random Llama (vocab 49152, 4 layers, hidden 256) in a
 temporary folder, so the numbers show the engine's cost rather than one checkpoint's.

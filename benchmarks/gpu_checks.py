@@ -1,6 +1,6 @@
 """The engine-level GPU measurements of the GPU-platform issue, in one command.
 
-    python -m pagoda.benchmarks.gpu_checks --output-json gpu.json
+    python -m benchmarks.gpu_checks --output-json gpu.json
 
 1. ``greedy``: SmolLM2-135M-Instruct (the embedded default, exported once as a HF directory)
    in float32 on the device: pagoda's greedy tokens against transformers' ``generate`` on the
@@ -69,7 +69,7 @@ def build_random_llama(out_dir: Path, tokenizer_dir: Path, config_kwargs: dict[s
 
 
 def _hf_generate(model_dir: Path, dtype: str, requests: list[BenchRequest], out_len: int) -> tuple[list[list[int]], float]:
-    from pagoda.benchmarks.peers import hf_generate
+    from benchmarks.peers import hf_generate
 
     result = hf_generate(str(model_dir), dtype, requests, out_len, device=_device().type)
     _release()
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
 
-    from pagoda.benchmarks.export import export_hf_dir
+    from benchmarks.export import export_hf_dir
 
     work = Path(args.work_dir)
     skip = set(filter(None, args.skip.split(",")))

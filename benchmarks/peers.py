@@ -1,6 +1,6 @@
 """Same-run comparison with peers on the standard workloads (`nox -s bench_peers`).
 
-    python -m pagoda.benchmarks.peers --workloads W1,W2,W4,W5 --dtypes float32,bfloat16 \
+    python -m benchmarks.peers --workloads W1,W2,W4,W5 --dtypes float32,bfloat16 \
         [--vllm-python /path/to/vllm-venv/bin/python] [--output-json results.json]
 
 W1 offline 64x128->128 greedy ignore_eos; W2 single stream 1x128->128 (decode tok/s);
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
 
-    from pagoda.benchmarks.export import export_gguf, export_hf_dir
+    from benchmarks.export import export_gguf, export_hf_dir
 
     model_dir = str(export_hf_dir(args.model, args.export_dir))
     vocab = int(json.loads(Path(model_dir, "config.json").read_text())["vocab_size"])
