@@ -193,3 +193,99 @@ def test_same_platform_from_two_plugins_keeps_the_first(isolated_plugin_manager:
 def test_pagoda_plugins_parsing(raw: str | None, expected: list[str] | None) -> None:
     env = {} if raw is None else {"PAGODA_PLUGINS": raw}
     assert requested_plugin_names(env) == expected
+
+
+def _platform_spec(name: str, cls_ref: str) -> PlatformSpec:
+    return PlatformSpec(name=name, cls=cls_ref, device_type="cpu", package="p")
+
+
+def test_specname_implementations_are_collected(isolated_plugin_manager: PluginManager) -> None:
+    """A hook implemented under another function name (pluggy's ``specname=``) counts like any other."""
+
+    class Renamed:
+        PAGODA_PLUGIN_API_VERSION = API_VERSION
+
+        @hookimpl(specname="pagoda_register_platforms")
+        def platforms(self) -> list[PlatformSpec]:
+            return [_platform_spec("renamed", "renamed:Platform")]
+
+        @hookimpl(specname="pagoda_register_model_families")
+        def families(self) -> list[ModelSpec]:
+            return [ModelSpec(architecture="RenamedForCausalLM", cls="renamed:Model")]
+
+    info = isolated_plugin_manager.register(Renamed(), name="renamed", kind="platform")
+    assert info.status == "loaded"
+    assert isolated_plugin_manager.platforms()["renamed"].cls == "renamed:Platform"
+    assert "RenamedForCausalLM" in isolated_plugin_manager.model_families()
+    assert info.provides == ["platforms:renamed", "model_families:RenamedForCausalLM"]
+
+
+def test_a_plugin_may_implement_one_hook_twice(isolated_plugin_manager: PluginManager) -> None:
+    class Twice:
+        PAGODA_PLUGIN_API_VERSION = API_VERSION
+
+        @hookimpl
+        def pagoda_register_platforms(self) -> list[PlatformSpec]:
+            return [_platform_spec("by-name", "twice:A")]
+
+        @hookimpl(specname="pagoda_register_platforms")
+        def more_platforms(self) -> list[PlatformSpec]:
+            return [_platform_spec("by-specname", "twice:B")]
+
+    info = isolated_plugin_manager.register(Twice(), name="twice", kind="platform")
+    assert set(isolated_plugin_manager.platforms()) == {"by-name", "by-specname"}
+    assert sorted(info.provides) == ["platforms:by-name", "platforms:by-specname"]
+
+
+def test_tryfirst_and_trylast_decide_which_provider_of_a_name_wins(isolated_plugin_manager: PluginManager) -> None:
+    def provider(cls_ref: str, **opts: bool) -> object:
+        class Provider:
+            PAGODA_PLUGIN_API_VERSION = API_VERSION
+
+            @hookimpl(**opts)
+            def pagoda_register_platforms(self) -> list[PlatformSpec]:
+                return [_platform_spec("dup", cls_ref), _platform_spec(cls_ref, cls_ref)]
+
+        return Provider()
+
+    isolated_plugin_manager.register(provider("last", trylast=True), name="last", kind="platform")
+    isolated_plugin_manager.register(provider("plain"), name="plain", kind="platform")
+    isolated_plugin_manager.register(provider("first", tryfirst=True), name="first", kind="platform")
+    platforms = isolated_plugin_manager.platforms()
+    assert platforms["dup"].cls == "first"
+    assert list(platforms) == ["dup", "first", "plain", "last"]
+
+
+def test_a_failing_hook_is_attributed_to_its_plugin_alone(isolated_plugin_manager: PluginManager) -> None:
+    class Failing:
+        PAGODA_PLUGIN_API_VERSION = API_VERSION
+
+        @hookimpl
+        def pagoda_register_model_families(self) -> list[ModelSpec]:
+            return [ModelSpec(architecture="NeverSeen", cls="failing:Model")]
+
+        @hookimpl(specname="pagoda_register_platforms", tryfirst=True)
+        def platforms(self) -> list[PlatformSpec]:
+            raise RuntimeError("no platforms today")
+
+    bad = isolated_plugin_manager.register(Failing(), name="failing", kind="platform")
+    good = isolated_plugin_manager.register(ModelFamilyPlugin(), name="tiny-models", kind="model_family")
+    assert list(isolated_plugin_manager.model_families()) == ["TinyForCausalLM"]
+    assert bad.status == "error" and bad.error is not None and "no platforms today" in bad.error
+    assert bad.traceback is not None and "platforms" in bad.traceback
+    assert good.status == "loaded" and good.provides == ["model_families:TinyForCausalLM"]
+
+
+def test_a_wrapper_around_a_registration_hook_is_refused(isolated_plugin_manager: PluginManager) -> None:
+    class Wrapper:
+        PAGODA_PLUGIN_API_VERSION = API_VERSION
+
+        @hookimpl(wrapper=True)
+        def pagoda_register_platforms(self):  # type: ignore[no-untyped-def]
+            return (yield)
+
+    plugin = Wrapper()
+    info = isolated_plugin_manager.register(plugin, name="wrapper", kind="platform")
+    assert info.status == "error"
+    assert info.error is not None and "wrapper" in info.error
+    assert not isolated_plugin_manager._pm.is_registered(plugin)

@@ -142,6 +142,26 @@ def _discover(kinds: Iterable[str]) -> list[_Candidate]:
     return list(unique.values())
 
 
+def _refuse_registration_wrappers(pm: pluggy.PluginManager, plugin: Any) -> None:
+    # Registration hooks are called one plugin at a time (to attribute what each
+    # provides), so a wrapper around them would only ever see its own plugin's
+    # results; refuse it rather than register something that quietly does nothing.
+    for caller in pm.get_hookcallers(plugin) or []:
+        if caller.name not in _REGISTER_HOOKS:
+            continue
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper):
+                raise ValueError(
+                    f"{caller.name} is implemented as a wrapper by {impl.function.__qualname__}; "
+                    "registration hooks take plain implementations only"
+                )
+
+
+def _plugin_key(info: PluginInfo) -> str:
+    """The name a plugin is registered under in pluggy (unique per distribution, kind and name)."""
+    return f"{info.distribution or 'in-process'}::{info.kind}::{info.name}"
+
+
 class PluginManager:
     """The process's plugins: one pluggy manager plus a record per plugin."""
 
@@ -185,10 +205,11 @@ class PluginManager:
             logger.error(info.error)
             self.infos.append(info)
             return info
-        key = f"{distribution or 'in-process'}::{kind}::{name}"
+        key = _plugin_key(info)
         try:
             self._pm.register(plugin, name=key)
             self._pm.check_pending()
+            _refuse_registration_wrappers(self._pm, plugin)
         except Exception as exc:  # a misspelled hook, a bad signature
             if self._pm.is_registered(plugin):
                 self._pm.unregister(plugin)
@@ -256,43 +277,83 @@ class PluginManager:
 
     # -- frozen registries --------------------------------------------------
     def _collect(self) -> dict[str, list[Any]]:
+        """Call every registration hook through pluggy, one plugin at a time.
+
+        The implementations are pluggy's (``hook.get_hookimpls()``), so
+        ``specname=`` ones count; calling them a plugin at a time keeps what a
+        plugin provided, and its failure, attributed to that plugin alone: one
+        plugin raising never hides the others. Providers of a hook are taken in
+        pluggy's priority classes (``tryfirst``, plain, ``trylast``) and, within a
+        class, in registration order, so the first provider of a name wins.
+        """
         if self._specs is not None:
             return self._specs
-        specs: dict[str, list[Any]] = {hook: [] for hook in _REGISTER_HOOKS}
-        infos_by_key = {
-            f"{i.distribution or 'in-process'}::{i.kind}::{i.name}": i
-            for i in self.infos
-            if i.status == "loaded"
+        loaded = {
+            key: info
+            for info in self.infos
+            if info.status == "loaded" and (key := _plugin_key(info)) in self._objects
         }
-        for key, plugin in self._objects.items():
-            info = infos_by_key.get(key)
-            if info is None:
-                continue
-            provided: list[tuple[str, list[Any]]] = []
-            try:
-                for hook, (spec_type, _label) in _REGISTER_HOOKS.items():
-                    fn = getattr(plugin, hook, None)
-                    if fn is None:
-                        continue
-                    result = list(fn() or [])
+        order = {key: i for i, key in enumerate(self._objects)}
+        provided: dict[str, dict[str, list[Any]]] = {key: {} for key in loaded}
+        providers = {hook: self._providers(hook, order) for hook in _REGISTER_HOOKS}
+        for hook, (spec_type, _label) in _REGISTER_HOOKS.items():
+            for key in providers[hook]:
+                if key not in provided:  # not loaded, or an earlier hook of it failed
+                    continue
+                info = loaded[key]
+                try:
+                    result = self._call_one(hook, key)
                     for item in result:
                         if not isinstance(item, spec_type):
                             raise TypeError(
                                 f"{hook} returned {type(item).__name__}, expected {spec_type.__name__}"
                             )
-                    provided.append((hook, result))
-            except Exception as exc:
-                info.status = "error"
-                info.error = f"a registration hook failed: {type(exc).__name__}: {exc}"
-                info.traceback = traceback.format_exc()
-                continue
-            info.provides = []
-            for hook, result in provided:
-                label = _REGISTER_HOOKS[hook][1]
-                specs[hook].extend(result)
-                info.provides.extend(f"{hook.removeprefix('pagoda_register_')}:{getattr(s, label)}" for s in result)
+                except Exception as exc:
+                    info.status = "error"
+                    info.error = f"a registration hook failed: {type(exc).__name__}: {exc}"
+                    info.traceback = traceback.format_exc()
+                    del provided[key]
+                    continue
+                provided[key][hook] = result
+        # Only now, once every plugin that failed is known, so a failed plugin adds nothing.
+        specs = {
+            hook: [spec for key in providers[hook] for spec in provided.get(key, {}).get(hook, [])]
+            for hook in _REGISTER_HOOKS
+        }
+        for key, results in provided.items():
+            loaded[key].provides = [
+                f"{hook.removeprefix('pagoda_register_')}:{getattr(spec, _REGISTER_HOOKS[hook][1])}"
+                for hook, result in results.items()
+                for spec in result
+            ]
         self._specs = specs
         return specs
+
+    def _providers(self, hook: str, order: Mapping[str, int]) -> list[str]:
+        """Keys of the plugins implementing ``hook``: tryfirst ones, plain ones, trylast ones,
+        each class in registration order."""
+        rank: dict[str, int] = {}
+        for impl in getattr(self._pm.hook, hook).get_hookimpls():
+            r = 0 if impl.tryfirst else 2 if impl.trylast else 1
+            rank[impl.plugin_name] = min(r, rank.get(impl.plugin_name, r))
+        return sorted(rank, key=lambda key: (rank[key], order.get(key, len(order))))
+
+    def _call_one(self, hook: str, key: str) -> list[Any]:
+        """Plugin ``key``'s implementations of ``hook``, as pluggy holds them, called in
+        pluggy's call order, results flattened.
+
+        Not ``pm.subset_hook_caller``: in pluggy 1.x it drops the other plugins by
+        looking the hook's name up on them (so it keeps their ``specname=``
+        implementations) and needs hashable plugin objects.
+        """
+        out: list[Any] = []
+        for impl in reversed(getattr(self._pm.hook, hook).get_hookimpls()):
+            if impl.plugin_name != key:
+                continue
+            returned = impl.function()  # registration hooks take no arguments
+            if returned is not None:
+                out.extend(returned)
+        return out
 
     def _by_name(self, hook: str, attr: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
