@@ -234,3 +234,69 @@ def test_importing_pagoda_resolves_no_platform() -> None:
         "assert pl._manager is None, 'plugins loaded at import'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _platform_uses_in_core() -> tuple[dict[str, set[str]], list[str]]:
+    """Names core reads on a platform object, and any getattr/hasattr probes of one.
+
+    A platform object is spelled ``platform``, ``<anything>.platform``,
+    ``current_platform()`` or ``resolve_platform()`` in core's sources; files that
+    import the stdlib ``platform`` module are skipped.
+    """
+    import ast
+    from pathlib import Path
+
+    import pagoda
+
+    def is_platform(node: ast.AST) -> bool:
+        return (
+            (isinstance(node, ast.Name) and node.id == "platform")
+            or (isinstance(node, ast.Attribute) and node.attr == "platform")
+            or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("current_platform", "resolve_platform"))
+        )
+
+    used: dict[str, set[str]] = {}
+    probes: list[str] = []
+    for path in sorted(Path(pagoda.__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        if any(isinstance(n, ast.Import) and any(a.name == "platform" for a in n.names) for n in ast.walk(tree)):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and is_platform(node.value):
+                used.setdefault(node.attr, set()).add(path.name)
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and node.args and is_platform(node.args[0])):
+                probes.append(f"{path.name}:{node.lineno}")
+    return used, probes
+
+
+def test_everything_core_calls_on_a_platform_is_declared_on_the_interface() -> None:
+    used, probes = _platform_uses_in_core()
+    assert {"is_pin_memory_available", "kv_cache_budget_bytes", "resolve_dtype"} <= set(used)  # the scan sees calls
+    undeclared = {name: sorted(files) for name, files in used.items() if not hasattr(Platform, name)}
+    assert undeclared == {}, f"declare these on pagoda.platforms.Platform: {undeclared}"
+    assert probes == [], f"core probes a platform with getattr/hasattr instead of the interface: {probes}"
+
+
+def test_interface_defaults() -> None:
+    import torch
+
+    from pagoda.config import EngineArgs
+
+    class Host(FakeHost):
+        pass
+
+    class Gpu(FakeHost):
+        device_type = "cuda"
+
+    host = Host()
+    config = EngineArgs(max_model_len=256).create_engine_config()
+    assert host.is_pin_memory_available(config) is False
+    assert Gpu().is_pin_memory_available(config) is True
+    assert host.cuda_graph_capture_sizes(config) == []
+    assert host.linear_kernel(torch.float32) is None and host.layer_ops(torch.float32) is None
+    assert host.attention_backend_preference() == [] and host.memory_stats() == {}
+    assert host.device() == torch.device("cpu") and host.describe() == "fakehost"
+    with pytest.raises(NotImplementedError):
+        host.kv_cache_budget_bytes(config, 0, 0)

@@ -1,4 +1,10 @@
-"""The interface every hardware platform plugin implements."""
+"""The interface every hardware platform plugin implements.
+
+Every method core calls on a platform is declared here, with the default a
+platform gets when it does not override it; core never probes a platform with
+``getattr``/``hasattr``. ``core/tests/test_platforms.py`` checks that each
+name core calls on a platform is declared here.
+"""
 
 from __future__ import annotations
 
@@ -16,16 +22,22 @@ class Platform:
 
     ``probe`` must be cheap and honest: it may import the device runtime but must
     not initialise a device, and it says *why* the platform cannot run here.
+    ``probe`` and ``kv_cache_budget_bytes`` have no default; everything else does.
     """
 
+    # The name users select it by (``--device``, ``PAGODA_DEVICE``).
     name: ClassVar[str] = "base"
+    # torch's device type for the tensors this platform runs ("cpu", "cuda", ...).
     device_type: ClassVar[str] = "cpu"
     # False for platforms whose code has never run on real hardware (shown by
     # `pagoda plugins list` and the docs).
     verified_on_hardware: ClassVar[bool] = True
     # Distribution that provides this platform (for install hints).
     package: ClassVar[str] = "pagoda-core"
+    # KV-cache block size (tokens) when the user gives none.
     default_block_size: ClassVar[int] = 16
+    # True where decode steps can be captured as device graphs (then
+    # ``cuda_graph_capture_sizes`` is asked for the sizes).
     supports_graphs: ClassVar[bool] = False
 
     @classmethod
@@ -38,6 +50,7 @@ class Platform:
         """Fill platform defaults (block size, dtype, KV budget) and reject what it cannot run."""
 
     def supported_dtypes(self) -> list[torch.dtype]:
+        """Model dtypes this platform runs; ``resolve_dtype`` refuses the others."""
         import torch
 
         return [torch.float32]
@@ -93,11 +106,24 @@ class Platform:
         return []
 
     def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
-        """Absolute KV cache budget in bytes when the user gave none."""
+        """Absolute KV cache budget in bytes when the user gave none.
+
+        ``model_bytes``: the loaded weights; ``activation_bytes``: the peak of a
+        max-size dummy step, both measured by the model runner.
+        """
         raise NotImplementedError
+
+    def is_pin_memory_available(self, config: EngineConfig | None = None) -> bool:
+        """Whether host buffers copied to the device may be pinned (page-locked).
+
+        Pinning makes host-to-device copies asynchronous; it needs a CUDA/ROCm
+        runtime, so the default is True exactly for ``device_type == "cuda"``.
+        """
+        return self.device_type == "cuda"
 
     # -- runtime -------------------------------------------------------------
     def device(self) -> torch.device:
+        """The torch device the model, KV cache and step inputs live on."""
         import torch
 
         return torch.device(self.device_type)
@@ -106,6 +132,7 @@ class Platform:
         """Per-process set-up before the model loads (threads, device selection)."""
 
     def seed_everything(self, seed: int) -> None:
+        """Seed every random generator the engine's step may draw from (Python, numpy, torch)."""
         import random
 
         import numpy as np
@@ -119,7 +146,9 @@ class Platform:
         """Wait for queued device work (no-op on CPU)."""
 
     def memory_stats(self) -> dict[str, Any]:
+        """Device memory figures for the start-up log (e.g. ``total_bytes``, ``free_bytes``); {} when none."""
         return {}
 
     def describe(self) -> str:
+        """One line for logs and ``pagoda plugins list`` (e.g. thread count, device name)."""
         return self.name

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -298,7 +298,7 @@ def create_decode_graphs(runner: ModelRunner) -> DecodeGraphRunner | None:
             logger.info("CUDA graphs off (enforce_eager or no capture sizes): every step runs eagerly")
         return None
     backend = runner.attn_backend
-    if not getattr(backend, "supports_cuda_graphs", False):
+    if not backend.supports_cuda_graphs:
         logger.info("CUDA graphs off: attention backend %r does not support them", type(backend).name)
         return None
     capturer = make_capturer(runner.device)
@@ -309,7 +309,7 @@ def create_decode_graphs(runner: ModelRunner) -> DecodeGraphRunner | None:
 
 
 def build_decode_graphs(runner: ModelRunner, sizes: Sequence[int], capturer: Capturer) -> DecodeGraphRunner:
-    pin = runner.device.type == "cuda" and bool(_call_or(runner.platform, "is_pin_memory_available", True, runner.config))
+    pin = runner.device.type == "cuda" and runner.platform.is_pin_memory_available(runner.config)
     graphs = DecodeGraphRunner(
         runner.model, runner.attn_backend.prepare, sizes, runner.batch.block_table.shape[1], runner.max_model_len,
         runner.device, capturer, pin_memory=pin,
@@ -317,11 +317,6 @@ def build_decode_graphs(runner: ModelRunner, sizes: Sequence[int], capturer: Cap
     graphs.capture()
     logger.info("%s", graphs.describe())
     return graphs
-
-
-def _call_or(obj: Any, name: str, default: Any, *args: Any) -> Any:
-    fn = getattr(obj, name, None)
-    return fn(*args) if fn is not None else default
 
 
 def _synchronize(device: torch.device) -> None:
