@@ -34,7 +34,7 @@ def _register_optional_commands() -> None:
     # cheap (no torch at import time).
     from importlib import import_module
 
-    for module in ("generate_cmd", "serve_cmd", "chat_cmd", "bench_cmd"):
+    for module in ("generate_cmd", "serve_cmd", "chat_cmd", "run_batch_cmd", "collect_env_cmd", "bench_cmd"):
         try:
             mod = import_module(f"pagoda.entrypoints.cli.{module}")
         except ModuleNotFoundError as exc:

@@ -1,0 +1,58 @@
+"""`pagoda run-batch -i IN.jsonl -o OUT.jsonl`: OpenAI batch files offline (vLLM's `vllm run-batch`)."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+from pagoda.config import EngineArgs
+from pagoda.entrypoints.cli.engine_options import with_engine_options
+
+
+@with_engine_options()
+def run_batch(
+    input_file: str = typer.Option(..., "-i", "--input-file",
+                                   help="Local JSONL file of OpenAI batch requests (one per line)."),
+    output_file: str = typer.Option(..., "-o", "--output-file",
+                                    help="Local JSONL file to write, one result per input line, in input order."),
+    chat_template: str | None = typer.Option(None, "--chat-template", help="Chat template file or inline Jinja."),
+    *,
+    engine_args: EngineArgs,
+) -> None:
+    """Run a batch of /v1/chat/completions and /v1/completions requests through the server's handlers, no HTTP."""
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.entrypoints.openai.api_server import served_names
+    from pagoda.entrypoints.openai.chat_template import load_chat_template
+    from pagoda.entrypoints.openai.run_batch import check_files, run_batch_file
+    from pagoda.entrypoints.openai.server_args import ServerArgs
+    from pagoda.entrypoints.openai.serving_common import ServingContext
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    try:
+        check_files(input_file, output_file)
+        template = load_chat_template(chat_template)
+    except ValueError as exc:  # BatchFileError is one
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    server_args = ServerArgs.model_validate({"chat_template": chat_template})
+    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        ctx = ServingContext(
+            engine=engine,
+            served_model_names=served_names(engine_args, server_args),
+            max_model_len=engine.max_model_len,
+            max_logprobs=engine.model_config.max_logprobs,
+            max_n=server_args.max_n,
+            chat_template=template,
+        )
+        summary = run_batch_file(engine, ctx, input_file, output_file)
+    finally:
+        engine.shutdown()
+    failed = f" (input lines {', '.join(map(str, summary.failed_lines[:20]))}{', ...' if summary.failed > 20 else ''})"
+    typer.echo(f"{summary.total} request(s): {summary.succeeded} succeeded, {summary.failed} failed"
+               f"{failed if summary.failed else ''}; results in {output_file}", err=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run-batch")(run_batch)
