@@ -15,9 +15,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
+from pagoda.disk_cache import CACHE_ROOT_ENV, DISABLE_ENV, cache_root
 from pagoda.model_loader import gguf_weights as gguf_weights_module
 from pagoda.model_loader import iter_weights, load_hf_config, load_model_config, load_tokenizer, resolve_model_path
-from pagoda.model_loader.convert_cache import CACHE_ROOT_ENV, DISABLE_ENV, ConvertCache, cache_root
+from pagoda.model_loader.convert_cache import ConvertCache
 from pagoda.model_loader.hf_config import CachedHFConfig
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 96
@@ -120,6 +121,18 @@ def test_second_load_reads_the_cache(cache_dir: Path, model_file: Path, count_de
     assert weights_file(model_file, dtype).parent.parent == cache_dir / "gguf"
     assert_same(load(model_file, dtype), want)
     assert len(count_dequantize) == 1  # no second conversion
+
+
+def test_cached_weights_are_a_standard_safetensors_file(cache_dir: Path, model_file: Path) -> None:
+    """The streamed file is what the safetensors library reads: same names, shapes, dtypes and values."""
+    from safetensors import safe_open
+
+    want = load(model_file, torch.bfloat16)
+    with safe_open(str(weights_file(model_file)), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(want)
+        assert f.metadata()["dtype"] == "bfloat16"
+        for name, tensor in want.items():
+            assert torch.equal(f.get_tensor(name), tensor), name
 
 
 def test_without_cache_dtype_nothing_is_cached(cache_dir: Path, model_file: Path) -> None:
