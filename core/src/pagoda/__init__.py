@@ -16,7 +16,6 @@ _LAZY: dict[str, str] = {
     "SamplingParams": "pagoda.sampling_params",
     "BeamSearchParams": "pagoda.sampling_params",
     "RequestOutputKind": "pagoda.sampling_params",
-    "PoolingParams": "pagoda.pooling_params",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",
     "TokensPrompt": "pagoda.inputs",
