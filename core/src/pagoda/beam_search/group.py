@@ -1,5 +1,7 @@
-"""One prompt's beam search as the scheduler runs it: live beams are requests that
-fork and share KV blocks; this module only decides which continuations survive.
+"""One prompt's beam search group: which continuations survive each step.
+
+Live beams are scheduler requests that fork and share KV blocks
+(``pagoda.beam_search.scheduling`` does that); this module is only the policy.
 
 The selection follows transformers' beam search (``generate(num_beams=W,
 do_sample=False)``) step for step: from the top ``2W`` continuations by

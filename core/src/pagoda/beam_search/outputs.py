@@ -1,7 +1,7 @@
 """Beam search results with vLLM's names and shapes (``BeamSearchSequence``, ``BeamSearchOutput``).
 
-The search itself runs inside the scheduler (``pagoda.scheduler.beam_search``);
-this module turns a finished group into what ``LLM.beam_search`` returns.
+The search runs in the engine core (``pagoda.beam_search.scheduling``); this
+module turns a finished group into what ``LLM.beam_search`` returns.
 """
 
 from __future__ import annotations
@@ -66,12 +66,3 @@ def request_output_to_beam_search_output(output: RequestOutput, tokenizer: Any) 
         ))
     return BeamSearchOutput(sequences=sequences)
 
-
-__all__ = [
-    "BeamSearchOutput",
-    "BeamSearchParams",
-    "BeamSearchSequence",
-    "beam_search_score",
-    "beams_to_request_output",
-    "request_output_to_beam_search_output",
-]

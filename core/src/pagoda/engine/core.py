@@ -59,7 +59,7 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.abort_requests(request_ids)
 
     def step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()

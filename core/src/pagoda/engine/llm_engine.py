@@ -7,7 +7,8 @@ import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from pagoda.beam_search import beams_to_request_output
+from pagoda.beam_search.frontend import BeamSearchFrontend
+from pagoda.beam_search.group import EarlyStopping
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.detokenizer import IncrementalDetokenizer
@@ -20,7 +21,6 @@ from pagoda.outputs import RequestOutput
 from pagoda.platforms import resolve_platform, set_current_platform
 from pagoda.plugins import get_plugin_manager
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
-from pagoda.scheduler.beam_search import BeamGroup, EarlyStopping, beam_request_params
 from pagoda.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -72,9 +72,7 @@ class LLMEngine:
         self.eos_token_id, self.extra_stop_ids = eos_and_stop_ids(self.tokenizer, self.hf_config)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, vocab)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._counter = 0
-        # beam search groups in flight: id -> (prompt text, prompt ids)
-        self.beam_searches: dict[str, tuple[str | None, list[int]]] = {}
+        self.beam_searches = BeamSearchFrontend(self.tokenizer, self.max_model_len, self.core.block_size)
 
     def attach_core_client(self, client: CoreClient) -> None:
         """Send add/abort to ``client`` instead of stepping the core in this thread.
@@ -172,22 +170,15 @@ class LLMEngine:
         if self.output_processor.has(request_id) or request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, salt = self.input_processor.process(prompt, None)
-        eos = None if params.ignore_eos else self.eos_token_id
-        group = BeamGroup(
-            group_id=request_id, prompt_token_ids=ids, beam_width=params.beam_width, max_tokens=params.max_tokens,
-            eos_token_id=eos, length_penalty=params.length_penalty, early_stopping=early_stopping,
-            temperature=params.temperature, max_model_len=self.max_model_len,
-        )
-        root = Request(group.new_beam_id(), ids, beam_request_params(), None, self.core.block_size,
-                       arrival_time=arrival_time, cache_salt=salt)
+        group, root = self.beam_searches.start(request_id, text, ids, salt, params, self.eos_token_id,
+                                               early_stopping, arrival_time)
         self.core.scheduler.add_beam_search(group, root)
-        self.beam_searches[request_id] = (text, ids)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            if self.beam_searches.pop(rid, None) is not None:
-                self.core.scheduler.abort_beam_search([rid])
+            if self.beam_searches.forget(rid):
+                self.core.abort_requests([rid])
                 continue
             self.core_client.abort_requests(self.output_processor.abort(rid))
 
@@ -195,26 +186,12 @@ class LLMEngine:
         if self.core_client is not self.core:
             raise RuntimeError("this engine's core is driven by an attached client (AsyncLLM); step() is not available")
         outputs = self.core.step()
-        beam_results: list[RequestOutput] = []
-        if self.beam_searches:
-            outputs, beam_results = self._split_beam_outputs(outputs)
+        outputs, beam_results = self.beam_searches.split(outputs)
         results, to_abort = self.output_processor.process(outputs)
         results.extend(beam_results)
         if to_abort:
             self.core.abort_requests(to_abort)
         return results
-
-    def _split_beam_outputs(self, outputs: list[Any]) -> tuple[list[Any], list[RequestOutput]]:
-        rest: list[Any] = []
-        done: list[RequestOutput] = []
-        for out in outputs:
-            if out.beam_sequences is None:
-                rest.append(out)
-                continue
-            entry = self.beam_searches.pop(out.req_id, None)
-            if entry is not None:
-                done.append(beams_to_request_output(out.req_id, entry[0], entry[1], out.beam_sequences, self.tokenizer))
-        return rest, done
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

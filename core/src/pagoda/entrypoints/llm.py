@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pagoda.beam_search import BeamSearchOutput, request_output_to_beam_search_output
+from pagoda.beam_search import BeamSearchOutput, EarlyStopping, request_output_to_beam_search_output
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.chat_utils import is_conversation_list, render_chat_prompt
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from pagoda.scheduler.beam_search import EarlyStopping
 
 # Show a progress bar only for batches long enough to be worth watching.
 _TQDM_MIN_PROMPTS = 8
@@ -114,7 +113,7 @@ class LLM:
         """Beam search over every prompt at once, inside the scheduler (beams fork and share KV blocks).
 
         Ranking and stopping follow transformers' ``generate(num_beams=W, do_sample=False,
-        early_stopping=False)`` (see ``pagoda.scheduler.beam_search``).
+        early_stopping=False)`` (see ``pagoda.beam_search.group``).
         """
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")

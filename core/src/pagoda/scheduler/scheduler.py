@@ -7,6 +7,10 @@ token, an unfinished prefill a chunk); when blocks run out the lowest-priority
 (then newest) running request is preempted by freeing its blocks so it is
 recomputed later; waiting requests are admitted only in a step that preempted
 nothing.
+
+Beam search lives in one component (``pagoda.beam_search.scheduling``) that
+this loop calls at named points: admission, idle-beam preemption, new rows and
+after each update. Until a beam search arrives it is a no-op object.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from pagoda.beam_search.group import BeamGroup
+from pagoda.beam_search.scheduling import NO_BEAM_SEARCH, BeamSearchScheduling, NoBeamSearch
 from pagoda.kv_cache.manager import KVCacheManager
-from pagoda.scheduler.beam_search import BeamGroup, Selection
 from pagoda.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -55,8 +60,8 @@ class Scheduler:
         # requests the runner has state for
         self._in_runner: set[str] = set()
         self.num_preemptions = 0
-        # beam search groups by group id; their beams are ordinary requests in ``requests``
-        self.beam_groups: dict[str, BeamGroup] = {}
+        # Installed by the first beam search; its beams are ordinary requests in ``requests``.
+        self.beam_search: NoBeamSearch | BeamSearchScheduling = NO_BEAM_SEARCH
 
     # -- intake ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -66,39 +71,14 @@ class Scheduler:
         self.waiting.add(request)
 
     def add_beam_search(self, group: BeamGroup, root: Request) -> None:
-        """Start a beam search: ``root`` (the prompt) is its first beam; the group forks it as it goes."""
-        if group.group_id in self.beam_groups or group.group_id in self.requests:
-            raise ValueError(f"request id {group.group_id!r} is already in use")
-        if group.beam_width > self.max_num_seqs:
-            raise ValueError(
-                f"beam_width={group.beam_width} exceeds max_num_seqs={self.max_num_seqs}: all beams of a prompt run together"
-            )
-        root.beam_group = group
-        group.add_beam(root.request_id)
-        self.beam_groups[group.group_id] = group
-        self.add_request(root)
+        """Start a beam search; ``root`` (the prompt) is its first beam."""
+        if not self.beam_search.active:
+            self.beam_search = BeamSearchScheduling(self)
+        self.beam_search.add(group, root)
 
-    def abort_beam_search(self, group_ids: Iterable[str]) -> None:
-        for gid in group_ids:
-            group = self.beam_groups.pop(gid, None)
-            if group is not None:
-                self.finish_requests(list(group.beam_ids), RequestStatus.FINISHED_ABORTED)
-
-    def _free_rows(self) -> int:
-        """Rows of the running batch left, holding back room for every admitted beam group to grow to W."""
-        reserved = 0
-        for group in self.beam_groups.values():
-            if group.admitted:
-                running = sum(1 for b in group.beam_ids if self.requests[b].status == RequestStatus.RUNNING)
-                reserved += group.beam_width - running
-        return self.max_num_seqs - len(self.running) - reserved
-
-    def _rows_needed(self, req: Request) -> int:
-        group = req.beam_group
-        if group is None:
-            return 1
-        # a beam of an admitted group uses its group's reserved row
-        return 0 if group.admitted else group.beam_width
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort requests and beam search groups by id, wherever they are."""
+        self.finish_requests(self.beam_search.abort(request_ids), RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort (or otherwise finish) requests wherever they are; frees their blocks."""
@@ -141,20 +121,33 @@ class Scheduler:
             self._in_runner.discard(victim.request_id)
         self.waiting.prepend(victim)
 
-    def _preempt_idle_beam(self) -> bool:
-        """Free the blocks of a beam that only waits for its siblings' candidates.
+    def preempt_to_back(self, req: Request) -> None:
+        """Preempt a running request to the back of the queue (not the front: it waits on others)."""
+        self._preempt(req)
+        self.waiting.remove(req)
+        self.waiting.add(req)
 
-        Otherwise beams holding blocks while they wait could starve the sibling
-        that would let them go on. Its candidates stay valid (its tokens do not
-        change); it goes to the back of the queue and is recomputed later.
+    def fork_request(self, parent: Request, child_id: str) -> Request:
+        """A new request holding ``parent``'s tokens and progress; it shares the parent's KV blocks.
+
+        A running parent's child runs too and reaches the runner whole at its
+        next schedule; a preempted parent's child waits to be recomputed.
         """
-        for req in reversed(self.running):
-            if req.beam_group is not None and req.num_computed_tokens >= req.num_tokens:
-                self._preempt(req)
-                self.waiting.remove(req)
-                self.waiting.add(req)
-                return True
-        return False
+        child = parent.fork(child_id)
+        self.requests[child_id] = child
+        if parent.status == RequestStatus.RUNNING:
+            self.kv.fork(parent.request_id, child_id)
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            self.waiting.prepend(child)
+        return child
+
+    def append_external_token(self, req: Request, token: int) -> None:
+        """Append a token chosen outside the runner; a runner that holds the request is told next step."""
+        req.append_output_token_ids([token])
+        if req.request_id in self._in_runner:
+            req.unsent_token_ids.append(token)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -191,7 +184,7 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             if req.request_id not in self._in_runner:
-                # a beam forked since the last step: the runner gets it whole
+                # forked since the last step: the runner gets it whole
                 self._in_runner.add(req.request_id)
                 req.unsent_token_ids = []
                 new_reqs.append(self._new_request_data(req))
@@ -201,16 +194,11 @@ class Scheduler:
             i += 1
 
         if not preempted:
+            beams = self.beam_search
             while len(self.waiting) and budget > 0:
-                req = self.waiting.peek()
-                if self._free_rows() < self._rows_needed(req):
-                    # a new beam group waits for rows, but beams of admitted groups hold
-                    # reserved ones: let them pass so their groups can finish
-                    passing = next((r for r in self.waiting if r.beam_group is not None and r.beam_group.admitted), None)
-                    if passing is None:
-                        break
-                    req = passing
-                if len(self.running) >= self.max_num_seqs:
+                free_rows = self.max_num_seqs - len(self.running) - beams.reserved_rows()
+                req = beams.admissible(self.waiting.peek(), free_rows, self.waiting)
+                if req is None or len(self.running) >= self.max_num_seqs:
                     break
                 computed_ids: list[int] = []
                 num_computed = 0
@@ -224,15 +212,14 @@ class Scheduler:
                     num_new = budget
                 new_blocks = self.kv.allocate_slots(req, num_new, computed_ids, num_computed)
                 if new_blocks is None:
-                    if not num_scheduled and self._preempt_idle_beam():
+                    if not num_scheduled and beams.preempt_idle():
                         continue
                     break
                 if req is self.waiting.peek():
                     self.waiting.pop()
                 else:
                     self.waiting.remove(req)
-                if req.beam_group is not None:
-                    req.beam_group.admitted = True
+                beams.on_admitted(req)
                 req.unsent_token_ids = []
                 req.num_computed_tokens = num_computed
                 if req.num_cached_tokens < 0:
@@ -285,7 +272,7 @@ class Scheduler:
         return num_scheduled.pop(rid, 0)
 
     def _new_request_data(self, req: Request) -> NewRequestData:
-        group = req.beam_group
+        num_candidates, candidate_temperature = self.beam_search.runner_fields(req)
         return NewRequestData(
             req_id=req.request_id,
             token_ids=req.all_token_ids,
@@ -294,8 +281,8 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(req.request_id),
             num_computed_tokens=req.num_computed_tokens,
             output_token_ids=req.output_token_ids,
-            num_beam_candidates=group.num_candidates if group is not None else 0,
-            beam_temperature=group.temperature if group is not None else 0.0,
+            num_beam_candidates=num_candidates,
+            beam_temperature=candidate_temperature,
         )
 
     # -- results ----------------------------------------------------------------
@@ -303,8 +290,6 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         now = time.time()
         prompt_logprobs = runner_out.prompt_logprobs or {}
-        beam_candidates = runner_out.beam_candidates or {}
-        ready_groups: dict[str, BeamGroup] = {}
         for idx, rid in enumerate(runner_out.req_ids):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -312,10 +297,8 @@ class Scheduler:
             if rid in prompt_logprobs:
                 self._collect_prompt_logprobs(req, *prompt_logprobs[rid])
             if req.beam_group is not None:
-                if rid in beam_candidates:
-                    req.beam_group.candidates[rid] = beam_candidates[rid]
-                    if req.beam_group.ready():
-                        ready_groups[req.beam_group.group_id] = req.beam_group
+                # the group picks its beams' tokens once all of them reported
+                self.beam_search.report(req, runner_out.beam_candidates)
                 continue
             new_ids = runner_out.sampled_token_ids[idx]
             if not new_ids:
@@ -341,10 +324,7 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req)
             outputs.append(out)
-        for group in ready_groups.values():
-            finished = self._advance_beam_group(group)
-            if finished is not None:
-                outputs.append(finished)
+        outputs.extend(self.beam_search.advance())
         return outputs
 
     def _collect_prompt_logprobs(self, req: Request, first_index: int, entries: list[Any]) -> None:
@@ -353,49 +333,6 @@ class Scheduler:
         if skip < len(entries):
             req.pending_prompt_logprobs.extend(entries[max(skip, 0):])
             req.num_prompt_logprobs_sent = first_index + len(entries)
-
-    # -- beam search --------------------------------------------------------------
-    def _advance_beam_group(self, group: BeamGroup) -> EngineCoreOutput | None:
-        """Apply one selection: fork beams chosen more than once, drop the unchosen, append tokens."""
-        beams = {bid: self.requests[bid] for bid in group.beam_ids}
-        selection: Selection = group.select({bid: r.output_token_ids for bid, r in beams.items()})
-        if selection.done:
-            self.abort_beam_search([group.group_id])
-            best = group.result()
-            reason = best[0].finish_reason if best else "length"
-            return EngineCoreOutput(req_id=group.group_id, new_token_ids=[], finish_reason=reason, beam_sequences=best)
-        # Forks first: a child copies its parent's tokens before the parent takes its own next token.
-        used: set[str] = set()
-        assignments: list[tuple[Request, int, float]] = []
-        for c in selection.running:
-            parent = beams[c.beam_id]
-            if c.beam_id not in used:
-                used.add(c.beam_id)
-                assignments.append((parent, c.token_id, c.logprob))
-                continue
-            child = parent.fork(group.new_beam_id())
-            group.add_beam(child.request_id, parent.request_id)
-            self.requests[child.request_id] = child
-            if parent.status == RequestStatus.RUNNING:
-                self.kv.fork(parent.request_id, child.request_id)
-                self.running.append(child)  # new to the runner: sent whole at its next schedule
-            else:
-                # the parent was preempted after reporting: the child recomputes too
-                child.num_computed_tokens = 0
-                self.waiting.prepend(child)
-            assignments.append((child, c.token_id, c.logprob))
-        for bid in [b for b in beams if b not in used]:
-            group.drop_beam(bid)
-            self.finish_requests([bid], RequestStatus.FINISHED_ABORTED)
-        order = {r.request_id: k for k, (r, _, _) in enumerate(assignments)}
-        for beam, token, logprob in assignments:
-            group.cum_logprobs[beam.request_id] += logprob
-            group.token_logprobs[beam.request_id].append(logprob)
-            beam.append_output_token_ids([token])
-            if beam.request_id in self._in_runner:
-                beam.unsent_token_ids.append(token)
-        group.beam_ids.sort(key=order.__getitem__)
-        return None
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params
