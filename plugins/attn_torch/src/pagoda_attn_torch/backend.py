@@ -1,4 +1,4 @@
-"""Paged attention in plain torch: the reference backend and the CPU default."""
+"""Paged attention in plain torch: the reference backend, and the fallback on every platform (the CPU default is cpu_paged)."""
 
 from __future__ import annotations
 
