@@ -6,23 +6,26 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from torch_paged_cases import (
+
+from pagoda.attention.interface import AttentionSpec
+from pagoda.plugins import get_plugin_manager
+from pagoda.testing.attention import (
     CHUNKED,
+    CONFORMANCE_CASES,
     DECODE,
     PREFILL,
     TOLERANCE,
     Batch,
+    ConformanceCase,
     Shape,
     check_cache,
     make_batch,
     reference_attention,
+    run_case,
     spec_for,
 )
-from torch_paged_cases import MIXED as TORCH_MIXED
-from torch_paged_cases import run_and_check as check_backend
-
-from pagoda.attention.interface import AttentionSpec
-from pagoda.plugins import get_plugin_manager
+from pagoda.testing.attention import MIXED as TORCH_MIXED
+from pagoda.testing.attention import run_and_check as check_backend
 from pagoda_attn_cpu.backend import SDPA_PREFILL_MIN_TOKENS, TILE_TOKENS, CpuPagedAttentionBackend
 
 # torch_paged's mix (decodes, chunks on cached prefixes, fresh prefills) plus one longer than two tiles.
@@ -41,6 +44,11 @@ def run_and_check(
     logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     return check_backend(make_backend(shape, dtype), batch, shape, dtype, sliding_window, logits_soft_cap)
+
+
+@pytest.mark.parametrize("case", CONFORMANCE_CASES, ids=str)
+def test_conformance(case: ConformanceCase) -> None:
+    run_case(case, CpuPagedAttentionBackend)
 
 
 def test_registered_as_a_cpu_attention_backend() -> None:

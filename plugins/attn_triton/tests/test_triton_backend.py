@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagoda.attention import AttentionMetadata, AttentionSpec
+from pagoda.testing.attention import CONFORMANCE_CASES, ConformanceCase, run_case
 from pagoda_attn_triton import plugin
 from pagoda_attn_triton.backend import TritonPagedAttentionBackend
 from pagoda_kernels import reshape_and_cache_torch
@@ -31,6 +32,29 @@ def _spec(**overrides: object) -> AttentionSpec:
 def runnable() -> None:
     if DEVICE == "cpu" and not interpret_mode():
         pytest.skip("no GPU and TRITON_INTERPRET is off")
+
+
+# The shared cases put batch-padding rows *inside* num_tokens (slot -1, past the last
+# sequence), as torch_paged and cpu_paged accept; triton_paged treats every row below
+# num_tokens as a token of a sequence (its padding rows lie past num_tokens, and graph
+# replays pad with one-token dummy sequences instead). strict: passing them is news.
+_PADDING_INSIDE_NUM_TOKENS = pytest.mark.xfail(
+    strict=True, raises=(AssertionError, ValueError),
+    reason="triton_paged computes rows below num_tokens that belong to no sequence",
+)
+_KNOWN_DIVERGENCES = {"padding-rows-mixed", "padding-rows-decode", "only-padding-rows"}
+
+
+@pytest.mark.usefixtures("runnable")
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=_PADDING_INSIDE_NUM_TOKENS) if c.id in _KNOWN_DIVERGENCES else c for c in CONFORMANCE_CASES],
+    ids=str,
+)
+def test_conformance(case: ConformanceCase) -> None:
+    """The cases every backend runs (pagoda.testing.attention); on a CPU-only machine through
+    Triton's interpreter, with the spec still saying CUDA."""
+    run_case(case, TritonPagedAttentionBackend, device=DEVICE, device_type="cuda")
 
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 import torch
-from _dense_backend import PagedKVHarness
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from pagoda.testing.paged_kv import PagedKVHarness
 from pagoda_models_llama import llama
 
 ATOL = 1e-4

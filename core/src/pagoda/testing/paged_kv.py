@@ -1,8 +1,10 @@
-"""Test-only attention: writes K/V into the paged cache by slot, then attends densely per sequence.
+"""Runs a model family's layers over a real paged KV cache, step by step, without an engine.
 
-Deliberately simple (a Python loop over sequences, the whole history gathered
-from the cache through the block table) so it is easy to trust as a reference
-while the real backends are written elsewhere.
+``PagedKVHarness`` binds ``DenseTestBackend`` and a paged cache to every
+``Attention`` layer of a model and builds each step's ``AttentionMetadata``
+from (sequence, new tokens) pairs, so a model family's tests (pagoda's
+``models_llama`` and a third party's) can check prefill, chunked prefill and
+decode against a dense implementation such as transformers'.
 """
 
 from __future__ import annotations
@@ -12,52 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagoda.attention import Attention, AttentionBackend, AttentionMetadata, AttentionSpec
-
-
-class DenseTestBackend(AttentionBackend):
-    name = "dense-test"
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor:
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        block_size = kv_cache.shape[2]
-        keep = metadata.slot_mapping >= 0
-        slots = metadata.slot_mapping[keep]
-        kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = key[keep]
-        kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = value[keep]
-
-        out = torch.empty_like(query)
-        group = query.shape[1] // num_kv_heads
-        starts = metadata.query_start_loc.tolist()
-        for i, seq_len in enumerate(metadata.seq_lens.tolist()):
-            rows = slice(starts[i], starts[i + 1])
-            num_new = starts[i + 1] - starts[i]
-            blocks = metadata.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
-            keys = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-            values = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-            keys = keys.repeat_interleave(group, dim=1).float()
-            values = values.repeat_interleave(group, dim=1).float()
-            scores = torch.einsum("qhd,khd->hqk", query[rows].float(), keys) * scale
-            if logits_soft_cap is not None:
-                scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-            q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)[:, None]
-            k_pos = torch.arange(seq_len, device=query.device)[None, :]
-            allowed = k_pos <= q_pos
-            if sliding_window is not None:
-                allowed &= k_pos > q_pos - sliding_window
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
-        return out
+from pagoda.attention import Attention, AttentionMetadata, AttentionSpec
+from pagoda.testing.attention.dense import DenseTestBackend
 
 
 @dataclass
