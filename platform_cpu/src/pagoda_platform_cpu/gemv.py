@@ -8,8 +8,8 @@ packed matmul reads at 60-80% of that. See ``pagoda_platform_cpu.linear`` for wh
 
 from __future__ import annotations
 
+import ctypes
 from importlib import resources
-from types import ModuleType
 
 import torch
 
@@ -17,29 +17,63 @@ from pagoda.cpp_extension import CppExtension
 
 EXTENSION_NAME = "pagoda_cpu_gemv"
 SOURCE = "csrc/gemv.cpp"
-_DECLARATIONS = """
-#include <torch/extension.h>
-#include <optional>
-#include <string>
-torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
-std::string gemv_isa();
-"""
+EXTENSION = CppExtension(EXTENSION_NAME, "pagoda_platform_cpu", [SOURCE])
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def source_text() -> str:
     return resources.files("pagoda_platform_cpu").joinpath(SOURCE).read_text()
 
 
-def _sources() -> list[str]:
-    return [_DECLARATIONS, source_text()]
+class GemvLibrary:
+    """The library's entry points with their C signatures, declared once."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.isa = library.pagoda_gemv_isa
+        self.isa.argtypes, self.isa.restype = [], ctypes.c_char_p
+        self.by_dtype = {}
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = getattr(library, f"pagoda_gemv_{suffix}")
+            fn.argtypes, fn.restype = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int], None
+            self.by_dtype[dtype] = fn
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] times the contiguous weight [N, K], transposed, plus bias [N]: [M, N] in x's dtype."""
+        if x.dim() != 2 or weight.dim() != 2:
+            raise RuntimeError("gemv: x [M, K] and weight [N, K] expected")
+        m, k = x.shape
+        n, wk = weight.shape
+        if k != wk:
+            raise RuntimeError(f"gemv: x has {k} columns, weight {wk}")
+        if x.dtype != weight.dtype:
+            raise RuntimeError("gemv: x and weight dtypes differ")
+        if not (weight.is_contiguous() and weight.is_cpu and x.is_cpu):
+            raise RuntimeError("gemv: contiguous CPU weight expected")
+        fn = self.by_dtype.get(x.dtype)
+        if fn is None:
+            raise RuntimeError(f"gemv: float32 or bfloat16 expected, got {x.dtype}")
+        x = x.contiguous()
+        bias_ptr = None
+        if bias is not None:
+            if bias.numel() != n or bias.dtype != x.dtype:
+                raise RuntimeError(f"gemv: bias of [{n}] in x's dtype expected")
+            bias = bias.contiguous()
+            bias_ptr = bias.data_ptr()
+        y = torch.empty((m, n), dtype=x.dtype)
+        fn(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), m, n, k, torch.get_num_threads())
+        return y
 
 
-EXTENSION = CppExtension(EXTENSION_NAME, _sources, ["gemv", "gemv_isa"])
+_library: GemvLibrary | None = None
 
 
-def kernel() -> ModuleType:
-    """The compiled extension; builds it on first use. Raises ExtensionBuildError when it cannot be built."""
-    return EXTENSION.module()
+def kernel() -> GemvLibrary:
+    """The compiled library; builds it (or waits for its build) on first use. Raises ExtensionBuildError when it cannot be built."""
+    global _library
+    if _library is None:
+        _library = GemvLibrary(EXTENSION.library())
+    return _library
 
 
 def build_failure() -> str | None:

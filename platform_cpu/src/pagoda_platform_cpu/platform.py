@@ -44,6 +44,10 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def has_avx512f() -> bool:
+    return "avx512f" in cpu_flags()
+
+
 def has_native_bf16() -> bool:
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
@@ -76,7 +80,7 @@ class CpuPlatform(Platform):
             # bf16 only pays where the CPU computes it natively (AVX512-BF16 / AMX);
             # on AVX2 it is emulated and slower than fp32, whatever the checkpoint holds.
             dtype = torch.bfloat16 if has_native_bf16() else torch.float32
-            logger.info(
+            _log_once(
                 "dtype=auto on CPU: %s (native bf16: %s; checkpoint dtype: %s)",
                 dtype, has_native_bf16(), checkpoint_dtype,
             )
@@ -172,6 +176,7 @@ class CpuPlatform(Platform):
             # CPU GEMMs are already at their peak at 512 rows; a bigger step only stalls the
             # running decodes longer and makes the start-up profiling step slower.
             sc.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        start_kernel_builds()
 
     def init_worker(self, config: EngineConfig) -> None:
         import torch
@@ -183,3 +188,39 @@ class CpuPlatform(Platform):
 
     def describe(self) -> str:
         return f"cpu ({self.num_threads()} threads, native bf16: {has_native_bf16()})"
+
+
+def start_kernel_builds() -> None:
+    """Begin compiling the C++ kernels this platform will ask for, in the background.
+
+    An engine on this platform needs them only after its weights are loaded; started here, the
+    compiles (a few seconds each on a fresh machine, a cache hit afterwards) run while the
+    weights load. The same environment switches as ``linear_kernel`` and ``layer_ops`` decide
+    which libraries are needed: the GEMV only where the packed matmul is off or cannot run.
+    """
+    if os.environ.get(PACKED_LINEAR_ENV, "1") != "0":
+        gemm_wanted = os.environ.get(GEMM_ENV, "1") != "0" and has_avx512f()
+        if gemm_wanted:
+            from pagoda_platform_cpu.gemm import EXTENSION as GEMM
+
+            GEMM.start()
+        if not gemm_wanted and os.environ.get(GEMV_ENV, "1") != "0":
+            from pagoda_platform_cpu.gemv import EXTENSION as GEMV
+
+            GEMV.start()
+    if os.environ.get(LAYER_OPS_ENV, "1") != "0":
+        from pagoda_platform_cpu.layer_ops import EXTENSION as LAYER_OPS
+
+        LAYER_OPS.start()
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str, *args: object) -> None:
+    # resolve_dtype runs once per engine, and once more where a plugin asks which dtype the
+    # engine will use (the CPU attention backend's early kernel build): one line is enough.
+    text = message % args
+    if text not in _logged:
+        _logged.add(text)
+        logger.info("%s", text)

@@ -226,15 +226,13 @@ def test_a_failed_build_is_a_reason_unsupported(monkeypatch: pytest.MonkeyPatch)
     from pagoda.cpp_extension import CppExtension
     from pagoda_attn_cpu import kernel as kernel_module
 
-    def broken_sources() -> list[str]:
-        raise RuntimeError("g++: command not found")
-
-    monkeypatch.setattr(kernel_module, "EXTENSION", CppExtension("pagoda_test_broken_attn", broken_sources, ["f"]))
+    broken = CppExtension("pagoda_test_broken_attn", "pagoda_attn_cpu", ["csrc/no_such_kernel.cpp"])
+    monkeypatch.setattr(kernel_module, "extension", lambda dtype, head_dim: broken)
     spec = AttentionSpec(
         num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, device_type="cpu", block_size=16
     )
     (reason,) = CpuPagedAttentionBackend.reasons_unsupported(spec)
-    assert "could not be compiled" in reason and "g++: command not found" in reason
+    assert "could not be compiled" in reason and "no_such_kernel.cpp" in reason
     with pytest.raises(ValueError, match="could not be compiled"):
         CpuPagedAttentionBackend(spec)
 

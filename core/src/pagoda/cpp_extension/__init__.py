@@ -1,12 +1,17 @@
-"""Build a plugin's C++ kernels once per machine and load them fast afterwards.
+"""Build a package's C++ kernels once per machine and load them fast afterwards.
 
-Plugins that ship C++ sources (the CPU attention kernel, the CPU platform's
-linear and elementwise kernels) describe them as a ``CppExtension``; the first
-use compiles them with torch's JIT (``load_inline``), later processes import a
-cached copy of the library (``prebuilt``). A build that fails is remembered with
-its reason, so a caller can report why a kernel is unavailable and fall back.
+Packages that ship C++ sources (the CPU attention kernel, the CPU platform's linear and
+elementwise kernels) keep them in a ``csrc/`` folder and describe each library as a
+``CppExtension``. The sources are plain C++17 with intrinsics and OpenMP (no torch headers,
+which were nearly all of a build's time): the system compiler turns them into a shared library
+in seconds, exporting ``extern "C"`` functions over raw pointers, sizes and strides that the
+package's Python wrappers call through ctypes. Builds start in the background as soon as a
+platform or backend knows it will need them, are cached per machine (``prebuilt``), and a
+build that fails is remembered with its reason, so a caller can report why a kernel is
+unavailable and fall back. Every build gets ``-I`` to ``include/`` (``pagoda/simd.h``,
+``pagoda/parallel.h``).
 """
 
-from pagoda.cpp_extension.build import CppExtension, ExtensionBuildError
+from pagoda.cpp_extension.build import CppExtension, ExtensionBuildError, include_dir
 
-__all__ = ["CppExtension", "ExtensionBuildError"]
+__all__ = ["CppExtension", "ExtensionBuildError", "include_dir"]

@@ -1,12 +1,20 @@
-"""One lazily compiled C++ extension: sources, flags, and the memory of a failed build."""
+"""One C++ kernel library: its sources, its build in the background, and the memory of a failed build."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import os
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable
-from types import ModuleType
+from collections.abc import Sequence
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
 
 from pagoda.cpp_extension import prebuilt
 
@@ -14,91 +22,215 @@ logger = logging.getLogger(__name__)
 
 # -ffp-contract=fast: fuse the vector multiply-adds into FMAs (off by default under -std=c++NN).
 DEFAULT_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")
-DEFAULT_LDFLAGS = ("-fopenmp",)
+BASE_CFLAGS = ("-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
+COMPILER_ENV = "CXX"
+# Longer than any kernel library takes (seconds) on a slow machine; a hung compiler is a failed build.
+COMPILE_TIMEOUT_S = 600
 
 
 class ExtensionBuildError(RuntimeError):
-    """The extension could not be compiled or loaded here; the message says why."""
+    """The library could not be compiled or loaded here; the message says why."""
+
+
+def include_dir() -> Path:
+    """The folder every build gets ``-I`` to: it holds ``pagoda/simd.h`` and ``pagoda/parallel.h``."""
+    return Path(__file__).resolve().parent / "include"
 
 
 class CppExtension:
-    """A C++ extension built on first use.
+    """A shared library compiled from a package's C++ sources, loaded with ctypes.
 
-    ``sources`` returns the C++ texts (declarations first); it is called only when
-    the library is not yet loaded, so plugins can read their ``.cpp`` files lazily.
+    ``sources`` are paths inside ``package`` (by convention ``csrc/<name>.cpp``). The library
+    exports plain ``extern "C"`` functions over pointers and sizes; the package's Python
+    wrappers declare their signatures, check arguments and allocate outputs. ctypes releases
+    the GIL for the length of each call.
+
+    ``start()`` begins the build on a background thread (a compile is a subprocess, so several
+    libraries build at once while the caller goes on, e.g. loading weights); ``library()``
+    waits for it, or builds on the calling thread when nothing started it.
     """
 
     def __init__(
         self,
         name: str,
-        sources: Callable[[], list[str]],
-        functions: list[str],
-        cflags: tuple[str, ...] = DEFAULT_CFLAGS,
-        ldflags: tuple[str, ...] = DEFAULT_LDFLAGS,
+        package: str,
+        sources: Sequence[str],
+        cflags: Sequence[str] = DEFAULT_CFLAGS,
     ) -> None:
         self.name = name
-        self._sources = sources
-        self.functions = functions
-        self.cflags = list(cflags)
-        self.ldflags = list(ldflags)
+        self.package = package
+        self.sources = tuple(sources)
+        self.cflags = tuple(cflags)
         self._lock = threading.Lock()
-        self._module: ModuleType | None = None
+        self._thread: threading.Thread | None = None
+        self._library: ctypes.CDLL | None = None
         self._failure: str | None = None
 
-    def module(self) -> ModuleType:
-        """The compiled library; builds it on first use. Raises ExtensionBuildError when it cannot be built."""
-        if self._module is not None:
-            return self._module
+    def start(self) -> None:
+        """Begin building in the background, unless the library is loaded, failed or already building."""
         with self._lock:
-            if self._module is not None:
-                return self._module
-            if self._failure is not None:
-                raise ExtensionBuildError(self._failure)
-            try:
-                self._module = self._build()
-            except Exception as exc:  # a compiler error, a missing toolchain, no OpenMP ...
-                self._failure = f"the C++ kernels of {self.name} could not be compiled ({type(exc).__name__}: {_first_lines(str(exc))})"
-                logger.warning("%s", self._failure)
-                raise ExtensionBuildError(self._failure) from exc
-            return self._module
+            if self._library is not None or self._failure is not None or self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name=f"build-{self.name}", daemon=True)
+            self._thread.start()
+
+    def library(self) -> ctypes.CDLL:
+        """The loaded library; builds it (or waits for the build) first. Raises ExtensionBuildError when it cannot be built."""
+        library = self._library
+        if library is not None:
+            return library
+        self.start()
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            if self._library is not None:
+                return self._library
+            raise ExtensionBuildError(self._failure or f"{self.name} was reset while it was building")
 
     def build_failure(self) -> str | None:
-        """Why the extension is unusable here, or None once it is built (building it if needed)."""
+        """Why the library is unusable here, or None once it is loaded (building it if needed)."""
         try:
-            self.module()
+            self.library()
         except ExtensionBuildError as exc:
             return str(exc)
         return None
 
     def reset(self) -> None:
-        """Forget a loaded module or a remembered failure (tests)."""
+        """Forget a loaded library or a remembered failure (tests); a build under way finishes first."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
         with self._lock:
-            self._module = None
+            self._thread = None
+            self._library = None
             self._failure = None
 
-    def _build(self) -> ModuleType:
-        sources = self._sources()
+    def compile_to(self, output: Path, extra_cflags: Sequence[str] = ()) -> Path:
+        """Compile the library to ``output`` with extra flags, outside the cache (tests build the paths other CPUs take)."""
+        _compile(self._source_paths(), output, [*self.cflags, *extra_cflags])
+        return output
+
+    # -- the build ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
         started = time.perf_counter()
-        # A library built from exactly these inputs before: import it, skipping torch's JIT machinery.
-        key = prebuilt.build_key(self.name, sources, [self.functions, self.cflags, self.ldflags])
-        module = prebuilt.load_prebuilt(self.name, key)
-        if module is not None:
-            logger.info("%s loaded in %.2f s (prebuilt)", self.name, time.perf_counter() - started)
-            return module
+        try:
+            library, how = self._build()
+        except Exception as exc:  # a compiler error, a missing toolchain, no OpenMP, a library that does not load ...
+            failure = f"the C++ kernels of {self.name} could not be compiled ({type(exc).__name__}: {_first_lines(str(exc))})"
+            logger.warning("%s", failure)
+            with self._lock:
+                self._failure = failure
+            return
+        logger.info("%s %s in %.2f s", self.name, how, time.perf_counter() - started)
+        with self._lock:
+            self._library = library
 
-        from torch.utils.cpp_extension import load_inline
+    def _source_paths(self) -> list[Path]:
+        root = resources.files(self.package)
+        paths = [Path(str(root.joinpath(source))) for source in self.sources]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"C++ sources of {self.name} not found: {', '.join(missing)}")
+        return paths
 
-        module = load_inline(
-            name=self.name,
-            cpp_sources=sources,
-            functions=self.functions,
-            extra_cflags=self.cflags,
-            extra_ldflags=self.ldflags,
-            verbose=False,
+    def _build(self) -> tuple[ctypes.CDLL, str]:
+        sources = self._source_paths()
+        compiler = compiler_path()
+        openmp = openmp_link_flags()
+        key = prebuilt.build_key(
+            self.name,
+            _key_texts(sources),
+            [list(self.cflags), list(openmp), [compiler, *compiler_version(compiler)]],
         )
-        prebuilt.store_prebuilt(module, self.name, key)
-        logger.info("%s compiled in %.1f s", self.name, time.perf_counter() - started)
-        return module
+        library = prebuilt.load_prebuilt(self.name, key)
+        if library is not None:
+            return library, "loaded (cached)"
+        target = prebuilt.library_path(self.name, key)
+        if target is None:  # cache disabled: build in a scratch folder, load, let the folder go
+            with tempfile.TemporaryDirectory(prefix=f"{self.name}-") as scratch:
+                built = Path(scratch) / f"lib{self.name}.so"
+                _compile(sources, built, self.cflags)
+                return ctypes.CDLL(str(built)), "compiled (not cached)"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".lib{self.name}.", suffix=".so.tmp")
+        os.close(fd)
+        try:
+            _compile(sources, Path(tmp), self.cflags)
+            published = prebuilt.publish(Path(tmp), self.name, key)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if published is None:
+            raise ExtensionBuildError(f"the built library could not be moved to {target}")
+        return ctypes.CDLL(str(published)), "compiled"
+
+
+def _compile(sources: Sequence[Path], output: Path, cflags: Sequence[str]) -> None:
+    compiler = compiler_path()
+    cmd = [compiler, *BASE_CFLAGS, *cflags, f"-I{include_dir()}", *map(str, sources), "-o", str(output), *openmp_link_flags()]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise ExtensionBuildError(f"{compiler} ran past {COMPILE_TIMEOUT_S} s") from exc
+    if result.returncode != 0:
+        raise ExtensionBuildError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
+
+
+def _key_texts(sources: Sequence[Path]) -> list[str]:
+    """The texts a build reads: the sources, the headers beside them, and the shared headers."""
+    headers: set[Path] = set(include_dir().rglob("*.h"))
+    for source in sources:
+        headers.update(p for p in source.parent.iterdir() if p.suffix in (".h", ".hpp"))
+    texts = [f"{p.name}\n{p.read_text()}" for p in sources]
+    texts += [f"{p.name}\n{p.read_text()}" for p in sorted(headers)]
+    return texts
+
+
+@lru_cache(maxsize=1)
+def compiler_path() -> str:
+    """The C++ compiler: $CXX, else c++ or g++ on PATH."""
+    configured = os.environ.get(COMPILER_ENV)
+    found = shutil.which(configured) if configured else (shutil.which("c++") or shutil.which("g++"))
+    if found is None:
+        raise ExtensionBuildError(f"no C++ compiler found ({COMPILER_ENV}={configured!r})" if configured else "no C++ compiler found (c++, g++; or set CXX)")
+    return found
+
+
+@lru_cache(maxsize=4)
+def compiler_version(compiler: str) -> tuple[str, ...]:
+    """What the compiler says it is (part of the cache key: another compiler builds other code)."""
+    result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    return (os.path.realpath(compiler), result.stdout.strip().splitlines()[0] if result.stdout.strip() else "")
+
+
+@lru_cache(maxsize=1)
+def openmp_link_flags() -> tuple[str, ...]:
+    """Link the OpenMP runtime torch ships (torch/lib/libgomp*.so*) when there is one.
+
+    One runtime in the process means one thread pool: the kernels' parallel regions reuse
+    torch's OpenMP threads instead of a second pool spinning beside them. The library names it
+    (``-Wl,-rpath``), and since torch has loaded it by the time a kernel library loads, the
+    dynamic loader maps no second copy. Without it, ``-fopenmp`` links the compiler's own runtime.
+    """
+    torch_lib = _torch_lib_dir()
+    if torch_lib is None:
+        return ()
+    runtimes = sorted(p for p in torch_lib.glob("libgomp*.so*") if p.is_file())
+    if not runtimes:
+        return ()
+    return (str(runtimes[0]), f"-Wl,-rpath,{torch_lib}")
+
+
+def _torch_lib_dir() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    lib = Path(spec.origin).parent / "lib"
+    return lib if lib.is_dir() else None
 
 
 def _first_lines(text: str, limit: int = 6) -> str:

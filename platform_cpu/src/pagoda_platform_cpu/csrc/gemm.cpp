@@ -17,10 +17,14 @@
 //        1 row 13.1 ms vs the GEMV's 16.4.
 // Accumulation is float32 (products of bf16 are exact in float32); bias is added in float32
 // and a bf16 result rounded once, to nearest even.
+//
+// Entry points (extern "C", called through ctypes by pagoda_platform_cpu.gemm, which checks the
+// arguments and allocates the outputs): pagoda_gemm_supports, pagoda_gemm_pack_{f32,bf16},
+// pagoda_gemm_{f32,bf16}. dtype codes: 0 float32, 1 bfloat16.
 
-#include <ATen/Parallel.h>
 #include <omp.h>
-#include <torch/extension.h>
+#include <pagoda/parallel.h>
+#include <pagoda/simd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -44,8 +48,6 @@ template <typename T>
 constexpr int64_t kStep = sizeof(T) == 2 ? 2 : 1;
 
 #if defined(PAGODA_GEMM_FP32)
-
-#define PAGODA_INLINE inline __attribute__((always_inline))
 
 PAGODA_INLINE __m512 weight_vector(const float* p) { return _mm512_loadu_ps(p); }
 // x[k] for every lane; fp32 has no pairs, so `last` changes nothing.
@@ -144,9 +146,9 @@ void rows(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const f
 
 template <typename T>
 void gemm(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_t panels, const float* bias, T* y,
-          int64_t N) {
+          int64_t N, int max_threads) {
   const int64_t panel_elems = (K + kStep<T> - 1) / kStep<T> * kStep<T> * kPanel;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels)));
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads, panels)));
   auto run = [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel;
@@ -168,21 +170,25 @@ void gemm(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_
 
 #endif  // PAGODA_GEMM_FP32
 
-bool supported(at::ScalarType dtype) {
+constexpr int kFloat32 = 0, kBFloat16 = 1;
+
+bool supported(int dtype) {
 #if defined(PAGODA_GEMM_FP32)
-  if (dtype == at::kFloat) return true;
+  if (dtype == kFloat32) return true;
 #endif
 #if defined(PAGODA_GEMM_BF16)
-  if (dtype == at::kBFloat16) return true;
+  if (dtype == kBFloat16) return true;
 #endif
   return false;
 }
 
+// [N, K] -> [ceil(N/32), steps, 32, step] (step = 2 for bf16, 1 for fp32) into a zeroed dst.
 template <typename T>
-void pack(const T* src, T* dst, int64_t N, int64_t K, int64_t panels) {
+void pack(const T* src, T* dst, int64_t N, int64_t K, int threads) {
   constexpr int64_t step = kStep<T>;
   const int64_t steps = (K + step - 1) / step;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  pagoda::parallel_for(0, panels, 1, threads, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * kPanel, n1 = std::min(N, n0 + kPanel);
       T* out = dst + p * steps * kPanel * step;
@@ -196,63 +202,34 @@ void pack(const T* src, T* dst, int64_t N, int64_t K, int64_t panels) {
 
 }  // namespace pagoda_gemm
 
-bool gemm_supports(std::string dtype) {
-  return pagoda_gemm::supported(dtype == "float32" ? at::kFloat : dtype == "bfloat16" ? at::kBFloat16 : at::kHalf);
+PAGODA_EXPORT int pagoda_gemm_supports(int dtype) { return pagoda_gemm::supported(dtype) ? 1 : 0; }
+
+PAGODA_EXPORT void pagoda_gemm_pack_f32(const float* weight, float* packed, int64_t N, int64_t K, int threads) {
+  pagoda_gemm::pack(weight, packed, N, K, threads);
+}
+PAGODA_EXPORT void pagoda_gemm_pack_bf16(const uint16_t* weight, uint16_t* packed, int64_t N, int64_t K, int threads) {
+  pagoda_gemm::pack(weight, packed, N, K, threads);
 }
 
-// [N, K] -> [ceil(N/32), steps, 32, step] (step = 2 for bf16, 1 for fp32), zero-padded.
-torch::Tensor gemm_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() && pagoda_gemm::supported(weight.scalar_type()),
-              "gemm_pack: a CPU weight [N, K] of a dtype this build supports expected, got ", weight.scalar_type());
-  weight = weight.contiguous();
-  const int64_t N = weight.size(0), K = weight.size(1), panels = (N + pagoda_gemm::kPanel - 1) / pagoda_gemm::kPanel;
-  const int64_t step = weight.scalar_type() == at::kBFloat16 ? 2 : 1;
-  auto packed = torch::zeros({panels, (K + step - 1) / step, pagoda_gemm::kPanel, step}, weight.options());
-  if (step == 2) {
-    pagoda_gemm::pack(reinterpret_cast<const uint16_t*>(weight.data_ptr()), reinterpret_cast<uint16_t*>(packed.data_ptr()),
-                      N, K, panels);
-  } else {
-    pagoda_gemm::pack(weight.data_ptr<float>(), packed.data_ptr<float>(), N, K, panels);
-  }
-  return packed;
-}
-
-torch::Tensor gemm(torch::Tensor x, torch::Tensor packed, int64_t N, std::optional<torch::Tensor> bias) {
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && pagoda_gemm::supported(dtype), "gemm: CPU x [M, K] of a supported dtype expected");
-  const int64_t step = dtype == at::kBFloat16 ? 2 : 1;
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == dtype && packed.is_contiguous() &&
-                  packed.size(2) == pagoda_gemm::kPanel && packed.size(3) == step,
-              "gemm: a weight from gemm_pack in x's dtype expected");
-  const int64_t K = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == (K + step - 1) / step && N > (panels - 1) * pagoda_gemm::kPanel &&
-                  N <= panels * pagoda_gemm::kPanel,
-              "gemm: x has ", K, " columns and N is ", N, ", the packed weight does not fit them");
-  if (x.stride(1) != 1) x = x.contiguous();
-  torch::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "gemm: bias of [", N, "] expected");
-    // float32, padded to whole panels, so the last panel's bias load stays in bounds.
-    bias_f = torch::zeros({panels * pagoda_gemm::kPanel}, x.options().dtype(torch::kFloat));
-    bias_f.narrow(0, 0, N).copy_(bias->reshape({N}));
-  }
-  // Tensors only from here: the server's event loop may run meanwhile (as in torch's own ops).
-  pybind11::gil_scoped_release no_gil;
-  const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
+// y [M, N] (rows N apart) = x [M, K] (rows ldx apart) times the packed weight of `panels` panels, plus
+// bias (float32, padded to panels * 32; may be null). Returns -1 where this build lacks the instructions.
+PAGODA_EXPORT int pagoda_gemm_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* packed, int64_t panels,
+                                  const float* bias, float* y, int64_t N, int threads) {
 #if defined(PAGODA_GEMM_FP32)
-  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  if (dtype == at::kFloat) {
-    pagoda_gemm::gemm(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), panels, b, y.data_ptr<float>(), N);
-  }
+  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)panels, (void)bias, (void)y, (void)N, (void)threads;
+  return -1;
+#endif
+}
+PAGODA_EXPORT int pagoda_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* packed,
+                                   int64_t panels, const float* bias, uint16_t* y, int64_t N, int threads) {
 #if defined(PAGODA_GEMM_BF16)
-  if (dtype == at::kBFloat16) {
-    pagoda_gemm::gemm(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K,
-                      reinterpret_cast<const uint16_t*>(packed.data_ptr()), panels, b,
-                      reinterpret_cast<uint16_t*>(y.data_ptr()), N);
-  }
+  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads);
+  return 0;
+#else
+  (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)panels, (void)bias, (void)y, (void)N, (void)threads;
+  return -1;
 #endif
-#endif
-  return y;
 }

@@ -13,10 +13,12 @@
 // vdpbf16ps, else widened to fp32), or portable loops the compiler vectorises (AVX2 and others).
 // Accumulation is fp32 throughout; a bf16 result is rounded once, to nearest even, here.
 //
-// Built with PAGODA_GEMV_STANDALONE the file has no torch dependency and exports a C ABI:
-// tests compile it with other -m flags (no AVX-512) to check the paths this CPU does not take.
+// Entry points (extern "C", called through ctypes by pagoda_platform_cpu.gemv, which checks the
+// arguments and allocates the outputs): pagoda_gemv_isa, pagoda_gemv_f32, pagoda_gemv_bf16.
+// Tests also compile the file with other -m flags (no AVX-512) to check the paths this CPU does not take.
 
 #include <omp.h>
+#include <pagoda/simd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -28,25 +30,9 @@
 
 namespace pagoda_gemv {
 
-#define PAGODA_INLINE inline __attribute__((always_inline))
-
 typedef uint16_t bf16_bits;
-
-PAGODA_INLINE float bf16_to_float(bf16_bits v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// Round to nearest even, NaN kept quiet: what torch's float -> bfloat16 conversion does.
-PAGODA_INLINE bf16_bits float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_bits>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<bf16_bits>(u >> 16);
-}
+using pagoda::bf16_to_float;
+using pagoda::float_to_bf16;
 
 PAGODA_INLINE float to_float(float v) { return v; }
 PAGODA_INLINE float to_float(bf16_bits v) { return bf16_to_float(v); }
@@ -218,56 +204,14 @@ void gemv(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t N, int
 
 }  // namespace pagoda_gemv
 
-#if defined(PAGODA_GEMV_STANDALONE)
+PAGODA_EXPORT const char* pagoda_gemv_isa() { return pagoda_gemv::kIsa; }
 
-extern "C" {
-const char* pagoda_gemv_isa() { return pagoda_gemv::kIsa; }
-void pagoda_gemv_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K,
-                     int threads) {
+// y [M, N] = x [M, K] (contiguous) times the contiguous weight [N, K], transposed, plus bias [N] (may be null).
+PAGODA_EXPORT void pagoda_gemv_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
+                                   int64_t K, int threads) {
   pagoda_gemv::gemv(x, w, bias, y, M, N, K, threads);
 }
-void pagoda_gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
-                      int64_t K, int threads) {
+PAGODA_EXPORT void pagoda_gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M,
+                                    int64_t N, int64_t K, int threads) {
   pagoda_gemv::gemv(x, w, bias, y, M, N, K, threads);
 }
-}
-
-#else
-
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
-
-std::string gemv_isa() { return pagoda_gemv::kIsa; }
-
-torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gemv: x [M, K] and weight [N, K] expected");
-  TORCH_CHECK(x.size(1) == weight.size(1), "gemv: x has ", x.size(1), " columns, weight ", weight.size(1));
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "gemv: x and weight dtypes differ");
-  TORCH_CHECK(weight.is_contiguous() && weight.device().is_cpu() && x.device().is_cpu(), "gemv: contiguous CPU weight expected");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const void* b = nullptr;
-  torch::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type(), "gemv: bias of [", N, "] in x's dtype expected");
-    bias_c = bias->contiguous();
-    b = bias_c.data_ptr();
-  }
-  // Tensors only from here: the server's event loop may run meanwhile (as in torch's own ops).
-  pybind11::gil_scoped_release no_gil;
-  auto y = torch::empty({M, N}, x.options());
-  const int threads = at::get_num_threads();
-  if (x.scalar_type() == torch::kFloat) {
-    pagoda_gemv::gemv(x.data_ptr<float>(), weight.data_ptr<float>(), static_cast<const float*>(b), y.data_ptr<float>(),
-                      M, N, K, threads);
-  } else if (x.scalar_type() == torch::kBFloat16) {
-    using bits = pagoda_gemv::bf16_bits;
-    pagoda_gemv::gemv(reinterpret_cast<const bits*>(x.data_ptr()), reinterpret_cast<const bits*>(weight.data_ptr()),
-                      static_cast<const bits*>(b), reinterpret_cast<bits*>(y.data_ptr()), M, N, K, threads);
-  } else {
-    TORCH_CHECK(false, "gemv: float32 or bfloat16 expected, got ", x.scalar_type());
-  }
-  return y;
-}
-
-#endif

@@ -15,16 +15,16 @@
 // except exp() inside SiLU (a polynomial here, Sleef in torch): float32 SiLU may differ by an
 // ulp or two (< 3e-7 relative), which rarely flips a bf16 rounding.
 //
-// Rows go to OpenMP threads (at::parallel_for) only when a call has enough elements to pay for
-// waking them; a decode step's few rows run on the calling thread.
+// Rows go to OpenMP threads (pagoda::parallel_for, up to the caller's thread count) only when a
+// call has enough elements to pay for waking them; a decode step's few rows run on the calling thread.
 //
-// Every entry point checks its inputs first and returns an undefined tensor (None in Python)
-// or false when it cannot take them, before writing anything: the caller falls back to torch.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+// Entry points (extern "C", called through ctypes by pagoda_platform_cpu.layer_ops): tensors come
+// as a data pointer, a dtype code (0 float32, 1 bfloat16) and a [n0, n1, d] view (sizes and element
+// strides; a [T, D] tensor is [T, 1, D]). Python checks device, dtype and autograd and allocates
+// the outputs; every entry point checks the layout first and returns 0, before writing anything,
+// when it cannot take it: the caller falls back to torch.
+#include <pagoda/parallel.h>
+#include <pagoda/simd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -34,20 +34,8 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int W = 16;
-#else
-constexpr int W = 8;
-#endif
-
-typedef float vfloat __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(W * sizeof(int32_t))));
-typedef uint32_t vuint __attribute__((vector_size(W * sizeof(uint32_t))));
-typedef uint16_t vu16 __attribute__((vector_size(W * sizeof(uint16_t))));
-
-#define PAGODA_INLINE inline __attribute__((always_inline))
-
-using bf16 = at::BFloat16;
+using namespace pagoda::simd;
+using pagoda::bf16;
 
 // Elements a call must have before its rows are split over threads (at::parallel_for). Waking
 // the OpenMP pool costs ~1.5 us on the 2-core reference VM: measured there, 2 threads beat 1
@@ -59,44 +47,13 @@ constexpr int64_t kNormParallelElements = 1 << 15;
 constexpr int64_t kRotaryParallelElements = 1 << 15;
 constexpr int64_t kSiluParallelElements = 1 << 15;  // counts gate and up
 
-PAGODA_INLINE vfloat splat(float x) { return vfloat{} + x; }
+// -- loads and stores: float32 as is, bf16 widened (the top half of a float32) --
+PAGODA_INLINE vfloat load(const float* p) { return loadv(p); }
+PAGODA_INLINE vfloat load(const bf16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
-// -- loads and stores: memcpy is an unaligned vector move; bf16 is the top half of a float32 --
-PAGODA_INLINE vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-PAGODA_INLINE vfloat load(const bf16* p) {
-#if defined(__AVX512F__)
-  // One widening load; GCC's generic conversion takes five instructions here.
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return (vfloat)_mm512_slli_epi32(wide, 16);
-#else
-  vu16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return (vfloat)(__builtin_convertvector(h, vuint) << 16);
-#endif
-}
-
-// float32 -> bf16 bits, round to nearest even, NaN -> quiet NaN: c10::BFloat16's conversion.
-PAGODA_INLINE vuint bf16_bits(vfloat v) {
-  const vuint u = (vuint)v;
-  const vuint rounded = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
-  const vuint nan = vuint{} + 0x7FC0u;
-  return (v != v) ? nan : rounded;
-}
-
-PAGODA_INLINE void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+PAGODA_INLINE void store(float* p, vfloat v) { storev(p, v); }
 // Stores round: a value already rounded to T stores unchanged.
-PAGODA_INLINE void store(bf16* p, vfloat v) {
-#if defined(__AVX512F__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)bf16_bits(v)));
-#else
-  const vu16 h = __builtin_convertvector(bf16_bits(v), vu16);
-  std::memcpy(p, &h, sizeof(h));
-#endif
-}
+PAGODA_INLINE void store(bf16* p, vfloat v) { store_bf16(reinterpret_cast<uint16_t*>(p), v); }
 
 // The first n < W elements; the rest of the vector is zero.
 template <typename T>
@@ -125,26 +82,21 @@ PAGODA_INLINE vfloat round_to<bf16>(vfloat v) {
   return (vfloat)(bf16_bits(v) << 16);
 }
 
-// exp(x) on W lanes: Cody-Waite range reduction and a degree-6 polynomial, ~1-2 ulp.
-PAGODA_INLINE vfloat exp_poly(vfloat r) {
-  vfloat p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  return p * r * r + r + 1.0f;
-}
+// exp(x) on W lanes: Cody-Waite range reduction and pagoda::exp_poly, ~1-2 ulp.
+using pagoda::exp_poly;
+using pagoda::kLn2Hi;
+using pagoda::kLn2Lo;
+using pagoda::kLog2e;
 
 #if defined(__AVX512F__)
 // vscalefps scales by 2^n with IEEE overflow to inf and gradual underflow, so no range
 // selects are needed; the clamp only keeps infinities out of the reduction.
 PAGODA_INLINE vfloat vexp(vfloat x) {
   const __m512 clamped = _mm512_max_ps(_mm512_min_ps((__m512)x, _mm512_set1_ps(150.0f)), _mm512_set1_ps(-150.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vfloat vn = (vfloat)n;
-  const vfloat r = (vfloat)clamped - vn * 0.693145751953125f - vn * 1.428606765330187045e-06f;
+  const vfloat r = (vfloat)clamped - vn * kLn2Hi - vn * kLn2Lo;
   return (vfloat)_mm512_scalef_ps((__m512)exp_poly(r), n);
 }
 #else
@@ -152,8 +104,8 @@ PAGODA_INLINE vfloat vexp(vfloat x) {
 PAGODA_INLINE vfloat vexp(vfloat x) {
   const vfloat clamped = x < -87.0f ? splat(-87.0f) : (x > 88.0f ? splat(88.0f) : x);
   const vfloat shifter = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const vfloat n = (clamped * 1.44269504088896341f + shifter) - shifter;
-  const vfloat r = clamped - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  const vfloat n = (clamped * kLog2e + shifter) - shifter;
+  const vfloat r = clamped - n * kLn2Hi - n * kLn2Lo;
   const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
   const vfloat scaled = exp_poly(r) * (vfloat)bits;
   const vfloat inf = splat(std::numeric_limits<float>::infinity());
@@ -170,22 +122,27 @@ struct Rows {
   PAGODA_INLINE T* row(int64_t r) const { return base + (r / inner) * outer_stride + (r % inner) * inner_stride; }
 };
 
+// A tensor viewed as [n0, n1, d] rows (element strides s0, s1; the last dim contiguous).
+struct View {
+  void* data;
+  int64_t n0, n1, d, s0, s1;
+};
+
 template <typename T>
-Rows<T> rows_of(const at::Tensor& t) {
-  if (t.dim() == 2) return {t.data_ptr<T>(), 1, t.stride(0), 0};
-  return {t.data_ptr<T>(), t.size(1), t.stride(0), t.stride(1)};
+Rows<T> rows_of(const View& v) {
+  return {static_cast<T*>(v.data), v.n1, v.s0, v.s1};
 }
 
 // Runs fn(begin, end) over rows, on the pool only when the call has min_parallel elements or more
 // (and then with at least half that many per thread).
 template <typename F>
-void for_rows(int64_t rows, int64_t row_elements, int64_t min_parallel, const F& fn) {
+void for_rows(int64_t rows, int64_t row_elements, int64_t min_parallel, int threads, const F& fn) {
   if (rows * row_elements < min_parallel) {
     fn(0, rows);
     return;
   }
   const int64_t grain = std::max<int64_t>(1, min_parallel / (2 * std::max<int64_t>(row_elements, 1)));
-  at::parallel_for(0, rows, grain, fn);
+  pagoda::parallel_for(0, rows, grain, threads, fn);
 }
 
 // -- RMSNorm ------------------------------------------------------------------------------------
@@ -274,15 +231,12 @@ float sum_squares(const T* x, int64_t d) {
 
 // out = rms_norm(x); with a residual, first residual <- round(x + residual) and out = rms_norm(residual).
 template <typename T>
-void norm_rows_impl(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, at::Tensor& out,
-                    float eps) {
+void norm_rows_impl(const View& x, const View* residual, const T* w, T* o, float eps, int threads) {
   const Rows<T> in = rows_of<T>(x);
   const Rows<T> res = residual != nullptr ? rows_of<T>(*residual) : in;
-  const int64_t d = x.size(-1);
-  const int64_t rows = x.numel() / std::max<int64_t>(d, 1);
-  const T* w = weight.data_ptr<T>();
-  T* o = out.data_ptr<T>();
-  for_rows(rows, d, kNormParallelElements, [&](int64_t begin, int64_t end) {
+  const int64_t d = x.d;
+  const int64_t rows = x.n0 * x.n1;
+  for_rows(rows, d, kNormParallelElements, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = in.row(r);
       if (residual != nullptr) {
@@ -306,13 +260,8 @@ PAGODA_INLINE vfloat silu_mul(vfloat g, vfloat u) {
 }
 
 template <typename T>
-void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
-  const int64_t half = gate_up.size(1) / 2;
-  const int64_t rows = gate_up.size(0);
-  const int64_t stride = gate_up.stride(0);
-  const T* in = gate_up.data_ptr<T>();
-  T* o = out.data_ptr<T>();
-  for_rows(rows, 2 * half, kSiluParallelElements, [&](int64_t begin, int64_t end) {
+void silu_and_mul_impl(const T* in, int64_t rows, int64_t half, int64_t stride, T* o, int threads) {
+  for_rows(rows, 2 * half, kSiluParallelElements, threads, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = in + r * stride;
       const T* u = g + half;
@@ -335,14 +284,12 @@ PAGODA_INLINE void rotate(vfloat a, vfloat b, vfloat c, vfloat s, vfloat& first,
 }
 
 template <typename T>
-void rotary_impl(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t tokens = qk.size(0), heads = qk.size(1), half = cos.size(-1);
-  const int64_t tok_stride = qk.stride(0), head_stride = qk.stride(1);
-  const int64_t cos_stride = cos.stride(0), sin_stride = sin.stride(0);
-  T* base = qk.data_ptr<T>();
-  const T* cos_base = cos.data_ptr<T>();
-  const T* sin_base = sin.data_ptr<T>();
-  for_rows(tokens, heads * 2 * half, kRotaryParallelElements, [&](int64_t begin, int64_t end) {
+void rotary_impl(const View& qk, const T* cos_base, int64_t cos_stride, const T* sin_base, int64_t sin_stride,
+                 int64_t half, int threads) {
+  const int64_t tokens = qk.n0, heads = qk.n1;
+  const int64_t tok_stride = qk.s0, head_stride = qk.s1;
+  T* base = static_cast<T*>(qk.data);
+  for_rows(tokens, heads * 2 * half, kRotaryParallelElements, threads, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos_base + t * cos_stride;
       const T* s = sin_base + t * sin_stride;
@@ -367,104 +314,83 @@ void rotary_impl(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-// -- argument checks --------------------------------------------------------------------------------
+// -- argument checks (device, dtype and autograd are checked in Python) ---------------------------------
 
-bool kernel_dtype(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+constexpr int kFloat32 = 0, kBFloat16 = 1;
+
+// Non-negative sizes and strides, the last dim contiguous.
+bool row_layout(const View& v) {
+  return v.n0 >= 0 && v.n1 >= 0 && v.d >= 0 && v.s0 >= 0 && v.s1 >= 0;
 }
 
-// On the CPU, float32 or bf16, no autograd to record.
-bool plain(const at::Tensor& t) {
-  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided && kernel_dtype(t) &&
-         !(t.requires_grad() && at::GradMode::is_enabled());
-}
-
-// [T, D] or [T, B, D] with a contiguous last dim and non-negative strides.
-bool row_layout(const at::Tensor& t) {
-  if (t.dim() != 2 && t.dim() != 3) return false;
-  if (t.size(-1) > 1 && t.stride(-1) != 1) return false;
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    if (t.stride(i) < 0) return false;
-  }
-  return true;
-}
-
-// No two rows of a row_layout tensor share memory (a tensor written in place must not overlap
+// No two rows of a row_layout view share memory (a tensor written in place must not overlap
 // itself, e.g. an expanded view): rows are laid out one after the other along each dim.
-bool rows_disjoint(const at::Tensor& t) {
-  const int64_t inner = t.dim() == 3 ? t.size(1) : 1;
-  int64_t extent = t.size(-1);
-  if (t.dim() == 3 && inner > 1) {
-    if (t.stride(1) < extent) return false;
-    extent = t.stride(1) * (inner - 1) + t.size(-1);
+bool rows_disjoint(const View& v) {
+  int64_t extent = v.d;
+  if (v.n1 > 1) {
+    if (v.s1 < extent) return false;
+    extent = v.s1 * (v.n1 - 1) + v.d;
   }
-  return t.size(0) <= 1 || t.stride(0) >= extent;
+  return v.n0 <= 1 || v.s0 >= extent;
 }
 
-bool norm_weight(const at::Tensor& w, const at::Tensor& x) {
-  return plain(w) && w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.size(0) == x.size(-1) &&
-         w.is_contiguous();
+template <typename T>
+void add_rms_norm_typed(const View& x, const View* residual, const void* weight, void* out, float eps, int threads) {
+  norm_rows_impl<T>(x, residual, static_cast<const T*>(weight), static_cast<T*>(out), eps, threads);
 }
 
 }  // namespace
 
-// rms_norm(x) over the last dim as a new contiguous tensor; None when the inputs are not covered.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  if (!plain(x) || !row_layout(x) || !norm_weight(weight, x)) return {};
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  if (x.scalar_type() == at::kFloat) {
-    norm_rows_impl<float>(x, nullptr, weight, out, static_cast<float>(eps));
+// out (contiguous [n0 * n1, d]) = rms_norm(x) over the last dim; with a residual (same sizes), first
+// residual <- x + residual in place, and out = rms_norm(residual). weight: contiguous [d].
+// Returns 0 (nothing written) when the layout is not covered.
+PAGODA_EXPORT int pagoda_add_rms_norm(int dtype, void* x, int64_t n0, int64_t n1, int64_t d, int64_t s0, int64_t s1,
+                                      void* residual, int64_t r0, int64_t r1, const void* weight, void* out, float eps,
+                                      int threads) {
+  const View xv{x, n0, n1, d, s0, s1};
+  const View rv{residual, n0, n1, d, r0, r1};
+  if (!row_layout(xv) || (dtype != kFloat32 && dtype != kBFloat16)) return 0;
+  if (residual != nullptr && (!row_layout(rv) || !rows_disjoint(rv))) return 0;
+  const View* res = residual != nullptr ? &rv : nullptr;
+  if (dtype == kFloat32) {
+    add_rms_norm_typed<float>(xv, res, weight, out, eps, threads);
   } else {
-    norm_rows_impl<bf16>(x, nullptr, weight, out, static_cast<float>(eps));
+    add_rms_norm_typed<bf16>(xv, res, weight, out, eps, threads);
   }
-  return out;
+  return 1;
 }
 
-// residual <- x + residual (in place); returns rms_norm(residual). None (nothing written) when not covered.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  if (!plain(x) || !row_layout(x) || !plain(residual) || !row_layout(residual) || !rows_disjoint(residual) ||
-      residual.scalar_type() != x.scalar_type() || residual.sizes() != x.sizes() || !norm_weight(weight, x)) {
-    return {};
-  }
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  if (x.scalar_type() == at::kFloat) {
-    norm_rows_impl<float>(x, &residual, weight, out, static_cast<float>(eps));
+// out [rows, half] = silu(gate) * up for gate_up [rows, 2 * half] (rows `stride` elements apart). Returns 0 when not covered.
+PAGODA_EXPORT int pagoda_silu_and_mul(int dtype, const void* gate_up, int64_t rows, int64_t half, int64_t stride,
+                                      void* out, int threads) {
+  if (rows < 0 || half < 0 || stride < 0) return 0;
+  if (dtype == kFloat32) {
+    silu_and_mul_impl(static_cast<const float*>(gate_up), rows, half, stride, static_cast<float*>(out), threads);
+  } else if (dtype == kBFloat16) {
+    silu_and_mul_impl(static_cast<const bf16*>(gate_up), rows, half, stride, static_cast<bf16*>(out), threads);
   } else {
-    norm_rows_impl<bf16>(x, &residual, weight, out, static_cast<float>(eps));
+    return 0;
   }
-  return out;
+  return 1;
 }
 
-// [T, 2I] -> [T, I]; None when not covered.
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  if (!plain(gate_up) || gate_up.dim() != 2 || gate_up.size(1) % 2 != 0 || gate_up.stride(1) != 1 ||
-      gate_up.stride(0) < 0) {
-    return {};
-  }
-  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  if (gate_up.scalar_type() == at::kFloat) {
-    silu_and_mul_impl<float>(gate_up, out);
+// Rotates qk [tokens, heads, head_dim] (strides s0, s1; head_dim contiguous) in place with cos/sin rows
+// of `half` contiguous elements, one row per token (cos_stride / sin_stride apart). Returns 0 (nothing
+// written) when not covered.
+PAGODA_EXPORT int pagoda_rotary_neox(int dtype, void* qk, int64_t tokens, int64_t heads, int64_t head_dim, int64_t s0,
+                                     int64_t s1, const void* cos, int64_t cos_stride, const void* sin,
+                                     int64_t sin_stride, int64_t half, int threads) {
+  const View v{qk, tokens, heads, head_dim, s0, s1};
+  if (!row_layout(v) || !rows_disjoint(v) || half < 0 || 2 * half > head_dim) return 0;
+  if (cos_stride < 0 || sin_stride < 0) return 0;
+  if (dtype == kFloat32) {
+    rotary_impl(v, static_cast<const float*>(cos), cos_stride, static_cast<const float*>(sin), sin_stride, half,
+                threads);
+  } else if (dtype == kBFloat16) {
+    rotary_impl(v, static_cast<const bf16*>(cos), cos_stride, static_cast<const bf16*>(sin), sin_stride, half,
+                threads);
   } else {
-    silu_and_mul_impl<bf16>(gate_up, out);
+    return 0;
   }
-  return out;
-}
-
-// Rotates qk [T, heads, head_dim] in place with cos/sin [T, 1, rot / 2]; false (nothing written) when not covered.
-bool rotary_neox(torch::Tensor qk, torch::Tensor cos, torch::Tensor sin) {
-  if (!plain(qk) || qk.dim() != 3 || !row_layout(qk) || !rows_disjoint(qk)) return false;
-  if (!plain(cos) || !plain(sin)) return false;
-  if (cos.scalar_type() != qk.scalar_type() || sin.scalar_type() != qk.scalar_type()) return false;
-  if (cos.dim() != 3 || sin.dim() != 3 || cos.size(1) != 1 || sin.size(1) != 1) return false;
-  const int64_t half = cos.size(2);
-  if (cos.size(0) != qk.size(0) || sin.size(0) != qk.size(0) || sin.size(2) != half) return false;
-  if (2 * half > qk.size(2)) return false;
-  if (half > 1 && (cos.stride(2) != 1 || sin.stride(2) != 1)) return false;
-  if (cos.stride(0) < 0 || sin.stride(0) < 0) return false;
-  if (qk.scalar_type() == at::kFloat) {
-    rotary_impl<float>(qk, cos, sin);
-  } else {
-    rotary_impl<bf16>(qk, cos, sin);
-  }
-  return true;
+  return 1;
 }

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from pagoda.attention.interface import AttentionBackend, AttentionMetadata, AttentionSpec
-from pagoda_attn_cpu.kernel import build_failure, kernel
+from pagoda_attn_cpu.kernel import PagedAttentionKernel, build_failure, extension, kernel
 from pagoda_attn_torch.backend import TorchPagedAttentionBackend
 from pagoda_attn_torch.compute import attend_looped
 from pagoda_attn_torch.plan import LoopedSequence, StepPlan
+
+logger = logging.getLogger(__name__)
 
 PLAN_KEY = "cpu_paged"
 # Query tokens per work item: a long prefill splits into tiles so both cores get work
@@ -59,7 +62,9 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         if reasons:
             raise ValueError(f"cpu_paged attention cannot serve {spec}: " + "; ".join(reasons))
         AttentionBackend.__init__(self, spec)
-        self._kernel = kernel()
+        self._kernel = kernel(spec.dtype, spec.head_dim)
+        logger.info("cpu_paged attention: C++ kernel %s (%s, head_dim %d)", extension(spec.dtype, spec.head_dim).name,
+                    spec.dtype, spec.head_dim)
 
     @classmethod
     def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
@@ -67,7 +72,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         if spec.device_type != "cpu":
             reasons.append(f"device type {spec.device_type!r} is not 'cpu'")
         if not reasons:
-            failure = build_failure()  # compiles on first use; cached per machine afterwards
+            failure = build_failure(spec.dtype, spec.head_dim)  # compiles on first use; cached per machine afterwards
             if failure is not None:
                 reasons.append(failure)
         return reasons
@@ -108,7 +113,8 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
         if q.stride(-1) != 1:
             q = q.contiguous()
-        out = self._kernel.paged_attention(
+        attend = self._kernel if cache_dtype == self._kernel.dtype else self._kernel_for(cache_dtype)
+        out = attend(
             q,
             key if key.dtype == cache_dtype else key.to(cache_dtype),
             value if value.dtype == cache_dtype else value.to(cache_dtype),
@@ -131,6 +137,11 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
                     q, key, value, kv_cache, seq, index, step.sdpa_plan, scale, None, None
                 )
         return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+    def _kernel_for(self, cache_dtype: torch.dtype) -> PagedAttentionKernel:
+        """A cache in another dtype than the model's (cache_dtype set): that dtype's kernel, built on first use."""
+        return kernel(cache_dtype, self.spec.head_dim)
 
 
 def build_step(metadata: AttentionMetadata, block_size: int) -> CpuStep:

@@ -1,35 +1,199 @@
-"""The C++ kernel, built once per machine (``pagoda.cpp_extension`` caches the library)."""
+"""The C++ kernel (``csrc/paged_attention.cpp``), built once per machine through ``pagoda.cpp_extension``.
+
+One library per (dtype, head_dim): the kernel's fast paths are templates over the head's
+vector count, and one dtype at one head_dim compiles in 3-5 s where all of them took ~15 s of
+CPU (see the source). The Python side checks shapes and dtypes and allocates the output; the
+library checks the metadata (every block id it reads, every slot it writes) and refuses a
+batch that does not fit before writing anything.
+"""
 
 from __future__ import annotations
 
-from importlib import resources
-from types import ModuleType
+import ctypes
+import threading
+
+import torch
 
 from pagoda.cpp_extension import CppExtension
+from pagoda.cpp_extension.build import DEFAULT_CFLAGS
 
-EXTENSION_NAME = "pagoda_attn_cpu_kernel"
-_DECLARATIONS = """
-#include <torch/extension.h>
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
-                              torch::Tensor slot_mapping, torch::Tensor query_start, torch::Tensor seq_lens,
-                              torch::Tensor block_tables, torch::Tensor seq_ids, double scale, int64_t window,
-                              double soft_cap, int64_t tile_tokens);
-"""
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# Head dims with a register-resident path (16 floats a vector: 4, 8 or 16 vectors; 8 floats: 8 or 16);
+# others get a library with the generic path only, shared by all of them.
+_FAST_HEAD_DIMS = (64, 128, 256)
+_ERROR_BYTES = 512
+
+_c_int64 = ctypes.c_int64
+_c_void_p = ctypes.c_void_p
+# pagoda_paged_attention's parameters, in order.
+_ARGTYPES = [
+    ctypes.c_int,  # dtype
+    _c_void_p, _c_int64, _c_int64, _c_int64, _c_int64, _c_int64,  # query, tokens, heads, head_dim, strides
+    _c_void_p, _c_int64, _c_int64,  # key, strides
+    _c_void_p, _c_int64, _c_int64,  # value, strides
+    _c_void_p, _c_int64, _c_int64, _c_int64,  # kv_cache, blocks, block_size, kv_heads
+    _c_void_p, _c_int64,  # slot_mapping, its length
+    _c_void_p, _c_void_p, _c_int64,  # query_start, seq_lens, num_seqs
+    _c_void_p, _c_int64, _c_int64,  # block_tables, rows, columns
+    _c_void_p, _c_int64,  # seq_ids, count
+    ctypes.c_float, _c_int64, ctypes.c_float, _c_int64,  # scale, window, soft_cap, tile_tokens
+    _c_void_p, ctypes.c_int,  # out, threads
+    ctypes.c_char_p, _c_int64,  # error buffer
+]
+
+_lock = threading.Lock()
+_extensions: dict[tuple[torch.dtype, int], CppExtension] = {}
+
+
+def extension(dtype: torch.dtype, head_dim: int) -> CppExtension:
+    """The library for this cache dtype and head_dim (not built yet: ``start()`` or ``library()`` builds it)."""
+    if dtype not in _DTYPE_CODES:
+        raise ValueError(f"cpu_paged attention has no kernel for {dtype} (float32, bfloat16, float16)")
+    fast = head_dim if head_dim in _FAST_HEAD_DIMS else 0
+    with _lock:
+        ext = _extensions.get((dtype, fast))
+        if ext is None:
+            name = f"pagoda_attn_cpu_{_DTYPE_NAMES[dtype]}_d{fast}"
+            flags = (f"-DPAGODA_ATTN_DTYPE={_DTYPE_CODES[dtype]}", f"-DPAGODA_ATTN_HEAD_DIM={fast}")
+            ext = CppExtension(name, "pagoda_attn_cpu", ["csrc/paged_attention.cpp"], cflags=(*DEFAULT_CFLAGS, *flags))
+            _extensions[(dtype, fast)] = ext
+        return ext
 
 
 
-def _sources() -> list[str]:
-    return [_DECLARATIONS, resources.files("pagoda_attn_cpu").joinpath("paged_attention.cpp").read_text()]
+def build_failure(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the kernel for this dtype and head_dim is unusable here, or None once it is built (building it if needed)."""
+    try:
+        return extension(dtype, head_dim).build_failure()
+    except ValueError as exc:
+        return str(exc)
 
 
-EXTENSION = CppExtension(EXTENSION_NAME, _sources, ["paged_attention"])
+class PagedAttentionKernel:
+    """``pagoda_paged_attention`` of one library: argument checks in Python, the work (GIL released) in C++."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
+        fn = library.pagoda_paged_attention
+        fn.argtypes = _ARGTYPES
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self._code = _DTYPE_CODES[dtype]
+        self.dtype = dtype
+        self._errors = threading.local()
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_start: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_ids: torch.Tensor,
+        scale: float,
+        window: int,
+        soft_cap: float,
+        tile_tokens: int,
+    ) -> torch.Tensor:
+        """Writes the new K/V (slot -1: skipped), then attends the sequences in ``seq_ids``.
+
+        query [tokens, heads, head_dim] (head_dim contiguous); key/value [tokens, kv_heads, head_dim];
+        kv_cache [2, blocks, block_size, kv_heads, head_dim] contiguous; int32 host-side metadata
+        (slot_mapping int64). Returns [tokens, heads, head_dim]; rows past the last sequence are zero.
+        """
+        dtype = self.dtype
+        if query.dim() != 3 or query.stride(2) != 1:
+            raise RuntimeError("query must be [tokens, heads, head_dim] with contiguous head_dim")
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+            raise RuntimeError("kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor")
+        if query.dtype != dtype or key.dtype != dtype or value.dtype != dtype or kv_cache.dtype != dtype:
+            raise RuntimeError(f"query, key, value and kv_cache must share one dtype ({dtype} for this kernel)")
+        if not (query.is_cpu and key.is_cpu and value.is_cpu and kv_cache.is_cpu):
+            raise RuntimeError("cpu_paged attention runs on CPU tensors")
+        if (
+            slot_mapping.dtype != torch.int64
+            or query_start.dtype != torch.int32
+            or seq_lens.dtype != torch.int32
+            or block_tables.dtype != torch.int32
+            or seq_ids.dtype != torch.int32
+        ):
+            raise RuntimeError("slot_mapping must be int64; query_start, seq_lens, block_tables, seq_ids int32")
+        if not (
+            slot_mapping.is_contiguous()
+            and query_start.is_contiguous()
+            and seq_lens.is_contiguous()
+            and block_tables.is_contiguous()
+            and seq_ids.is_contiguous()
+        ):
+            raise RuntimeError("metadata tensors must be contiguous")
+        if query_start.dim() != 1 or seq_lens.dim() != 1 or query_start.shape[0] != seq_lens.shape[0] + 1:
+            raise ValueError("attention metadata: query_start_loc needs one entry more than seq_lens")
+        if block_tables.dim() != 2:
+            raise ValueError("attention metadata: block_tables needs a row per sequence")
+        tokens, heads, head_dim = query.shape
+        _, blocks, block_size, kv_heads, cache_head_dim = kv_cache.shape
+        if cache_head_dim != head_dim or heads % kv_heads != 0:
+            raise RuntimeError("query and kv_cache heads do not fit")
+        if (
+            key.dim() != 3
+            or value.dim() != 3
+            or key.shape[0] < tokens
+            or value.shape[0] < tokens
+            or key.shape[1:] != (kv_heads, head_dim)
+            or value.shape[1:] != (kv_heads, head_dim)
+        ):
+            raise RuntimeError("key and value must be [tokens, kv_heads, head_dim]")
+        if key.stride(2) != 1:
+            key = key.contiguous()
+        if value.stride(2) != 1:
+            value = value.contiguous()
+        q_strides, k_strides, v_strides = query.stride(), key.stride(), value.stride()
+        out = torch.empty((tokens, heads, head_dim), dtype=dtype)
+        error = self._error_buffer()
+        status = self._fn(
+            self._code,
+            query.data_ptr(), tokens, heads, head_dim, q_strides[0], q_strides[1],
+            key.data_ptr(), k_strides[0], k_strides[1],
+            value.data_ptr(), v_strides[0], v_strides[1],
+            kv_cache.data_ptr(), blocks, block_size, kv_heads,
+            slot_mapping.data_ptr(), slot_mapping.numel(),
+            query_start.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
+            block_tables.data_ptr(), block_tables.shape[0], block_tables.shape[1],
+            seq_ids.data_ptr(), seq_ids.numel(),
+            scale, window, soft_cap, tile_tokens,
+            out.data_ptr(), torch.get_num_threads(),
+            error, _ERROR_BYTES,
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(error.value.decode(errors="replace"))
+        return out
+
+    def _error_buffer(self) -> ctypes.Array[ctypes.c_char]:
+        # One per thread: steps may run on several threads at once.
+        buffer = getattr(self._errors, "buffer", None)
+        if buffer is None:
+            buffer = self._errors.buffer = ctypes.create_string_buffer(_ERROR_BYTES)
+        return buffer
 
 
-def kernel() -> ModuleType:
-    """The compiled extension; builds it on first use. Raises ExtensionBuildError when it cannot be built."""
-    return EXTENSION.module()
+_kernels: dict[tuple[torch.dtype, int], PagedAttentionKernel] = {}
 
 
-def build_failure() -> str | None:
-    """Why the kernel is unusable here, or None once it is built (building it if needed)."""
-    return EXTENSION.build_failure()
+def kernel(dtype: torch.dtype, head_dim: int) -> PagedAttentionKernel:
+    """The kernel for this cache dtype and head_dim; builds it (or waits for its build) on first use.
+
+    Raises ExtensionBuildError when it cannot be built."""
+    key = (dtype, head_dim)
+    found = _kernels.get(key)
+    if found is None:
+        found = _kernels[key] = PagedAttentionKernel(extension(dtype, head_dim).library(), dtype)
+    return found
+
+
+def start_build(dtype: torch.dtype, head_dim: int) -> None:
+    """Begin building the kernel for this dtype and head_dim in the background (nothing for an uncovered dtype)."""
+    if dtype in _DTYPE_CODES:
+        extension(dtype, head_dim).start()

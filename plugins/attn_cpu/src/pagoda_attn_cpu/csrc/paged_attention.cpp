@@ -22,90 +22,52 @@
 // it will read (across its next items too), a fixed distance ahead, and the inner
 // loops prefetch each key's lines into L2 as they read a key. Blocks sit at random
 // places in the cache, which defeats the hardware prefetchers at every block edge.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+//
+// Entry point: pagoda_paged_attention (extern "C", called through ctypes by pagoda_attn_cpu.kernel,
+// which checks shapes and dtypes and allocates the output); the metadata is checked here.
+//
+// A library serves one element type and is specialized for one head_dim: the register-resident
+// paths are templates over the head's vector count, and compiling every one of them for every
+// dtype took ~15 s of CPU (one dtype, one head_dim: 3-5 s), which a server's first start waits
+// for. PAGODA_ATTN_DTYPE: 0 float32, 1 bfloat16, 2 float16. PAGODA_ATTN_HEAD_DIM: the head_dim
+// the fast paths are compiled for (other head_dims take the generic path; 0: only that one).
 #include <omp.h>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include <pagoda/simd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#if !defined(PAGODA_ATTN_DTYPE) || PAGODA_ATTN_DTYPE < 0 || PAGODA_ATTN_DTYPE > 2
+#error "build with -DPAGODA_ATTN_DTYPE=0, 1 or 2 (float32, bfloat16, float16)"
+#endif
+#if !defined(PAGODA_ATTN_HEAD_DIM)
+#define PAGODA_ATTN_HEAD_DIM 0
+#endif
+
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int W = 16;
-#define PAGODA_W16 1
+using namespace pagoda::simd;
+using pagoda::bf16;
+using pagoda::half;
+
+#if PAGODA_W16
 #define PAGODA_IOTA 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
 #define PAGODA_EVEN 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define PAGODA_ODD 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
 #else
-constexpr int W = 8;
-#define PAGODA_W16 0
 #define PAGODA_IOTA 0, 1, 2, 3, 4, 5, 6, 7
 #define PAGODA_EVEN 0, 2, 4, 6, 8, 10, 12, 14
 #define PAGODA_ODD 1, 3, 5, 7, 9, 11, 13, 15
 #endif
 
-typedef float vfloat __attribute__((vector_size(W * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(W * sizeof(int32_t))));
-typedef uint32_t vuint __attribute__((vector_size(W * sizeof(uint32_t))));
-typedef uint16_t vbits16 __attribute__((vector_size(W * sizeof(uint16_t))));
-
-// The small vector helpers must inline into the kernels for their operands to stay in registers.
-#define PAGODA_INLINE inline __attribute__((always_inline))
-
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// memcpy: unaligned vector loads and stores (cache rows are only element-aligned).
-PAGODA_INLINE vfloat loadv(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-PAGODA_INLINE void storev(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
-// x - 0 is x for every x (x + 0 is not, for -0), so this folds to a plain broadcast.
-PAGODA_INLINE vfloat splat(float x) { return x - vfloat{}; }
-
-// Lanes rotated down by N (lane i takes lane i + N): log2(W) rotate-and-combine steps reduce a vector.
-template <int N>
-PAGODA_INLINE vfloat rotate(vfloat v) {
-#if PAGODA_W16
-  const vint mask = {(0 + N) % 16, (1 + N) % 16, (2 + N) % 16, (3 + N) % 16, (4 + N) % 16, (5 + N) % 16,
-                     (6 + N) % 16, (7 + N) % 16, (8 + N) % 16, (9 + N) % 16, (10 + N) % 16, (11 + N) % 16,
-                     (12 + N) % 16, (13 + N) % 16, (14 + N) % 16, (15 + N) % 16};
-#else
-  const vint mask = {(0 + N) % 8, (1 + N) % 8, (2 + N) % 8, (3 + N) % 8,
-                     (4 + N) % 8, (5 + N) % 8, (6 + N) % 8, (7 + N) % 8};
-#endif
-  return __builtin_shuffle(v, mask);
-}
-PAGODA_INLINE float hsum(vfloat v) {
-#if PAGODA_W16
-  v += rotate<8>(v);
-#endif
-  v += rotate<4>(v);
-  v += rotate<2>(v);
-  v += rotate<1>(v);
-  return v[0];
-}
-PAGODA_INLINE vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
-PAGODA_INLINE float hmax(vfloat v) {
-#if PAGODA_W16
-  v = vmax(v, rotate<8>(v));
-#endif
-  v = vmax(v, rotate<4>(v));
-  v = vmax(v, rotate<2>(v));
-  v = vmax(v, rotate<1>(v));
-  return v[0];
-}
 
 // Adjacent lanes summed pairwise: x's pairs fill the low half, y's the high half.
 PAGODA_INLINE vfloat merge_pairs(vfloat x, vfloat y) {
@@ -127,16 +89,9 @@ PAGODA_INLINE vfloat transpose_sum(vfloat* a) {
 // exp for x <= 0 (scores minus their running max); below -87 (or -inf) it is 0.
 PAGODA_INLINE float exp_nonpositive(float x) {
   const float clamped = std::max(x, -87.0f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float r = clamped - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  // Minimax polynomial for exp(r), |r| <= ln2/2.
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const float n = std::nearbyint(clamped * pagoda::kLog2e);
+  const float r = clamped - n * pagoda::kLn2Hi - n * pagoda::kLn2Lo;
+  const float p = pagoda::exp_poly(r);
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -147,15 +102,9 @@ PAGODA_INLINE float exp_nonpositive(float x) {
 PAGODA_INLINE vfloat exp_nonpositive(vfloat x) {
   const vfloat clamped = x < -87.0f ? splat(-87.0f) : x;
   const vfloat shifter = splat(12582912.0f);
-  const vfloat n = (clamped * 1.44269504088896341f + shifter) - shifter;
-  const vfloat r = clamped - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  vfloat p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const vfloat n = (clamped * pagoda::kLog2e + shifter) - shifter;
+  const vfloat r = clamped - n * pagoda::kLn2Hi - n * pagoda::kLn2Lo;
+  const vfloat p = pagoda::exp_poly(r);
   const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
   vfloat scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -181,7 +130,7 @@ inline void widen_row(const float* src, float* dst, int64_t dim, int64_t padded)
 // bf16 rows widen in chunks of 2W elements, each chunk's even elements first, then its odd ones:
 // a chunk is one load, a shift and a mask. Queries, keys and values share the order, so the dot
 // products never see it, and store_row puts the output back in order.
-inline void widen_row(const at::BFloat16* src, float* dst, int64_t dim, int64_t padded) {
+inline void widen_row(const bf16* src, float* dst, int64_t dim, int64_t padded) {
   const auto* bits = reinterpret_cast<const uint16_t*>(src);
   int64_t d = 0;
   for (; d + 2 * W <= dim; d += 2 * W) {
@@ -197,7 +146,7 @@ inline void widen_row(const at::BFloat16* src, float* dst, int64_t dim, int64_t 
   }
   std::fill(dst + dim, dst + padded, 0.0f);
 }
-inline void widen_row(const at::Half* src, float* dst, int64_t dim, int64_t padded) {
+inline void widen_row(const half* src, float* dst, int64_t dim, int64_t padded) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
   std::fill(dst + dim, dst + padded, 0.0f);
 }
@@ -207,21 +156,21 @@ template <typename T>
 inline void store_row(T* dst, const float* acc, int64_t dim, float inv) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
 }
-inline void store_row(at::BFloat16* dst, const float* acc, int64_t dim, float inv) {
+inline void store_row(bf16* dst, const float* acc, int64_t dim, float inv) {
   int64_t d = 0;
   for (; d + 2 * W <= dim; d += 2 * W) {  // undo widen_row's even/odd order
     for (int64_t i = 0; i < W; ++i) {
-      dst[d + 2 * i] = static_cast<at::BFloat16>(acc[d + i] * inv);
-      dst[d + 2 * i + 1] = static_cast<at::BFloat16>(acc[d + W + i] * inv);
+      dst[d + 2 * i] = static_cast<bf16>(acc[d + i] * inv);
+      dst[d + 2 * i + 1] = static_cast<bf16>(acc[d + W + i] * inv);
     }
   }
-  for (; d < dim; ++d) dst[d] = static_cast<at::BFloat16>(acc[d] * inv);
+  for (; d < dim; ++d) dst[d] = static_cast<bf16>(acc[d] * inv);
 }
 
 // Where widen_row puts element d of a row of T (bf16: the even/odd order of each 2W chunk).
 template <typename T>
 inline int64_t widened_index(int64_t d, int64_t dim) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
+  if constexpr (std::is_same_v<T, bf16>) {
     const int64_t chunk = d - d % (2 * W), e = d % (2 * W);
     if (chunk + 2 * W <= dim) return chunk + (e % 2 == 0 ? e / 2 : W + e / 2);
   }
@@ -895,7 +844,7 @@ inline void attend_rows_bf16(const uint16_t* q, int64_t q_stride, float* acc, in
 }
 
 template <int NVB>
-void attend_decode_bf16(const WorkItem& item, const Inputs<at::BFloat16>& in, ReadAhead& ahead,
+void attend_decode_bf16(const WorkItem& item, const Inputs<bf16>& in, ReadAhead& ahead,
                         std::vector<float>& scratch, std::vector<const char*>& lines) {
   const Layout& L = in.L;
   const int64_t dim = L.head_dim, G = L.group, BS = L.block_size;
@@ -1066,6 +1015,12 @@ void merge_splits(const Plan& plan, const Inputs<T>& in) {
   }
 }
 
+constexpr int64_t kHeadDim = PAGODA_ATTN_HEAD_DIM;
+// The head's whole vectors per row for the compiled head_dim; 0: the generic path only.
+constexpr int kHeadVectors = kHeadDim % W == 0 && (kHeadDim / W == 4 || kHeadDim / W == 8 || kHeadDim / W == 16)
+                                 ? static_cast<int>(kHeadDim / W)
+                                 : 0;
+
 template <typename T, int NV>
 void run_items(const std::vector<WorkItem>& items, int threads, const Inputs<T>& in) {
   const int64_t n = static_cast<int64_t>(items.size());
@@ -1082,15 +1037,13 @@ void run_items(const std::vector<WorkItem>& items, int threads, const Inputs<T>&
       if (item == nullptr) break;
       ahead.catch_up(pos, kReadAheadPairs);
 #if PAGODA_BF16_DOT
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (item->token_end - item->token_begin == 1 && in.L.head_dim % 32 == 0) {
-          switch (in.L.head_dim / 32) {
-            case 2: attend_decode_bf16<2>(*item, in, ahead, scratch, lines); break;
-            case 4: attend_decode_bf16<4>(*item, in, ahead, scratch, lines); break;
-            default: attend_item<T, NV>(*item, in, ahead, scratch, lines);
+      if constexpr (std::is_same_v<T, bf16>) {
+        if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+          if (item->token_end - item->token_begin == 1 && in.L.head_dim == kHeadDim) {
+            attend_decode_bf16<kHeadDim / 32>(*item, in, ahead, scratch, lines);
+            queue.pop();
+            continue;
           }
-          queue.pop();
-          continue;
         }
       }
 #endif
@@ -1101,49 +1054,122 @@ void run_items(const std::vector<WorkItem>& items, int threads, const Inputs<T>&
 }
 
 template <typename T>
-void run_attention(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& query_start, const torch::Tensor& seq_lens, const torch::Tensor& seq_ids,
-                   torch::Tensor& out, const Layout& L, int64_t tile_tokens) {
-  const int32_t* qs = query_start.data_ptr<int32_t>();
-  const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  const Plan plan = plan_items(qs, sl, seq_ids.data_ptr<int32_t>(), seq_ids.numel(), L, tile_tokens,
-                               at::get_num_threads());
+void run_attention(const void* query, const void* kv_cache, int64_t cache_half_stride, const int32_t* block_tables,
+                   const int32_t* query_start, const int32_t* seq_lens, const int32_t* seq_ids, int64_t num_ids,
+                   void* out, const Layout& L, int64_t tile_tokens, int threads) {
+  const Plan plan = plan_items(query_start, seq_lens, seq_ids, num_ids, L, tile_tokens, threads);
   std::vector<float> partials(static_cast<size_t>(plan.parts * L.num_heads * (L.head_dim + 2)));
-  const T* k = kv_cache.data_ptr<T>();
-  const Inputs<T> in{query.data_ptr<T>(), k, k + kv_cache.stride(0), block_tables.data_ptr<int32_t>(), qs, sl,
-                     out.data_ptr<T>(), partials.data(), L};
+  const T* k = static_cast<const T*>(kv_cache);
+  const Inputs<T> in{static_cast<const T*>(query), k, k + cache_half_stride, block_tables, query_start, seq_lens,
+                     static_cast<T*>(out), partials.data(), L};
   // Whole vectors per head row known at compile time keep a row's accumulators in registers.
-  switch (L.head_dim % W == 0 ? L.head_dim / W : 0) {
-    case 4: run_items<T, 4>(plan.items, plan.threads, in); break;
-    case 8: run_items<T, 8>(plan.items, plan.threads, in); break;
-    case 16: run_items<T, 16>(plan.items, plan.threads, in); break;
-    default: run_items<T, 0>(plan.items, plan.threads, in);
+  if (kHeadVectors != 0 && L.head_dim == kHeadDim) {
+    run_items<T, kHeadVectors>(plan.items, plan.threads, in);
+  } else {
+    run_items<T, 0>(plan.items, plan.threads, in);
   }
   merge_splits(plan, in);
 }
 
-// New K/V rows into their slots (slot -1: skipped), straight from the caller's strided rows.
-void write_new_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-                  const torch::Tensor& slot_mapping, int64_t num_tokens) {
-  const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
-  const int64_t es = kv_cache.element_size();
-  const int64_t writes = std::min<int64_t>(slot_mapping.numel(), num_tokens);
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < writes; ++t) {
-    TORCH_CHECK(slots[t] < num_slots, "slot_mapping[", t, "]=", slots[t], " is past the cache's ", num_slots, " slots");
+// A refused call: the message for the caller's exception, nothing written.
+class Refusal {
+ public:
+  Refusal(char* buffer, int64_t size) : buffer_(buffer), size_(size) {}
+  template <typename... Args>
+  int operator()(const char* format, Args... args) const {
+    if (buffer_ != nullptr && size_ > 0) std::snprintf(buffer_, static_cast<size_t>(size_), format, args...);
+    return 1;
   }
+
+ private:
+  char* buffer_;
+  int64_t size_;
+};
+
+// Every sequence the kernel attends must fit the batch and the cache. Checked on every call,
+// before anything is written: a few integer compares per block, next to the attention itself.
+int check_metadata(const int32_t* qs, const int32_t* sl, int64_t num_seqs, const int32_t* bt, int64_t table_rows,
+                   int64_t columns, const int32_t* ids, int64_t num_ids, int64_t num_tokens, int64_t block_size,
+                   int64_t num_blocks, const Refusal& refuse) {
+  if (num_seqs > 0 && table_rows < num_seqs) return refuse("attention metadata: block_tables needs a row per sequence");
+  for (int64_t i = 0; i < num_ids; ++i) {
+    const int64_t s = ids[i];
+    if (s < 0 || s >= num_seqs) return refuse("seq_ids[%lld]=%lld is not a sequence of this batch", (long long)i, (long long)s);
+    const int64_t begin = qs[s], end = qs[s + 1], len = sl[s];
+    if (!(begin >= 0 && begin <= end && end <= num_tokens && len >= end - begin)) {
+      return refuse("attention metadata: sequence %lld has rows [%lld, %lld) of %lld and seq_len %lld", (long long)s,
+                    (long long)begin, (long long)end, (long long)num_tokens, (long long)len);
+    }
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    if (blocks > columns) {
+      return refuse("attention metadata: a sequence needs %lld blocks but block_tables has %lld columns",
+                    (long long)blocks, (long long)columns);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t id = bt[s * columns + b];
+      if (id < 0) return refuse("attention metadata: block_tables holds a negative block id for a used block");
+      if (id >= num_blocks) {
+        return refuse("attention metadata: block id %lld is past the cache's %lld blocks", (long long)id,
+                      (long long)num_blocks);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+// Writes the new K/V rows (slot -1: skipped), then attends the sequences listed in seq_ids (the
+// others' output rows are left for the caller); rows past the last sequence are zeroed.
+//   query [num_tokens, num_heads, head_dim] (strides q_token, q_head; head_dim contiguous);
+//   key / value [>= num_tokens, num_kv_heads, head_dim] (their strides; head_dim contiguous);
+//   kv_cache contiguous [2, num_blocks, block_size, num_kv_heads, head_dim];
+//   slot_mapping int64 [num_slots]; query_start int32 [num_seqs + 1]; seq_lens int32 [num_seqs];
+//   block_tables contiguous int32 [table_rows, table_columns]; seq_ids int32 [num_ids];
+//   out contiguous [num_tokens, num_heads, head_dim]. dtype: 0 float32, 1 bfloat16, 2 float16.
+// Returns 0, or 1 with the reason in `error` (nothing written) when the metadata does not fit.
+PAGODA_EXPORT int pagoda_paged_attention(
+    int dtype, const void* query, int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t q_token,
+    int64_t q_head, const void* key, int64_t k_token, int64_t k_head, const void* value, int64_t v_token,
+    int64_t v_head, void* kv_cache, int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
+    const int64_t* slot_mapping, int64_t num_slots, const int32_t* query_start, const int32_t* seq_lens,
+    int64_t num_seqs, const int32_t* block_tables, int64_t table_rows, int64_t table_columns, const int32_t* seq_ids,
+    int64_t num_ids, float scale, int64_t window, float soft_cap, int64_t tile_tokens, void* out, int threads,
+    char* error, int64_t error_size) {
+  const Refusal refuse(error, error_size);
+  if (dtype != PAGODA_ATTN_DTYPE) return refuse("this library serves dtype code %d, not %d", PAGODA_ATTN_DTYPE, dtype);
+  if (tile_tokens <= 0) return refuse("tile_tokens must be positive");
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return refuse("query and kv_cache heads do not fit");
+  const int64_t es = dtype == 0 ? 4 : 2;
+  const int64_t cache_slots = num_blocks * block_size;
+  const int64_t writes = std::min<int64_t>(num_slots, num_tokens);
+  for (int64_t t = 0; t < writes; ++t) {
+    if (slot_mapping[t] >= cache_slots) {
+      return refuse("slot_mapping[%lld]=%lld is past the cache's %lld slots", (long long)t, (long long)slot_mapping[t],
+                    (long long)cache_slots);
+    }
+  }
+  if (check_metadata(query_start, seq_lens, num_seqs, block_tables, table_rows, table_columns, seq_ids, num_ids,
+                     num_tokens, block_size, num_blocks, refuse) != 0) {
+    return 1;
+  }
+
+  // New K/V first: a query attends to its own token and the new ones before it.
   const int64_t row_bytes = num_kv_heads * head_dim * es;
-  auto* k_dst = static_cast<char*>(kv_cache.data_ptr());
-  auto* v_dst = k_dst + kv_cache.stride(0) * es;
-  for (const auto& [src, dst] : {std::pair{&key, k_dst}, std::pair{&value, v_dst}}) {
-    const torch::Tensor rows = src->stride(2) == 1 ? *src : src->contiguous();
-    const auto* base = static_cast<const char*>(rows.data_ptr());
-    const int64_t token_bytes = rows.stride(0) * es, head_bytes = rows.stride(1) * es;
+  char* k_dst = static_cast<char*>(kv_cache);
+  char* v_dst = k_dst + num_blocks * block_size * num_kv_heads * head_dim * es;
+  const struct {
+    const void* base;
+    int64_t token, head;
+    char* dst;
+  } sources[2] = {{key, k_token, k_head, k_dst}, {value, v_token, v_head, v_dst}};
+  for (const auto& src : sources) {
+    const auto* base = static_cast<const char*>(src.base);
+    const int64_t token_bytes = src.token * es, head_bytes = src.head * es;
     const bool dense_row = num_kv_heads == 1 || head_bytes == head_dim * es;
     for (int64_t t = 0; t < writes; ++t) {
-      if (slots[t] < 0) continue;
-      char* d = dst + slots[t] * row_bytes;
+      if (slot_mapping[t] < 0) continue;
+      char* d = src.dst + slot_mapping[t] * row_bytes;
       const char* s = base + t * token_bytes;
       if (dense_row) {
         std::memcpy(d, s, row_bytes);
@@ -1152,94 +1178,25 @@ void write_new_kv(const torch::Tensor& key, const torch::Tensor& value, torch::T
       }
     }
   }
-}
 
-// Every sequence the kernel attends must fit the batch and the cache. Checked on every call,
-// before anything is written: a few integer compares per block, next to the attention itself.
-void check_metadata(const torch::Tensor& query_start, const torch::Tensor& seq_lens, const torch::Tensor& block_tables,
-                    const torch::Tensor& seq_ids, int64_t num_tokens, int64_t block_size, int64_t num_blocks) {
-  const int64_t num_seqs = seq_lens.size(0);
-  TORCH_CHECK_VALUE(query_start.dim() == 1 && seq_lens.dim() == 1 && query_start.size(0) == num_seqs + 1,
-                    "attention metadata: query_start_loc needs one entry more than seq_lens");
-  TORCH_CHECK_VALUE(block_tables.dim() == 2 && (num_seqs == 0 || block_tables.size(0) >= num_seqs),
-                    "attention metadata: block_tables needs a row per sequence");
-  const int32_t* qs = query_start.data_ptr<int32_t>();
-  const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const int32_t* ids = seq_ids.data_ptr<int32_t>();
-  const int64_t columns = block_tables.size(1), row_stride = block_tables.stride(0);
-  for (int64_t i = 0; i < seq_ids.numel(); ++i) {
-    const int64_t s = ids[i];
-    TORCH_CHECK_VALUE(s >= 0 && s < num_seqs, "seq_ids[", i, "]=", s, " is not a sequence of this batch");
-    const int64_t begin = qs[s], end = qs[s + 1], len = sl[s];
-    TORCH_CHECK_VALUE(begin >= 0 && begin <= end && end <= num_tokens && len >= end - begin,
-                      "attention metadata: sequence ", s, " has rows [", begin, ", ", end, ") of ", num_tokens,
-                      " and seq_len ", len);
-    const int64_t blocks = (len + block_size - 1) / block_size;
-    TORCH_CHECK_VALUE(blocks <= columns, "attention metadata: a sequence needs ", blocks,
-                      " blocks but block_tables has ", columns, " columns");
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t id = bt[s * row_stride + b];
-      TORCH_CHECK_VALUE(id >= 0, "attention metadata: block_tables holds a negative block id for a used block");
-      TORCH_CHECK_VALUE(id < num_blocks, "attention metadata: block id ", id, " is past the cache's ", num_blocks,
-                        " blocks");
-    }
+  const int64_t real_tokens = num_seqs ? query_start[num_seqs] : 0;
+  if (real_tokens < num_tokens) {
+    std::memset(static_cast<char*>(out) + real_tokens * num_heads * head_dim * es, 0,
+                (num_tokens - real_tokens) * num_heads * head_dim * es);
   }
-}
-
-}  // namespace
-
-// Writes the new K/V (rows with slot -1 are skipped), then attends every sequence.
-// query [tokens, heads, head_dim] (head_dim contiguous); key/value [tokens, kv_heads, head_dim];
-// kv_cache [2, blocks, block_size, kv_heads, head_dim] contiguous; int32 host-side metadata.
-// Attends the sequences listed in seq_ids (the others' output rows are left for the caller).
-// Returns [tokens, heads, head_dim]; rows past the last sequence are zero.
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
-                              torch::Tensor slot_mapping, torch::Tensor query_start, torch::Tensor seq_lens,
-                              torch::Tensor block_tables, torch::Tensor seq_ids, double scale, int64_t window,
-                              double soft_cap, int64_t tile_tokens) {
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim] with contiguous head_dim");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be a contiguous 5-d tensor");
-  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type() &&
-                  query.scalar_type() == kv_cache.scalar_type(),
-              "query, key, value and kv_cache must share one dtype");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && query_start.scalar_type() == torch::kInt32 &&
-                  seq_lens.scalar_type() == torch::kInt32 && block_tables.scalar_type() == torch::kInt32,
-              "slot_mapping must be int64; query_start, seq_lens, block_tables int32");
-  TORCH_CHECK(block_tables.is_contiguous() && query_start.is_contiguous() && seq_lens.is_contiguous() &&
-                  slot_mapping.is_contiguous(),
-              "metadata tensors must be contiguous");
-  TORCH_CHECK(tile_tokens > 0, "tile_tokens must be positive");
-  TORCH_CHECK(seq_ids.scalar_type() == torch::kInt32 && seq_ids.is_contiguous(), "seq_ids must be contiguous int32");
-
-  const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3), block_size = kv_cache.size(2);
-  TORCH_CHECK(kv_cache.size(4) == head_dim && num_heads % num_kv_heads == 0, "query and kv_cache heads do not fit");
-  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(0) >= num_tokens && value.size(0) >= num_tokens &&
-                  key.size(1) == num_kv_heads && value.size(1) == num_kv_heads && key.size(2) == head_dim &&
-                  value.size(2) == head_dim,
-              "key and value must be [tokens, kv_heads, head_dim]");
-  check_metadata(query_start, seq_lens, block_tables, seq_ids, num_tokens, block_size, kv_cache.size(1));
-
-  // Tensors only from here: the server's event loop may run meanwhile (as in torch's own ops).
-  pybind11::gil_scoped_release no_gil;
-  // New K/V first: a query attends to its own token and the new ones before it.
-  if (slot_mapping.numel() > 0) write_new_kv(key, value, kv_cache, slot_mapping, num_tokens);
-
-  auto out = torch::empty({num_tokens, num_heads, head_dim}, query.options());
-  const int64_t num_seqs = seq_lens.size(0);
-  const int64_t real_tokens = num_seqs ? query_start.data_ptr<int32_t>()[num_seqs] : 0;
-  if (real_tokens < num_tokens) out.narrow(0, real_tokens, num_tokens - real_tokens).zero_();
-
-  Layout L{num_heads, num_kv_heads, head_dim, block_size, num_heads / num_kv_heads,
-           query.stride(0), query.stride(1), num_heads * head_dim,
-           kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
-           static_cast<float>(scale), window, static_cast<float>(soft_cap)};
-  switch (query.scalar_type()) {
-    case torch::kFloat32: run_attention<float>(query, kv_cache, block_tables, query_start, seq_lens, seq_ids, out, L, tile_tokens); break;
-    case torch::kBFloat16: run_attention<at::BFloat16>(query, kv_cache, block_tables, query_start, seq_lens, seq_ids, out, L, tile_tokens); break;
-    case torch::kFloat16: run_attention<at::Half>(query, kv_cache, block_tables, query_start, seq_lens, seq_ids, out, L, tile_tokens); break;
-    default: TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
-  }
-  return out;
+  const Layout L{num_heads, num_kv_heads, head_dim, block_size, num_heads / num_kv_heads,
+                 q_token, q_head, num_heads * head_dim,
+                 block_size * num_kv_heads * head_dim, num_kv_heads * head_dim, table_columns,
+                 scale, window, soft_cap};
+  const int64_t cache_half = num_blocks * block_size * num_kv_heads * head_dim;
+#if PAGODA_ATTN_DTYPE == 0
+  using Elem = float;
+#elif PAGODA_ATTN_DTYPE == 1
+  using Elem = bf16;
+#else
+  using Elem = half;
+#endif
+  run_attention<Elem>(query, kv_cache, cache_half, block_tables, query_start, seq_lens, seq_ids, num_ids, out, L,
+                      tile_tokens, threads);
+  return 0;
 }
