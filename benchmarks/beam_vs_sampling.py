@@ -67,8 +67,7 @@ def main() -> None:
     beam_tokens = args.prompts * args.width * args.max_tokens
     kept = sum(len(s.tokens) - args.prompt_len for b in beams for s in b.sequences)
 
-    kv = llm.llm_engine.core.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_usable_blocks, "blocks leaked"
+    assert llm.llm_engine.get_stats().kv_cache_usage == 0, "blocks leaked"
     print(f"prompts={args.prompts} width={args.width} max_tokens={args.max_tokens} model={model}")
     print(f"sampling n={args.width}:       {sample_tokens} tokens in {sample_s:.2f}s = {sample_tokens / sample_s:.0f} tok/s")
     print(f"beam search width={args.width}: {beam_tokens} tokens in {beam_s:.2f}s = {beam_tokens / beam_s:.0f} tok/s "

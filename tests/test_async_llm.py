@@ -64,7 +64,7 @@ def test_bad_prompt_raises_before_the_core(engine: AsyncLLM) -> None:
 
     asyncio.run(run())
     assert engine.num_unfinished_requests() == 0
-    assert not engine._core.has_unfinished_requests()
+    assert not engine.engine_core.core.has_unfinished_requests()
 
 
 def test_abort_ends_the_stream_and_frees_blocks(engine: AsyncLLM) -> None:
@@ -85,13 +85,13 @@ def _wait_core_idle(engine: AsyncLLM) -> None:
     import time
 
     deadline = time.monotonic() + 5
-    while engine._core.has_unfinished_requests() or engine._core.kv_cache_manager.usage > 0:
+    while engine.engine_core.core.has_unfinished_requests() or engine.engine_core.core.kv_cache_manager.usage > 0:
         assert time.monotonic() < deadline, "the core still holds the request"
         time.sleep(0.02)
 
 
 def test_a_failing_step_fails_only_its_requests(engine: AsyncLLM) -> None:
-    runner = engine._core.runner
+    runner = engine.engine_core.core.runner
     original = runner.execute_model
     calls = {"n": 0}
 

@@ -62,7 +62,7 @@ def _check(llm: LLM, hf_model: Any, prompts: list[list[int]], width: int, eos: i
             assert cum / len(tokens) ** length_penalty == pytest.approx(score, abs=1e-4)
         assert all(s.tokens[: len(p)] == p for s in out.sequences)
         reasons += [s.finish_reason for s in out.sequences]
-    kv = llm.llm_engine.core.kv_cache_manager
+    kv = llm.llm_engine.engine_core.core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks, "beams leaked KV blocks"
     assert not llm.llm_engine.has_unfinished_requests()
     return reasons
@@ -115,7 +115,7 @@ def test_beam_search_under_preemption_and_small_batch(tiny) -> None:
               num_kv_blocks=20, block_size=4, max_num_seqs=8)
     prompts = _prompts(6, hf_model.config.vocab_size, seed=5)
     _check(llm, hf_model, prompts, 4, eos=None, length_penalty=1.0)
-    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.core.scheduler.num_preemptions > 0
 
 
 def test_beam_search_runs_beside_sampling_and_abort_frees_blocks(tiny) -> None:
@@ -140,5 +140,5 @@ def test_beam_search_runs_beside_sampling_and_abort_frees_blocks(tiny) -> None:
             break
     assert set(done) == {"beams", "plain"}
     assert len(done["beams"].outputs) == 4
-    kv = engine.core.kv_cache_manager
+    kv = engine.engine_core.core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks

@@ -65,7 +65,7 @@ def _requests(vocab: int, n: int, seed: int) -> tuple[list[dict[str, Any]], list
 
 def _graphs_vs_eager(llm: LLM, prompts: list[dict[str, Any]], params: list[SamplingParams]) -> int:
     """Generate with graphs, then again with graphs off on the same engine; returns the replay count."""
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.engine_core.core.runner
     assert runner.graphs is not None
     with_graphs = llm.generate(prompts, params, use_tqdm=False)
     replays = runner.graphs.num_replays
@@ -84,7 +84,7 @@ def _graphs_vs_eager(llm: LLM, prompts: list[dict[str, Any]], params: list[Sampl
 
 def _null_block_untouched(llm: LLM) -> bool:
     """Block 0 is the reserved null block padding rows read: nothing may ever write it."""
-    return all(not cache[:, 0].any() for cache in llm.llm_engine.core.runner.kv_caches)
+    return all(not cache[:, 0].any() for cache in llm.llm_engine.engine_core.core.runner.kv_caches)
 
 
 @pytest.mark.usefixtures("eager_replay_graphs")
@@ -94,7 +94,7 @@ def test_replayed_decode_matches_eager_token_for_token(tiny_model_dir, chunked_b
     kwargs: dict[str, Any] = {} if chunked_budget is None else dict(max_num_batched_tokens=chunked_budget)
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256, num_kv_blocks=200,
               enable_prefix_caching=False, max_num_seqs=16, **kwargs)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.engine_core.core.runner
     assert runner.graphs is not None and runner.graphs.sizes == CPU_SIZES
     # 11 requests: 9..11 decode eagerly (past the largest size), 8 and below replay, padded to 8, 4, 2, 1.
     prompts, params = _requests(hf_model.config.vocab_size, 11, seed=1)
@@ -121,7 +121,7 @@ def test_padding_rows_write_no_kv_and_leave_real_rows_alone(tiny_model_dir) -> N
     path, _ = tiny_model_dir("llama")
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256, num_kv_blocks=64,
               max_num_seqs=16)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.engine_core.core.runner
     g = runner.graphs
     assert g is not None
     rng = np.random.default_rng(0)
@@ -165,7 +165,7 @@ def test_cuda_graphs_match_eager_on_the_device(tiny_model_dir) -> None:
     path, hf_model = tiny_model_dir("llama")
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256, num_kv_blocks=200,
               enable_prefix_caching=False, max_num_seqs=16)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.engine_core.core.runner
     assert runner.attn_backend.name == "triton_paged"
     assert runner.graphs is not None and isinstance(runner.graphs.capturer, CudaGraphCapture)
     assert runner.graphs.sizes == [1, 2, 4, 8, 16]  # the CUDA platform's defaults for max_num_seqs=16
@@ -180,7 +180,7 @@ def test_cuda_graphs_half_precision_agree_with_eager(tiny_model_dir, dtype: str)
     path, hf_model = tiny_model_dir("qwen3")
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, max_model_len=512, num_kv_blocks=200,
               enable_prefix_caching=False, max_num_seqs=8)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.engine_core.core.runner
     assert runner.graphs is not None
     prompts, _ = _requests(hf_model.config.vocab_size, 6, seed=3)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -203,4 +203,4 @@ def test_enforce_eager_captures_nothing(tiny_model_dir) -> None:
                         num_kv_blocks=64).create_engine_config()
     config.extra = {**config.extra, "enforce_eager": True}
     engine = LLMEngine(config)
-    assert engine.core.runner.graphs is None
+    assert engine.engine_core.core.runner.graphs is None

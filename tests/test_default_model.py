@@ -78,7 +78,7 @@ def test_default_model_stops_at_eos_and_reports_the_split(llm_fp32) -> None:
     out = llm_fp32.generate(prompt, SamplingParams(max_tokens=200, temperature=0), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].token_ids[-1] == tok.eos_token_id
-    memory = llm_fp32.llm_engine.core.runner.memory
+    memory = llm_fp32.llm_engine.engine_core.core.runner.memory
     assert memory is not None and memory.num_blocks == 512 and memory.weights_bytes > 100e6
 
 

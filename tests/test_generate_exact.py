@@ -63,7 +63,7 @@ def test_preemption_keeps_results_exact(tiny_model_dir, hf_greedy, divergence_is
               num_kv_blocks=40, block_size=16)
     prompts = _prompts(16, hf_model.config.vocab_size, seed=3, max_len=120)
     _check(hf_greedy, llm, hf_model, prompts, new_tokens=24, divergence_is_a_tie=divergence_is_a_tie)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.engine_core.core
     assert core.scheduler.num_preemptions > 0, "the cache was meant to be too small to avoid preemption"
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_usable_blocks
 

@@ -17,8 +17,8 @@ def test_hf_overrides_architectures_picks_another_registered_class(tiny_model_di
     base = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, num_kv_blocks=64)
     other = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, num_kv_blocks=64,
                 hf_overrides={"architectures": ["MistralForCausalLM"]})
-    assert type(other.llm_engine.core.runner.model).__name__ == "MistralForCausalLM"
-    assert type(base.llm_engine.core.runner.model).__name__ == "LlamaForCausalLM"
+    assert type(other.llm_engine.engine_core.core.runner.model).__name__ == "MistralForCausalLM"
+    assert type(base.llm_engine.engine_core.core.runner.model).__name__ == "LlamaForCausalLM"
     assert other.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids == \
         base.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
 
@@ -46,7 +46,7 @@ def test_bad_arguments_and_prompts_are_named(tiny_model_dir) -> None:
         llm.generate({"prompt_token_ids": [10**6]}, use_tqdm=False)
     # the engine still serves after rejecting bad input
     assert llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
-    assert llm.llm_engine.core.kv_cache_manager.num_free_blocks == llm.llm_engine.core.kv_cache_manager.num_usable_blocks
+    assert llm.llm_engine.engine_core.core.kv_cache_manager.num_free_blocks == llm.llm_engine.engine_core.core.kv_cache_manager.num_usable_blocks
 
 
 def test_generate_command_prints_a_completion_of_the_default_model() -> None:

@@ -30,7 +30,7 @@ def _tokens(out: Any) -> list[list[int]]:
 
 
 def _assert_no_leak(llm: LLM) -> None:
-    kv = llm.llm_engine.core.kv_cache_manager
+    kv = llm.llm_engine.engine_core.core.kv_cache_manager
     assert not llm.llm_engine.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_usable_blocks
 
@@ -208,7 +208,7 @@ def test_abort_mid_generation_frees_every_block(llm: LLM) -> None:
                            SamplingParams(n=2 if i == 1 else 1, temperature=1.0, max_tokens=100, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    kv = engine.core.kv_cache_manager
+    kv = engine.engine_core.core.kv_cache_manager
     assert kv.num_free_blocks < kv.num_usable_blocks
     engine.abort_request(["abort-0", "abort-1"])
     engine.abort_request("abort-2")

@@ -79,7 +79,7 @@ def test_stop_string_split_across_tokens(llm: LLM) -> None:
     later = full.text[pos + 3 : pos + 6]
     both = _greedy(llm, stop=[later, stop])
     assert both.text == full.text[:pos] and both.stop_reason == stop
-    kv = llm.llm_engine.core.kv_cache_manager
+    kv = llm.llm_engine.engine_core.core.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks
 
 

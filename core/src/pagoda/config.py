@@ -6,6 +6,7 @@ and the server all build their engine from it. Names follow vLLM's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -71,6 +72,40 @@ class LoadConfig(_Config):
     download_dir: str | None = Field(None, description="Unused: pagoda never downloads weights.")
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model as the engine will run it, decided once while the engine's config is built.
+
+    Front ends read the context length, vocabulary and dtype from here; the
+    model runner loads exactly this source, config and dtype.
+    """
+
+    source: Any  # pagoda.model_loader.ModelSource
+    hf_config: Any  # the whole transformers config (overrides applied)
+    text_config: Any  # the decoder's part of it
+    dtype: Any  # torch.dtype
+    max_model_len: int
+    vocab_size: int  # 0 when the config names none (the tokenizer decides)
+
+
+def resolve_model(model: ModelConfig, platform: Any) -> ResolvedModel:
+    """Find the checkpoint, read its config, and fix dtype (the platform's choice) and context length."""
+    from pagoda.model_loader import checkpoint_dtype, load_model_config, resolve_model_path
+    from pagoda.models.interface import config_for
+
+    source = resolve_model_path(model.model)
+    hf_config = load_model_config(source, model.hf_overrides)
+    text_config = config_for(hf_config)
+    return ResolvedModel(
+        source=source,
+        hf_config=hf_config,
+        text_config=text_config,
+        dtype=platform.resolve_dtype(model.dtype, checkpoint_dtype(source)),
+        max_model_len=model.max_model_len or int(getattr(text_config, "max_position_embeddings", 2048)),
+        vocab_size=int(getattr(text_config, "vocab_size", 0) or 0),
+    )
+
+
 class EngineConfig(_Config):
     """Everything an engine (and each of its worker processes) needs; picklable."""
 
@@ -84,12 +119,20 @@ class EngineConfig(_Config):
     plugins: list[str] | None = None
     registered_models: dict[str, str] = Field(default_factory=dict)
     extra: dict[str, Any] = Field(default_factory=dict)
+    # Set by pagoda.engine.core.prepare_engine_config once the platform is known.
+    resolved_model: ResolvedModel | None = Field(None, exclude=True)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), populate_by_name=True)
 
     @property
     def model(self) -> ModelConfig:
         return self.model_config_
+
+    @property
+    def resolved(self) -> ResolvedModel:
+        if self.resolved_model is None:
+            raise RuntimeError("the model is not resolved yet: build the engine config with prepare_engine_config")
+        return self.resolved_model
 
 
 _SECTIONS: dict[str, type[_Config]] = {

@@ -1,13 +1,22 @@
-"""The engine core loop: schedule -> execute -> update. No tokenization, no HTTP."""
+"""The engine core loop: schedule -> execute -> update. No tokenization, no HTTP.
+
+Front ends never hold an ``EngineCore``; they talk to it through an engine-core
+client (``pagoda.engine.core_client``) and get back plain data: token outputs
+and ``SchedulerStats``.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
 
-from pagoda.config import EngineConfig
+from pagoda.beam_search.group import BeamGroup
+from pagoda.config import EngineConfig, resolve_model
 from pagoda.kv_cache.manager import KVCacheManager
-from pagoda.platforms import Platform
+from pagoda.metrics.stats import SchedulerStats
+from pagoda.models.registry import ModelRegistry
+from pagoda.platforms import Platform, resolve_platform, set_current_platform
+from pagoda.plugins import get_plugin_manager
 from pagoda.scheduler.output import EngineCoreOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
@@ -21,6 +30,27 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+def prepare_engine_config(config: EngineConfig) -> Platform:
+    """Finish building the engine's config, once, in the main process.
+
+    Decides the plugins, the in-script models and the platform, then resolves
+    what depends on the platform: the model (path, HF config, dtype, context
+    length) and the KV block size.
+    """
+    pm = get_plugin_manager()
+    config.plugins = pm.loaded_names()
+    config.registered_models = ModelRegistry.registered_in_script()
+    platform = resolve_platform(config.device_config.device)
+    set_current_platform(platform)
+    platform.check_and_update_config(config)
+    pm.startup(config)
+    if config.resolved_model is None:
+        config.resolved_model = resolve_model(config.model, platform)
+    if config.cache_config.block_size is None:
+        config.cache_config.block_size = platform.default_block_size
+    return platform
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         self.config = config
@@ -28,7 +58,7 @@ class EngineCore:
         platform.init_worker(config)
         platform.seed_everything(config.model.seed)
         self.runner = ModelRunner(config, platform)
-        self.max_model_len = self.runner.max_model_len
+        self.max_model_len = config.resolved.max_model_len
         sc = config.scheduler_config
         if sc.max_num_batched_tokens is not None:
             budget = sc.max_num_batched_tokens
@@ -54,13 +84,20 @@ class EngineCore:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             policy=sc.scheduling_policy,
         )
+        self._reported_preemptions = 0
 
+    # -- requests ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def add_beam_search(self, group: BeamGroup, root: Request) -> None:
+        self.scheduler.add_beam_search(group, root)
+
     def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort requests and beam searches by id; unknown ids are ignored (already finished)."""
         self.scheduler.abort_requests(request_ids)
 
+    # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
         if so.is_empty:
@@ -71,5 +108,30 @@ class EngineCore:
         out = self.runner.execute_model(so)
         return self.scheduler.update_from_output(so, out)
 
+    def fail_running(self) -> list[str]:
+        """After a step raised: finish every running request with an error; returns their ids."""
+        victims = [r.request_id for r in self.scheduler.running]
+        self.scheduler.finish_requests(victims, RequestStatus.FINISHED_ERROR)
+        return victims
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """Requests to run, or finished ones the runner has still to forget."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_ids_pending()
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's gauges now; preemptions counted since the previous call."""
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        preemptions = self.scheduler.num_preemptions
+        stats = SchedulerStats(
+            num_running_reqs=self.scheduler.num_running,
+            num_waiting_reqs=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=preemptions - self._reported_preemptions,
+        )
+        self._reported_preemptions = preemptions
+        return stats

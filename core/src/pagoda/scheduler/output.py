@@ -93,3 +93,5 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # A finished beam search group: its best sequences, best first.
     beam_sequences: list[Any] | None = None
+    # Set on a request's first output only: when it was first scheduled (for queue-time metrics).
+    first_scheduled_time: float | None = None

@@ -303,8 +303,6 @@ class Scheduler:
             new_ids = runner_out.sampled_token_ids[idx]
             if not new_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            if req.first_token_time is None:
-                req.first_token_time = now
             accepted: list[int] = []
             for tok in new_ids:
                 accepted.append(tok)
@@ -312,6 +310,9 @@ class Scheduler:
                 if self._check_stop(req, tok):
                     break
             out = EngineCoreOutput(req_id=rid, new_token_ids=accepted, num_cached_tokens=max(req.num_cached_tokens, 0))
+            if req.first_token_time is None:
+                req.first_token_time = now
+                out.first_scheduled_time = req.first_scheduled_time
             if runner_out.logprobs is not None and rid in runner_out.logprobs:
                 out.new_logprobs = runner_out.logprobs[rid][: len(accepted)]
             if runner_out.sampled_logprobs is not None and rid in runner_out.sampled_logprobs:

@@ -19,8 +19,7 @@ from pagoda.attention import Attention, AttentionMetadata, AttentionSpec
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.layers import bind_layer_ops, prepare_linear_layers
-from pagoda.model_loader import checkpoint_dtype, iter_weights, load_model_config, resolve_model_path
-from pagoda.models.interface import config_for
+from pagoda.model_loader import iter_weights
 from pagoda.models.registry import ModelRegistry
 from pagoda.platforms import Platform
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -85,13 +84,14 @@ class ModelRunner:
         self.config = config
         self.platform = platform
         self.device = platform.device()
-        mc = config.model
-        self.source = resolve_model_path(mc.model)
-        self.hf_config = load_model_config(self.source, mc.hf_overrides)
-        self.text_config = config_for(self.hf_config)
-        self.dtype = platform.resolve_dtype(mc.dtype, checkpoint_dtype(self.source))
+        # resolved with the config (pagoda.engine.core.prepare_engine_config)
+        model = config.resolved
+        self.source = model.source
+        self.hf_config = model.hf_config
+        self.text_config = model.text_config
+        self.dtype = model.dtype
         self.block_size: int = config.cache_config.block_size or platform.default_block_size
-        self.max_model_len: int = mc.max_model_len or int(getattr(self.text_config, "max_position_embeddings", 2048))
+        self.max_model_len: int = model.max_model_len
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
         self.memory: MemoryReport | None = None

@@ -58,7 +58,7 @@ def throughput(
     reqs = _dataset(dataset_name, dataset_path, num_prompts, input_len, output_len, vocab, bench_seed,
                     llm.get_tokenizer(), prefix_len)
     result = run_throughput(llm, reqs)
-    result["dtype"] = str(llm.llm_engine.core.runner.dtype)
+    result["dtype"] = str(llm.llm_engine.config.resolved.dtype)
     _finish("throughput", result, output_json)
 
 
@@ -82,7 +82,7 @@ def latency(
     llm = LLM(**engine_args.model_dump())
     reqs = random_requests(batch_size, input_len, output_len, llm.llm_engine.vocab_size)
     result = run_latency(llm, reqs, num_iters, num_iters_warmup)
-    result["dtype"] = str(llm.llm_engine.core.runner.dtype)
+    result["dtype"] = str(llm.llm_engine.config.resolved.dtype)
     _finish("latency", result, output_json)
 
 

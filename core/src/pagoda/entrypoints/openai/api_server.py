@@ -167,7 +167,7 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str])
         req = await _parse(raw_request, DetokenizeRequest)
         ctx.check_model(req.model)
         tok = ctx.need_tokenizer()
-        vocab = engine.engine.vocab_size
+        vocab = engine.vocab_size
         bad = [t for t in req.tokens if t < 0 or t >= vocab]
         if bad:
             raise APIError(f"token id(s) {bad[:5]} out of range [0, {vocab})", 400, "tokens")

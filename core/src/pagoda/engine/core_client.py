@@ -1,0 +1,183 @@
+"""Engine-core clients: how a front end reaches the core (vLLM v1's ``EngineCoreClient``).
+
+Both front ends (``LLMEngine``, ``AsyncLLM``) send requests, beam searches and
+aborts through a client and receive ``EngineCoreOutputs``: token outputs, the
+ids of requests a failed step took down, and ``SchedulerStats``. Nothing else
+crosses, so the core can move into another process (a client that pickles the
+same calls) without touching either front end.
+
+* ``InprocClient``: the core in the caller's thread; ``get_output()`` runs one step.
+* ``ThreadedClient``: the core alone in a background thread; commands go
+  through a queue drained between steps, outputs come back through a callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pagoda.beam_search.group import BeamGroup
+from pagoda.config import EngineConfig
+from pagoda.engine.core import EngineCore
+from pagoda.metrics.stats import SchedulerStats
+from pagoda.platforms import Platform
+from pagoda.scheduler.output import EngineCoreOutput
+from pagoda.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+# How long the idle core thread sleeps on its queue before re-checking shutdown.
+_IDLE_POLL_S = 0.5
+
+
+@dataclass
+class EngineCoreOutputs:
+    """What one step of the core sends back to its front end."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    # requests the step took down with it (it raised): request id -> the exception
+    failed: dict[str, BaseException] = field(default_factory=dict)
+    scheduler_stats: SchedulerStats | None = None
+
+
+class EngineCoreClient(Protocol):
+    def add_request(self, request: Request) -> None: ...
+
+    def add_beam_search(self, group: BeamGroup, root: Request) -> None: ...
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InprocClient:
+    """The core in the caller's thread: each ``get_output()`` is one step."""
+
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        self.core = EngineCore(config, platform)
+
+    def add_request(self, request: Request) -> None:
+        self.core.add_request(request)
+
+    def add_beam_search(self, group: BeamGroup, root: Request) -> None:
+        self.core.add_beam_search(group, root)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids:
+            self.core.abort_requests(ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return EngineCoreOutputs(outputs=self.core.step())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.core.make_stats()
+
+    def shutdown(self) -> None:
+        return None
+
+
+class ThreadedClient:
+    """The core loop alone in a background thread.
+
+    ``on_outputs`` is called from the core thread after every step (and after an
+    abort-only batch, whose gauges changed); ``on_dead`` once if the thread
+    itself breaks. Both must hand work over to their own thread, not do it there.
+    A step that raises fails only the requests that were running; the loop goes on.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        on_outputs: Callable[[EngineCoreOutputs], None],
+        on_dead: Callable[[BaseException], None],
+    ) -> None:
+        self.core = EngineCore(config, platform)
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.dead_error: BaseException | None = None
+
+    # -- front-end side --------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pagoda-engine-core", daemon=True)
+            self._thread.start()
+
+    def add_request(self, request: Request) -> None:
+        self._commands.put(("add", request))
+
+    def add_beam_search(self, group: BeamGroup, root: Request) -> None:
+        self._commands.put(("beam", (group, root)))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids:
+            self._commands.put(("abort", ids))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stopped_unexpectedly(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive() and not self._stopping.is_set()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- the core thread ---------------------------------------------------------------
+    def _drain(self, block: bool) -> None:
+        core = self.core
+        try:
+            cmd, arg = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if cmd == "add":
+                core.add_request(arg)  # type: ignore[arg-type]
+            elif cmd == "beam":
+                core.add_beam_search(*arg)  # type: ignore[misc]
+            elif cmd == "abort":
+                core.abort_requests(arg)  # type: ignore[arg-type]
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while not self._stopping.is_set():
+                self._drain(block=not core.has_work())
+                if self._stopping.is_set():
+                    break
+                if not core.has_work():
+                    # an abort-only batch still changes the gauges
+                    self._on_outputs(EngineCoreOutputs(scheduler_stats=core.make_stats()))
+                    continue
+                batch = EngineCoreOutputs()
+                try:
+                    batch.outputs = core.step()
+                except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
+                    logger.exception("engine step failed; failing the requests it ran")
+                    batch.failed = {rid: exc for rid in core.fail_running()}
+                batch.scheduler_stats = core.make_stats()
+                self._on_outputs(batch)
+        except BaseException as exc:  # the thread itself broke: nothing more can be served
+            logger.exception("engine core thread died")
+            self.dead_error = exc
+            self._on_dead(exc)
