@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from pagoda import envs
 from pagoda.attention.interface import AttentionBackend, AttentionSpec
 from pagoda.platforms import Platform
 from pagoda.plugins import get_plugin_manager
@@ -17,7 +16,7 @@ class AttentionBackendError(RuntimeError):
 
 def select_attention_backend(platform: Platform, spec: AttentionSpec, requested: str | None = None) -> type[AttentionBackend]:
     specs = get_plugin_manager().attention_backends()
-    requested = requested or os.environ.get(BACKEND_ENV) or None
+    requested = requested or envs.PAGODA_ATTENTION_BACKEND
     if requested:
         if requested not in specs:
             raise AttentionBackendError(

@@ -8,8 +8,8 @@ another platform.
 from __future__ import annotations
 
 import logging
-import os
 
+from pagoda import envs
 from pagoda.platforms.interface import Platform
 from pagoda.plugins import PlatformSpec, PluginError, get_plugin_manager
 
@@ -36,7 +36,7 @@ _current: Platform | None = None
 def requested_device(device: str | None = None) -> str:
     if device and device != "auto":
         return device
-    return os.environ.get(DEVICE_ENV, "auto") or "auto"
+    return envs.PAGODA_DEVICE
 
 
 def _load_and_probe(spec: PlatformSpec) -> tuple[type[Platform] | None, bool, str]:

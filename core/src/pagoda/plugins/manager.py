@@ -10,7 +10,6 @@ status, error and traceback, and a broken plugin never takes down the others.
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 
 import pluggy
 
+from pagoda import envs
 from pagoda.plugins import hookspecs
 from pagoda.plugins.specs import (
     AttentionBackendSpec,
@@ -97,11 +97,11 @@ def check_api_version(declared: object) -> str | None:
 
 
 def requested_plugin_names(env: Mapping[str, str] | None = None) -> list[str] | None:
-    """Names from ``PAGODA_PLUGINS``: None (unset) means all, [] means none."""
-    raw = (os.environ if env is None else env).get(PLUGINS_ENV)
-    if raw is None:
-        return None
-    return [n.strip() for n in raw.split(",") if n.strip()]
+    """Names from ``PAGODA_PLUGINS`` (in ``env``, default ``os.environ``): None (unset) means all, [] means none."""
+    if env is None:
+        return envs.PAGODA_PLUGINS
+    names: list[str] | None = envs.ENVIRONMENT_VARIABLES[PLUGINS_ENV].get(env)
+    return names
 
 
 @dataclass(frozen=True)

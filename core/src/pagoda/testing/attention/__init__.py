@@ -28,6 +28,7 @@ from pagoda.testing.attention.conformance import (
 from pagoda.testing.attention.dense import DenseTestBackend
 from pagoda.testing.attention.reference import (
     TOLERANCE,
+    assert_within_tolerance,
     check_cache,
     check_output,
     metadata_to,
@@ -48,6 +49,7 @@ __all__ = [
     "Sequence",
     "Shape",
     "UnsupportedCaseError",
+    "assert_within_tolerance",
     "check_cache",
     "check_output",
     "make_batch",

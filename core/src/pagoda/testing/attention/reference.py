@@ -39,6 +39,18 @@ def reference_attention(
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
 
+def assert_within_tolerance(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, where: str = "") -> None:
+    """``got`` (any dtype) against the float64 ``expected`` within ``TOLERANCE[dtype]``."""
+    tolerance = TOLERANCE[dtype]
+
+    def message(detail: str) -> str:
+        return f"{where}: {detail}" if where else detail
+
+    torch.testing.assert_close(
+        got.double(), expected, atol=tolerance["atol"], rtol=tolerance["rtol"], msg=message
+    )
+
+
 def metadata_to(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     """A copy of ``metadata`` with its device tensors on ``device`` (host copies stay on the host)."""
     return AttentionMetadata(
@@ -73,8 +85,7 @@ def check_output(
     for i, seq in enumerate(batch.sequences):
         expected = reference_attention(seq, scale, sliding_window, logits_soft_cap)
         got = out[row : row + seq.query_len].double()
-        where = f"sequence {i} ({seq.context_len} cached + {seq.query_len} new)"
-        torch.testing.assert_close(got, expected, **TOLERANCE[dtype], msg=lambda m, where=where: f"{where}: {m}")
+        assert_within_tolerance(got, expected, dtype, f"sequence {i} ({seq.context_len} cached + {seq.query_len} new)")
         row += seq.query_len
     assert torch.equal(out[row:], torch.zeros_like(out[row:])), "padding rows must come out as zeros"
 

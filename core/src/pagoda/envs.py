@@ -1,0 +1,200 @@
+"""Every ``PAGODA_*`` environment variable, in one place (vLLM's ``envs.py``).
+
+Read one as a module attribute: ``pagoda.envs.PAGODA_CPU_THREADS`` parses the
+variable *when it is read* (never cached at import), so a test's
+``monkeypatch.setenv`` or a launcher's ``os.environ`` change is seen by the
+next read. An unset variable, or one set to the empty string, gives its
+default (``PAGODA_PLUGINS`` is the exception: empty means "no plugin"). A
+value that does not parse raises ``ValueError`` naming the variable, never
+falls back silently.
+
+``ENVIRONMENT_VARIABLES`` holds each variable's type, default, meaning and the
+distribution that reads it; docs/environment.md lists the same, and
+core/tests/test_envs.py fails when a ``PAGODA_*`` name used anywhere in the
+repository is missing here. Plugins add their variables here too (core lists
+them as vLLM's envs.py lists its CPU and ROCm ones) and read them through this
+module; ``pagoda-kernels`` reads ``PAGODA_KERNELS_IMPL`` itself because it does
+not depend on pagoda-core.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One environment variable: how its text becomes a value, and what it means."""
+
+    name: str
+    type: str  # as the docs show it
+    default: T
+    help: str
+    read_by: str  # the distribution (or repository folder) that reads it
+    parse: Callable[[str, str], T]  # (name, raw text) -> value; raises ValueError
+    empty_is_unset: bool = True
+
+    def get(self, environ: Mapping[str, str] | None = None) -> T:
+        """The current value from ``environ`` (default: ``os.environ``)."""
+        raw = (os.environ if environ is None else environ).get(self.name)
+        if raw is None or (self.empty_is_unset and not raw.strip()):
+            return self.default
+        return self.parse(self.name, raw)
+
+    def is_set(self, environ: Mapping[str, str] | None = None) -> bool:
+        raw = (os.environ if environ is None else environ).get(self.name)
+        return raw is not None and (not self.empty_is_unset or bool(raw.strip()))
+
+
+def _str(name: str, raw: str) -> str:
+    return raw.strip()
+
+
+def _path(name: str, raw: str) -> Path:
+    return Path(raw.strip()).expanduser()
+
+
+def _bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean (use 1/0, true/false, yes/no or on/off)")
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not an integer") from exc
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _positive_gib(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number of GiB") from exc
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {raw}")
+    return value
+
+
+def _names(name: str, raw: str) -> list[str]:
+    return [n.strip() for n in raw.split(",") if n.strip()]
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip()
+        if value not in choices:
+            raise ValueError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+_CORE = "pagoda-core"
+_CPU = "pagoda-platform-cpu"
+
+_VARIABLES: list[EnvVar[Any]] = [
+    # -- core ------------------------------------------------------------------
+    EnvVar("PAGODA_PLUGINS", "comma-separated names", None,
+           "Plugins to load, by entry-point or distribution name; unset loads all, empty loads none.",
+           _CORE, _names, empty_is_unset=False),
+    EnvVar("PAGODA_DEVICE", "str", "auto",
+           "Platform to run on (auto, cpu, cuda, rocm, tpu, ...); --device / device= win over it.",
+           _CORE, _str),
+    EnvVar("PAGODA_ATTENTION_BACKEND", "str", None,
+           "Attention backend by name; unset: the platform's preference. --attention-backend wins over it.",
+           _CORE, _str),
+    EnvVar("PAGODA_API_KEY", "str", None,
+           "API key the server requires as 'Authorization: Bearer KEY' on /v1/*, and the CLI clients send.",
+           _CORE, _str),
+    EnvVar("PAGODA_CACHE_ROOT", "path", None,
+           "Root of pagoda's on-disk cache (GGUF conversions, compiled kernels); "
+           "unset: $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda.",
+           _CORE, _path),
+    EnvVar("PAGODA_DISABLE_CACHE", "bool", False,
+           "Turn the on-disk cache off (GGUF conversions are redone, kernels rebuilt each process).",
+           _CORE, _bool),
+    # -- CPU platform -------------------------------------------------------------
+    EnvVar("PAGODA_CPU_THREADS", "int", None,
+           "torch threads on the CPU platform; unset: the CPUs this process may run on.",
+           _CPU, _positive_int),
+    EnvVar("PAGODA_CPU_KVCACHE_SPACE", "float (GiB)", None,
+           "KV-cache budget on CPU when kv_cache_memory_bytes is not given; unset: 4 GiB "
+           "(as VLLM_CPU_KVCACHE_SPACE).",
+           _CPU, _positive_gib),
+    EnvVar("PAGODA_CPU_PACKED_LINEAR", "bool", True,
+           "Off: linear layers keep plain F.linear with unpacked weights (for A/B measurements).",
+           _CPU, _bool),
+    EnvVar("PAGODA_CPU_GEMV", "bool", True,
+           "Off: decode-sized linears go to oneDNN's packed matmul instead of pagoda's C++ GEMV.",
+           _CPU, _bool),
+    EnvVar("PAGODA_CPU_GEMM", "bool", True,
+           "Off: linears run on the GEMV + oneDNN instead of pagoda's packed AVX-512 matmul.",
+           _CPU, _bool),
+    EnvVar("PAGODA_CPU_LAYER_OPS", "bool", True,
+           "Off: RMSNorm, SiLU-and-mul and RoPE use torch ops instead of the fused C++ kernels.",
+           _CPU, _bool),
+    # -- kernels ------------------------------------------------------------------
+    EnvVar("PAGODA_KERNELS_IMPL", "one of auto, triton, torch", "auto",
+           "pagoda-kernels' implementation when a call does not choose: auto (Triton on GPU tensors), "
+           "triton (also on CPU under TRITON_INTERPRET=1), torch (the references).",
+           "pagoda-kernels", _choice("auto", "triton", "torch")),
+    # -- repository benchmarks (benchmarks/, not installed) -------------------------
+    EnvVar("PAGODA_BENCH_VLLM_PYTHON", "path", None,
+           "Python interpreter with vLLM installed, for the peer comparison (python -m benchmarks.peers).",
+           "benchmarks/", _path),
+    EnvVar("PAGODA_BENCH_LLAMACPP_PYTHON", "path", None,
+           "Python interpreter with llama-cpp-python installed, for the peer comparison.",
+           "benchmarks/", _path),
+]
+
+ENVIRONMENT_VARIABLES: dict[str, EnvVar[Any]] = {var.name: var for var in _VARIABLES}
+
+if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns
+    PAGODA_PLUGINS: list[str] | None
+    PAGODA_DEVICE: str
+    PAGODA_ATTENTION_BACKEND: str | None
+    PAGODA_API_KEY: str | None
+    PAGODA_CACHE_ROOT: Path | None
+    PAGODA_DISABLE_CACHE: bool
+    PAGODA_CPU_THREADS: int | None
+    PAGODA_CPU_KVCACHE_SPACE: float | None
+    PAGODA_CPU_PACKED_LINEAR: bool
+    PAGODA_CPU_GEMV: bool
+    PAGODA_CPU_GEMM: bool
+    PAGODA_CPU_LAYER_OPS: bool
+    PAGODA_KERNELS_IMPL: str
+    PAGODA_BENCH_VLLM_PYTHON: Path | None
+    PAGODA_BENCH_LLAMACPP_PYTHON: Path | None
+
+
+def __getattr__(name: str) -> Any:
+    var = ENVIRONMENT_VARIABLES.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return var.get()
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *ENVIRONMENT_VARIABLES])
+
+
+def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether variable ``name`` is set to a value (so its default is not in use)."""
+    return ENVIRONMENT_VARIABLES[name].is_set(environ)
