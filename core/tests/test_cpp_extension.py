@@ -1,35 +1,80 @@
-"""A compiled extension's cached copy: stored after a build, imported directly by the next process, keyed by its inputs.
+"""pagoda.cpp_extension: a package's csrc sources compiled by the system compiler, cached by their inputs, loaded with ctypes.
 
-Also: a failed build is remembered with its reason."""
+Also: a failed build is remembered with its reason; the shared headers convert 16-bit floats as torch does;
+the libraries use the OpenMP runtime torch loaded."""
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from pagoda.cpp_extension import CppExtension, ExtensionBuildError, prebuilt
+from pagoda.cpp_extension import CppExtension, ExtensionBuildError, build, include_dir, prebuilt
 from pagoda.cpp_extension.build import DEFAULT_CFLAGS
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
 
 EXTENSION_NAME = "pagoda_test_cpp_extension"
 COMPILE_FLAGS = list(DEFAULT_CFLAGS)
-_SOURCE = "#include <torch/extension.h>\nint64_t add_one(int64_t x) { return x + 1; }\n"
-_EXTENSION = CppExtension(EXTENSION_NAME, lambda: [_SOURCE], ["add_one"])
+_SOURCE = """
+#include <pagoda/parallel.h>
+#include <pagoda/simd.h>
+#include "helper.h"
+PAGODA_EXPORT int64_t add_one(int64_t x) { return x + kOne; }
+// Sums 0..n-1 over `threads` OpenMP threads.
+PAGODA_EXPORT int64_t parallel_sum(int64_t n, int threads) {
+  int64_t total = 0;
+  pagoda::parallel_for(0, n, 1, threads, [&](int64_t lo, int64_t hi) {
+    int64_t part = 0;
+    for (int64_t i = lo; i < hi; ++i) part += i;
+#pragma omp atomic
+    total += part;
+  });
+  return total;
+}
+PAGODA_EXPORT uint16_t to_bf16(float f) { return pagoda::float_to_bf16(f); }
+PAGODA_EXPORT uint16_t to_half(float f) { return pagoda::float_to_half(f); }
+PAGODA_EXPORT float from_half(uint16_t h) { return pagoda::half_to_float(h); }
+"""
 
 
 @pytest.fixture
 def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("PAGODA_CACHE_ROOT", str(tmp_path))
+    root = tmp_path / "cache"
+    monkeypatch.setenv("PAGODA_CACHE_ROOT", str(root))
     monkeypatch.delenv("PAGODA_DISABLE_CACHE", raising=False)
-    return tmp_path
+    return root
 
 
 @pytest.fixture
-def built():  # type: ignore[no-untyped-def]
-    try:
-        return _EXTENSION.module()
-    except ExtensionBuildError as exc:
-        pytest.skip(f"no C++ toolchain here: {exc}")
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An importable package holding csrc/kernel.cpp and a header beside it."""
+    name = f"pagoda_test_pkg_{tmp_path.name.replace('-', '_')}"
+    root = tmp_path / "pkgs" / name
+    (root / "csrc").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "csrc" / "kernel.cpp").write_text(_SOURCE)
+    (root / "csrc" / "helper.h").write_text("#pragma once\nconstexpr int kOne = 1;\n")
+    monkeypatch.syspath_prepend(str(root.parent))
+    yield root
+    sys.modules.pop(name, None)
+
+
+def _extension(package: Path) -> CppExtension:
+    return CppExtension(EXTENSION_NAME, package.name, ["csrc/kernel.cpp"])
+
+
+def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    library.add_one.argtypes, library.add_one.restype = [ctypes.c_int64], ctypes.c_int64
+    library.parallel_sum.argtypes, library.parallel_sum.restype = [ctypes.c_int64, ctypes.c_int], ctypes.c_int64
+    library.to_bf16.argtypes, library.to_bf16.restype = [ctypes.c_float], ctypes.c_uint16
+    library.to_half.argtypes, library.to_half.restype = [ctypes.c_float], ctypes.c_uint16
+    library.from_half.argtypes, library.from_half.restype = [ctypes.c_uint16], ctypes.c_float
+    return library
 
 
 def test_key_depends_on_sources_and_flags() -> None:
@@ -39,14 +84,24 @@ def test_key_depends_on_sources_and_flags() -> None:
     assert key != prebuilt.build_key(EXTENSION_NAME, ["a"], [[*COMPILE_FLAGS, "-DX"]])
 
 
-def test_stored_library_is_loaded_again(cache_root: Path, built) -> None:  # type: ignore[no-untyped-def]
-    assert prebuilt.load_prebuilt(EXTENSION_NAME, "k1") is None
-    prebuilt.store_prebuilt(built, EXTENSION_NAME, "k1")
-    stored = list(cache_root.glob(f"torch_extensions/{EXTENSION_NAME}-k1/*"))
-    assert len(stored) == 1 and stored[0].stat().st_size == Path(built.__file__).stat().st_size
-    module = prebuilt.load_prebuilt(EXTENSION_NAME, "k1")
-    assert module is not None and module.add_one(41) == 42
-    assert prebuilt.load_prebuilt(EXTENSION_NAME, "k2") is None
+def test_built_library_is_cached_and_loaded_again_without_compiling(
+    cache_root: Path, package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    library = _declare(_extension(package).library())
+    assert library.add_one(41) == 42
+    (stored,) = cache_root.glob(f"{prebuilt.CACHE_SUBDIR}/{EXTENSION_NAME}-*/lib{EXTENSION_NAME}.so")
+    assert not list(stored.parent.glob(".*.tmp")), "the temporary file is renamed, not left behind"
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached library must not be compiled again")
+
+    monkeypatch.setattr(build, "_compile", no_compiler)
+    again = _extension(package)  # a fresh process's view: nothing loaded yet
+    assert _declare(again.library()).add_one(1) == 2
+    # A changed header beside the source is a new key: the cache does not serve the old library.
+    (package / "csrc" / "helper.h").write_text("#pragma once\nconstexpr int kOne = 2;\n")
+    failure = _extension(package).build_failure()
+    assert failure is not None and "must not be compiled again" in failure
 
 
 def test_broken_library_is_ignored_and_removed(cache_root: Path) -> None:
@@ -58,25 +113,79 @@ def test_broken_library_is_ignored_and_removed(cache_root: Path) -> None:
     assert not path.exists()
 
 
-def test_disabled_cache_stores_nothing(cache_root: Path, monkeypatch: pytest.MonkeyPatch, built) -> None:  # type: ignore[no-untyped-def]
-    # `built` may have just compiled (and cached) the module under cache_root: compare, not expect empty
-    before = sorted(cache_root.rglob("*"))
+def test_disabled_cache_stores_nothing(cache_root: Path, package: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGODA_DISABLE_CACHE", "1")
-    prebuilt.store_prebuilt(built, EXTENSION_NAME, "k1")
-    assert sorted(cache_root.rglob("*")) == before
-    assert prebuilt.load_prebuilt(EXTENSION_NAME, "k1") is None
+    assert _declare(_extension(package).library()).add_one(2) == 3
+    assert not cache_root.exists()
 
 
-def test_failed_build_is_remembered_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_build_is_remembered_with_its_reason(
+    cache_root: Path, package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (package / "csrc" / "kernel.cpp").write_text("int broken( {\n")
     calls = []
+    real_compile = build._compile
 
-    def broken() -> list[str]:
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
-        raise RuntimeError("g++: command not found")
+        return real_compile(*args, **kwargs)
 
-    extension = CppExtension("pagoda_test_broken", broken, ["f"])
+    monkeypatch.setattr(build, "_compile", counting)
+    extension = _extension(package)
     failure = extension.build_failure()
-    assert failure is not None and "could not be compiled" in failure and "g++: command not found" in failure
-    with pytest.raises(ExtensionBuildError, match="g\\+\\+: command not found"):
-        extension.module()
+    assert failure is not None and "could not be compiled" in failure and "kernel.cpp" in failure
+    with pytest.raises(ExtensionBuildError, match="could not be compiled"):
+        extension.library()
     assert len(calls) == 1  # not rebuilt on every call
+
+
+def test_missing_compiler_is_a_reason(cache_root: Path, package: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    build.compiler_path.cache_clear()
+    try:
+        failure = _extension(package).build_failure()
+    finally:
+        build.compiler_path.cache_clear()
+    assert failure is not None and "no C++ compiler found" in failure
+
+
+def test_background_build_is_waited_for(cache_root: Path, package: Path) -> None:
+    extension = _extension(package)
+    extension.start()
+    extension.start()  # a second start while building (or built) starts nothing more
+    assert _declare(extension.library()).parallel_sum(1000, 2) == 999 * 1000 // 2
+
+
+def test_kernels_use_the_openmp_runtime_torch_loaded(cache_root: Path, package: Path) -> None:
+    """One OpenMP runtime in the process: the kernels' threads are torch's pool, not a second one."""
+    torch.ones(1000).sum()  # torch is loaded with its runtime
+    library = _declare(_extension(package).library())
+    assert library.parallel_sum(10_000, 2) == 9_999 * 10_000 // 2
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line.split()[-1]}
+    assert len(runtimes) == 1, runtimes
+    shipped = build.openmp_link_flags()
+    if shipped:  # torch ships its own: that one is linked and mapped
+        assert Path(runtimes.pop()).resolve() == Path(shipped[0]).resolve()
+
+
+def test_shared_header_converts_16_bit_floats_as_torch_does(cache_root: Path, package: Path) -> None:
+    library = _declare(_extension(package).library())
+    generator = torch.Generator().manual_seed(0)
+    values = torch.cat(
+        [torch.randn(2000, generator=generator) * scale for scale in (1e-8, 1e-6, 1e-4, 1.0, 1e2, 1e4, 7e4)]
+        + [torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 65504.0, 65519.0, 65520.0, 6e-8, 3e-8, 2.98e-8])]
+    )
+    as_bits = lambda t: [v & 0xFFFF for v in t.view(torch.int16).tolist()]  # noqa: E731
+    assert [library.to_bf16(v) for v in values.tolist()] == as_bits(values.bfloat16())
+    assert [library.to_half(v) for v in values.tolist()] == as_bits(values.half())
+    assert library.to_bf16(float("nan")) == 0x7FC0
+    every_half = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float().tolist()
+    for bits, expected in enumerate(every_half):
+        got = library.from_half(bits)
+        assert got == expected or (got != got and expected != expected), bits
+
+
+def test_headers_ship_with_the_package() -> None:
+    assert (include_dir() / "pagoda" / "simd.h").is_file()
+    assert (include_dir() / "pagoda" / "parallel.h").is_file()
