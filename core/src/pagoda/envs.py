@@ -59,6 +59,10 @@ def _str(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def _verbatim(name: str, raw: str) -> str:
+    return raw  # secrets are compared byte for byte
+
+
 def _path(name: str, raw: str) -> Path:
     return Path(raw.strip()).expanduser()
 
@@ -122,7 +126,7 @@ _VARIABLES: list[EnvVar[Any]] = [
            _CORE, _str),
     EnvVar("PAGODA_API_KEY", "str", None,
            "API key the server requires as 'Authorization: Bearer KEY' on /v1/*, and the CLI clients send.",
-           _CORE, _str),
+           _CORE, _verbatim),
     EnvVar("PAGODA_CACHE_ROOT", "path", None,
            "Root of pagoda's on-disk cache (GGUF conversions, compiled kernels); "
            "unset: $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda.",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from pydantic import BaseModel, ConfigDict, Field
+
+from pagoda import envs
 
 # vLLM's default body cap is unlimited; a public server should refuse giant bodies before parsing them.
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -29,4 +29,4 @@ class ServerArgs(BaseModel):
     shutdown_timeout: float = Field(10.0, ge=0, description="Seconds to let in-flight requests finish on SIGINT/SIGTERM.")
 
     def resolved_api_key(self) -> str | None:
-        return self.api_key or os.environ.get("PAGODA_API_KEY") or None
+        return self.api_key or envs.PAGODA_API_KEY
