@@ -1,11 +1,13 @@
-"""Scheduler: token budget, max_num_seqs, chunked prefill, priority order, preemption, abort."""
+"""Scheduler: token budget, max_num_seqs, chunked prefill, priority order, preemption, abort, beam search hooks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagoda.beam_search.group import BeamGroup, beam_request_params
+from pagoda.beam_search.scheduling import NO_BEAM_SEARCH, BeamSearchScheduling
 from pagoda.kv_cache.manager import KVCacheManager
-from pagoda.scheduler.output import ModelRunnerOutput
+from pagoda.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
 
@@ -123,3 +125,91 @@ def test_stop_conditions() -> None:
     run_step(s)
     _, outs = run_step(s)
     assert outs[0].finish_reason == "length"
+
+
+# -- beam search: the component the scheduler calls at its named points ---------------
+
+def start_group(s: Scheduler, gid: str, width: int, max_tokens: int, prompt_len: int = 6) -> BeamGroup:
+    prompt = list(range(1, 1 + prompt_len))
+    group = BeamGroup(group_id=gid, prompt_token_ids=prompt, beam_width=width, max_tokens=max_tokens, eos_token_id=None)
+    root = Request(group.new_beam_id(), prompt, beam_request_params(), None, BLOCK)
+    s.add_beam_search(group, root)
+    return group
+
+
+def beam_step(s: Scheduler) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    """One step: sampling rows get token 7; beam rows report 4 candidates (tokens 20-23, best first)."""
+    so = s.schedule()
+    ids = list(so.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    candidates: dict[str, tuple[list[int], list[float]]] = {}
+    for rid in ids:
+        r = s.requests[rid]
+        done = r.num_computed_tokens >= r.num_tokens
+        if r.beam_group is not None:
+            sampled.append([])
+            if done:
+                candidates[rid] = ([20, 21, 22, 23], [-0.1, -0.2, -0.3, -0.4])
+        else:
+            sampled.append([7] if done else [])
+    out = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, beam_candidates=candidates or None)
+    return so, s.update_from_output(so, out)
+
+
+def test_plain_scheduler_holds_the_no_op_component_until_a_beam_search() -> None:
+    s = make_scheduler()
+    s.add_request(req("plain", 5))
+    beam_step(s)
+    assert s.beam_search is NO_BEAM_SEARCH
+    start_group(s, "g", width=2, max_tokens=3)
+    assert isinstance(s.beam_search, BeamSearchScheduling)
+
+
+def test_group_forks_sharing_blocks_and_finishes_with_its_beams() -> None:
+    s = make_scheduler(num_blocks=32)
+    kv: KVCacheManager = s.kv
+    group = start_group(s, "g", width=2, max_tokens=3)
+    so, outs = beam_step(s)  # the root's prompt: it reports candidates, the group forks it
+    assert outs == [] and len(group.beam_ids) == 2
+    root, child = (s.requests[b] for b in group.beam_ids)
+    assert root.output_token_ids == [20] and child.output_token_ids == [21]
+    # the child shares every block of the root until one of them writes
+    assert kv.get_block_ids(child.request_id) == kv.get_block_ids(root.request_id)
+    so, outs = beam_step(s)
+    new_ids = [n.req_id for n in so.scheduled_new_reqs]
+    assert new_ids == [child.request_id]  # the runner gets the fork whole
+    assert so.scheduled_new_reqs[0].num_beam_candidates == 2 * group.beam_width
+    assert so.scheduled_cached_reqs.new_token_ids == [[20]]  # the root's token chosen by the group
+    while not outs:
+        so, outs = beam_step(s)
+    (done,) = outs
+    assert done.req_id == "g" and done.finish_reason == "length"
+    assert [b.token_ids for b in done.beam_sequences] == [[20, 20, 20], [20, 20, 21]]
+    assert not s.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_admitted_group_keeps_rows_reserved_for_its_width() -> None:
+    s = make_scheduler(max_seqs=3, budget=36)
+    start_group(s, "g", width=3, max_tokens=4, prompt_len=40)
+    s.add_request(req("late", 4, first=100))
+    so, _ = beam_step(s)
+    # the root's prompt takes two steps; its group holds two more rows meanwhile
+    assert so.num_scheduled_tokens == {"g#beam0": 36}
+    assert s.beam_search.reserved_rows() == 2
+    so, _ = beam_step(s)
+    # budget is left, but no row: the plain request waits
+    assert so.num_scheduled_tokens == {"g#beam0": 4}
+    assert len(s.running) == 3 and s.beam_search.reserved_rows() == 0
+
+
+def test_abort_by_group_id_frees_every_beam() -> None:
+    s = make_scheduler(num_blocks=32)
+    group = start_group(s, "g", width=3, max_tokens=8)
+    beam_step(s)
+    beam_step(s)
+    assert len(group.beam_ids) == 3
+    s.abort_requests(["g"])
+    assert not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == s.kv.num_usable_blocks
+    assert s.beam_search.groups == {}

@@ -45,7 +45,6 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        max_tokens: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -55,7 +54,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        self.max_tokens = max_tokens if max_tokens is not None else getattr(sampling_params, "max_tokens", None)
+        self.max_tokens: int | None = getattr(sampling_params, "max_tokens", None)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)

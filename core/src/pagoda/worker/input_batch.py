@@ -19,7 +19,6 @@ class RowState:
     sampling_params: Any
     num_prompt_tokens: int
     output_token_ids: list[int]
-    generator: Any = None
     # Beam search rows report this many next-token candidates instead of sampling.
     num_beam_candidates: int = 0
     beam_temperature: float = 0.0
@@ -42,7 +41,7 @@ class InputBatch:
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, block_ids: list[int],
-            num_computed: int, sampling_params: Any, output_token_ids: list[int], generator: Any = None,
+            num_computed: int, sampling_params: Any, output_token_ids: list[int],
             num_beam_candidates: int = 0, beam_temperature: float = 0.0) -> RowState:
         if not self._free_rows:
             raise RuntimeError("input batch is full (more running requests than max_num_seqs)")
@@ -59,7 +58,7 @@ class InputBatch:
         prompt_logprobs = getattr(sampling_params, "prompt_logprobs", None)
         self.num_prompt_logprobs[row] = -1 if prompt_logprobs is None else prompt_logprobs
         self.num_beam_candidates[row] = num_beam_candidates
-        state = RowState(req_id, row, sampling_params, num_prompt_tokens, output_token_ids, generator,
+        state = RowState(req_id, row, sampling_params, num_prompt_tokens, output_token_ids,
                          num_beam_candidates, beam_temperature)
         self.rows[req_id] = state
         return state

@@ -177,7 +177,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         max_blocks_per_req = needed
         self.batch = InputBatch(max_num_seqs, self.max_model_len, max_blocks_per_req)
-        self.sampler = RunnerSampler(self.config, self.text_config, self.batch, self.device, self.model)
+        self.sampler = RunnerSampler(self.config, self.text_config, self.batch, self.device)
         self.memory = MemoryReport(self.weights_bytes, activation, num_blocks * bytes_per_block, num_blocks, self.block_size, bytes_per_block)
         logger.info("%s", self.memory.describe())
         # Last: graphs bake in the bound KV caches and the batch's block-table width.

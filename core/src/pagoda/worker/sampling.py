@@ -17,7 +17,7 @@ _PROMPT_LOGITS_ROWS = 256
 
 
 class RunnerSampler:
-    def __init__(self, config: Any, text_config: Any, batch: InputBatch, device: torch.device, model: Any) -> None:
+    def __init__(self, config: Any, text_config: Any, batch: InputBatch, device: torch.device) -> None:
         self.batch = batch
         vocab = int(text_config.vocab_size)
         self.state = SamplingBatch(batch.max_num_reqs, vocab, device)
