@@ -15,12 +15,21 @@ from pagoda.entrypoints.cli.env_info import Section, collect, cpu_flags_report, 
 
 
 def test_env_rows_pick_pagoda_and_related_variables_and_mask_secrets() -> None:
-    environ = {"PAGODA_DEVICE": "cpu", "PAGODA_API_KEY": "s3cret", "PAGODA_HF_TOKEN": "hf_x", "HOME": "/root",
-               "OMP_NUM_THREADS": "4", "OPENAI_API_KEY": "sk-1", "PAGODA_EMPTY_KEY": ""}
-    rows = dict(env_rows(environ))
-    assert rows == {"PAGODA_API_KEY": "***", "PAGODA_DEVICE": "cpu", "PAGODA_EMPTY_KEY": "", "PAGODA_HF_TOKEN": "***",
-                    "OMP_NUM_THREADS": "4"}
-    assert mask_secret("PAGODA_CPU_THREADS", "8") == "8"
+    environ = {"PAGODA_DEVICE": "cpu", "PAGODA_API_KEY": "s3cret", "HOME": "/root", "OMP_NUM_THREADS": "4",
+               "OPENAI_API_KEY": "sk-1", "PAGODA_CPU_THREADS": "8"}
+    rows = env_rows(environ)
+    assert rows == [("PAGODA_API_KEY", "***"), ("PAGODA_CPU_THREADS", "8"), ("PAGODA_DEVICE", "cpu"),
+                    ("OMP_NUM_THREADS", "4")]
+    assert mask_secret("PAGODA_CPU_THREADS", "8") == "8" and mask_secret("HF_TOKEN", "") == ""
+
+
+def test_env_rows_flag_unknown_names_and_values_that_do_not_parse() -> None:
+    rows = dict(env_rows({"PAGODA_CPU_THRADS": "8", "PAGODA_DISABLE_CACHE": "maybe", "PAGODA_SOME_TOKEN": "t",
+                          "PAGODA_CPU_GEMM": ""}))
+    assert rows["PAGODA_CPU_THRADS"] == "8  (not a pagoda variable: a typo?)"
+    assert rows["PAGODA_DISABLE_CACHE"].startswith("maybe  (invalid: PAGODA_DISABLE_CACHE='maybe' is not a boolean")
+    assert rows["PAGODA_SOME_TOKEN"] == "***  (not a pagoda variable: a typo?)"
+    assert rows["PAGODA_CPU_GEMM"] == ""  # empty means unset: nothing to parse
 
 
 def test_cpu_flags_report_marks_missing_flags() -> None:

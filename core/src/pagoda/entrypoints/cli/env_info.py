@@ -73,10 +73,26 @@ def mask_secret(name: str, value: str) -> str:
     return "***" if _SECRET.search(name) and value else value
 
 
+def _pagoda_var_note(name: str, raw: str) -> str:
+    """Why a PAGODA_* value would not do what its owner thinks: unknown name, or a value that does not parse."""
+    from pagoda.envs import ENVIRONMENT_VARIABLES
+
+    var = ENVIRONMENT_VARIABLES.get(name)
+    if var is None:
+        return "  (not a pagoda variable: a typo?)"
+    if var.is_set({name: raw}):
+        try:
+            var.parse(name, raw)
+        except ValueError as exc:
+            return f"  (invalid: {exc})"
+    return ""
+
+
 def env_rows(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     """PAGODA_* and a few other variables that are set; secrets (API keys, tokens) masked."""
-    names = sorted(n for n in environ if n.startswith("PAGODA_")) + [n for n in OTHER_ENV if n in environ]
-    return [(n, mask_secret(n, environ[n])) for n in names]
+    rows = [(n, mask_secret(n, environ[n]) + _pagoda_var_note(n, environ[n]))
+            for n in sorted(n for n in environ if n.startswith("PAGODA_"))]
+    return rows + [(n, mask_secret(n, environ[n])) for n in OTHER_ENV if n in environ]
 
 
 def _system() -> list[tuple[str, str]]:
