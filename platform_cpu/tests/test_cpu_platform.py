@@ -13,7 +13,11 @@ from pagoda.plugins import API_VERSION, PlatformSpec, check_api_version
 from pagoda_platform_cpu import plugin
 from pagoda_platform_cpu.platform import (
     DEFAULT_KVCACHE_GIB,
+    GEMM_ENV,
+    GEMV_ENV,
     KVCACHE_SPACE_ENV,
+    LAYER_OPS_ENV,
+    PACKED_LINEAR_ENV,
     THREADS_ENV,
     CpuPlatform,
     GiB,
@@ -145,3 +149,31 @@ def test_config_keeps_a_user_block_size(platform: CpuPlatform) -> None:
 def test_device_is_cpu(platform: CpuPlatform) -> None:
     assert platform.device() == torch.device("cpu")
     assert platform.describe().startswith("cpu (")
+
+
+@pytest.mark.parametrize(
+    ("env", "started"),
+    [
+        ({}, {"gemm", "layer_ops"}),
+        ({GEMM_ENV: "0"}, {"gemv", "layer_ops"}),
+        ({PACKED_LINEAR_ENV: "0", LAYER_OPS_ENV: "0"}, set()),
+    ],
+    ids=["default", "gemm-off", "all-off"],
+)
+def test_config_starts_the_kernel_builds_the_platform_will_need(
+    platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], started: set[str]
+) -> None:
+    """Compiles run while the weights load: check_and_update_config starts them, as the switches choose."""
+    from pagoda_platform_cpu import gemm, gemv, layer_ops
+    from pagoda_platform_cpu import platform as platform_module
+
+    for name in (GEMM_ENV, GEMV_ENV, PACKED_LINEAR_ENV, LAYER_OPS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(platform_module, "has_avx512f", lambda: True)
+    calls: set[str] = set()
+    for label, module in (("gemm", gemm), ("gemv", gemv), ("layer_ops", layer_ops)):
+        monkeypatch.setattr(module.EXTENSION, "start", lambda label=label: calls.add(label))
+    platform.check_and_update_config(_config())
+    assert calls == started

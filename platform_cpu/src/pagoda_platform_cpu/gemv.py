@@ -9,7 +9,6 @@ packed matmul reads at 60-80% of that. See ``pagoda_platform_cpu.linear`` for wh
 from __future__ import annotations
 
 import ctypes
-from importlib import resources
 
 import torch
 
@@ -20,10 +19,6 @@ SOURCE = "csrc/gemv.cpp"
 EXTENSION = CppExtension(EXTENSION_NAME, "pagoda_platform_cpu", [SOURCE])
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
-
-
-def source_text() -> str:
-    return resources.files("pagoda_platform_cpu").joinpath(SOURCE).read_text()
 
 
 class GemvLibrary:

@@ -80,7 +80,7 @@ class CpuPlatform(Platform):
             # bf16 only pays where the CPU computes it natively (AVX512-BF16 / AMX);
             # on AVX2 it is emulated and slower than fp32, whatever the checkpoint holds.
             dtype = torch.bfloat16 if has_native_bf16() else torch.float32
-            _log_once(
+            logger.info(
                 "dtype=auto on CPU: %s (native bf16: %s; checkpoint dtype: %s)",
                 dtype, has_native_bf16(), checkpoint_dtype,
             )
@@ -213,14 +213,3 @@ def start_kernel_builds() -> None:
 
         LAYER_OPS.start()
 
-
-_logged: set[str] = set()
-
-
-def _log_once(message: str, *args: object) -> None:
-    # resolve_dtype runs once per engine, and once more where a plugin asks which dtype the
-    # engine will use (the CPU attention backend's early kernel build): one line is enough.
-    text = message % args
-    if text not in _logged:
-        _logged.add(text)
-        logger.info("%s", text)

@@ -12,7 +12,6 @@ a wrong kernel.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -39,23 +38,23 @@ def start_for_engine(config: Any) -> None:
 
 
 def _likely_kernel(config: Any) -> tuple[torch.dtype, int] | None:
-    from pagoda.attention.selector import BACKEND_ENV
-    from pagoda.model_loader import checkpoint_dtype, load_model_config, resolve_model_path
-    from pagoda.models.interface import config_for
+    from pagoda import envs
+    from pagoda.config import resolve_model
     from pagoda.platforms import current_platform
 
-    requested = config.device_config.attention_backend or os.environ.get(BACKEND_ENV) or None
+    requested = config.device_config.attention_backend or envs.PAGODA_ATTENTION_BACKEND or None
     if requested is not None and requested != BACKEND_NAME:
         return None
     platform = current_platform()
     if platform.device_type != "cpu" or (requested is None and BACKEND_NAME not in platform.attention_backend_preference()):
         return None
-    source = resolve_model_path(config.model.model)
-    text_config = config_for(load_model_config(source, config.model.hf_overrides))
+    if config.resolved_model is None:
+        # What the engine resolves right after the startup hooks, from the same inputs; kept on the
+        # config, so it is done once (the engine skips a model already resolved).
+        config.resolved_model = resolve_model(config.model, platform)
+    resolved = config.resolved_model
+    text_config = resolved.text_config
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     cache_dtype = config.cache_config.cache_dtype
-    if cache_dtype != "auto":
-        dtype = getattr(torch, cache_dtype)
-    else:
-        dtype = platform.resolve_dtype(config.model.dtype, checkpoint_dtype(source))
+    dtype = resolved.dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
     return dtype, int(head_dim)

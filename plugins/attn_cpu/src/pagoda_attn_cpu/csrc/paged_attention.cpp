@@ -28,9 +28,10 @@
 //
 // A library serves one element type and is specialized for one head_dim: the register-resident
 // paths are templates over the head's vector count, and compiling every one of them for every
-// dtype took ~15 s of CPU (one dtype, one head_dim: 3-5 s), which a server's first start waits
-// for. PAGODA_ATTN_DTYPE: 0 float32, 1 bfloat16, 2 float16. PAGODA_ATTN_HEAD_DIM: the head_dim
-// the fast paths are compiled for (other head_dims take the generic path; 0: only that one).
+// dtype took ~15 s of CPU (one dtype, one head_dim: 2-4 s), which a server's first start waits
+// for. PAGODA_ATTN_DTYPE: 0 float32, 1 bfloat16, 2 float16. PAGODA_ATTN_HEAD_DIM: the one head_dim
+// the library serves, on its register-resident path where it has one; 0: any head_dim, on the
+// generic path (head_dims without a fast path share that library).
 #include <omp.h>
 #include <pagoda/simd.h>
 
@@ -1063,7 +1064,7 @@ void run_attention(const void* query, const void* kv_cache, int64_t cache_half_s
   const Inputs<T> in{static_cast<const T*>(query), k, k + cache_half_stride, block_tables, query_start, seq_lens,
                      static_cast<T*>(out), partials.data(), L};
   // Whole vectors per head row known at compile time keep a row's accumulators in registers.
-  if (kHeadVectors != 0 && L.head_dim == kHeadDim) {
+  if constexpr (kHeadVectors != 0) {
     run_items<T, kHeadVectors>(plan.items, plan.threads, in);
   } else {
     run_items<T, 0>(plan.items, plan.threads, in);
@@ -1140,6 +1141,9 @@ PAGODA_EXPORT int pagoda_paged_attention(
   if (dtype != PAGODA_ATTN_DTYPE) return refuse("this library serves dtype code %d, not %d", PAGODA_ATTN_DTYPE, dtype);
   if (tile_tokens <= 0) return refuse("tile_tokens must be positive");
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return refuse("query and kv_cache heads do not fit");
+  if (kHeadDim != 0 && head_dim != kHeadDim) {
+    return refuse("this library serves head_dim %lld, not %lld", (long long)kHeadDim, (long long)head_dim);
+  }
   const int64_t es = dtype == 0 ? 4 : 2;
   const int64_t cache_slots = num_blocks * block_size;
   const int64_t writes = std::min<int64_t>(num_slots, num_tokens);
