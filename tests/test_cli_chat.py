@@ -174,6 +174,12 @@ def test_a_model_the_server_does_not_serve_is_refused(default_model_server: Any)
     assert f"does not serve 'gpt-4'; it serves {MODEL}" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_url_without_the_api_root_gets_a_hint(default_model_server: Any) -> None:
+    out = _run("complete", "--url", default_model_server.url, "-q", "hi")
+    assert out.returncode == 1 and "404" in out.stderr
+    assert f"--url names the API root, e.g. {default_model_server.url}/v1" in out.stderr
+
+
 # -- errors a user meets ------------------------------------------------------------------------------------------
 
 

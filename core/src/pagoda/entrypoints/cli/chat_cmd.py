@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from pagoda.entrypoints.cli.api_client import APIClient, ClientError
+from pagoda.entrypoints.cli.api_client import APIClient, ClientError, ServerAnswered
 
 DEFAULT_URL = "http://localhost:8000/v1"
 
@@ -21,7 +21,12 @@ _KEY_HELP = "API key sent as 'Authorization: Bearer KEY' (default: PAGODA_API_KE
 def _connect(url: str, api_key: str | None, model_name: str | None) -> tuple[APIClient, str]:
     """A client and the model to ask; checks the server is there before the first prompt."""
     client = APIClient(url, api_key)
-    names = client.models()
+    try:
+        names = client.models()
+    except ServerAnswered as exc:
+        if exc.status == 404 and not client.base_url.endswith("/v1"):
+            raise ClientError(f"{exc}; --url names the API root, e.g. {client.base_url}/v1") from None
+        raise
     if model_name is None:
         if not names:
             raise ClientError(f"{url}/models lists no model")

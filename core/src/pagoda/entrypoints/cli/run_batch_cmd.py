@@ -46,7 +46,8 @@ def run_batch(
             max_n=server_args.max_n,
             chat_template=template,
         )
-        summary = run_batch_file(engine, ctx, input_file, output_file)
+        # twice the scheduler's batch keeps it full without holding the whole file in flight
+        summary = run_batch_file(ctx, input_file, output_file, max_in_flight=2 * engine_args.max_num_seqs)
     finally:
         engine.shutdown()
     failed = f" (input lines {', '.join(map(str, summary.failed_lines[:20]))}{', ...' if summary.failed > 20 else ''})"

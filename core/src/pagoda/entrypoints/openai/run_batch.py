@@ -236,14 +236,23 @@ def check_files(input_file: str, output_file: str) -> None:
         raise BatchFileError(f"--output-file {output_file!r} is not writable")
 
 
-def run_batch_file(engine: Any, ctx: ServingContext, input_file: str, output_file: str) -> BatchSummary:
-    """Run ``input_file`` on a loaded engine, writing ``output_file`` line by line as results come in order."""
+def _count_requests(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+def run_batch_file(ctx: ServingContext, input_file: str, output_file: str, max_in_flight: int,
+                   progress: bool = True) -> BatchSummary:
+    """Run ``input_file`` on ``ctx``'s engine, writing ``output_file`` line by line as results come in order."""
+    from tqdm import tqdm
+
     started = time.perf_counter()
-    max_in_flight = 2 * engine.config.scheduler_config.max_num_seqs  # keeps the scheduler full without queuing all
-    with open(input_file, "rb") as src, open(output_file, "w", encoding="utf-8", buffering=1) as dst:
+    with open(input_file, "rb") as src, open(output_file, "w", encoding="utf-8", buffering=1) as dst, \
+            tqdm(total=_count_requests(input_file), unit="req", desc="run-batch", disable=not progress) as bar:
 
         def write(out: dict[str, Any]) -> None:
             dst.write(json.dumps(out, ensure_ascii=False) + "\n")
+            bar.update()
 
         summary = asyncio.run(run_batch(ctx, src, write, max_in_flight))
     logger.info("run-batch: %d request(s), %d succeeded, %d failed, in %.1f s", summary.total, summary.succeeded,
