@@ -113,6 +113,17 @@ def terminal() -> Any:
         term.close()
 
 
+def test_error_messages_are_read_from_openai_error_bodies() -> None:
+    from pagoda.entrypoints.cli.api_client import APIClient, ClientError, _error_message
+
+    assert _error_message(b'{"error": {"message": "bad n", "type": "BadRequestError", "code": 400}}') == "bad n"
+    assert _error_message(b'{"detail": "Not Found"}') == "Not Found"
+    assert _error_message(b"<html>proxy error</html>\n") == "<html>proxy error</html>"
+    assert _error_message(b"") == "(empty body)"
+    with pytest.raises(ClientError, match="must start with http"):
+        APIClient("localhost:8000/v1")
+
+
 # -- the default model, with its tokenizer and chat template ---------------------------------------------------
 
 

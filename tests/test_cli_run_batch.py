@@ -166,7 +166,7 @@ def test_batch_runs_concurrently_keeps_input_order_and_answers_what_the_engine_a
 
 def test_bad_lines_get_error_lines_and_never_stop_the_batch(tiny: Any) -> None:
     ctx, _ = tiny
-    good = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    good: dict[str, Any] = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     lines = [
         _line("ok-1", **good),
         "this is not json",
@@ -218,9 +218,9 @@ def test_max_in_flight_must_be_positive(tiny: Any) -> None:
 
 
 def test_run_batch_command_answers_what_the_http_server_answers(default_model_server: Any, tmp_path: Path) -> None:
-    chat = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    chat: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 10, "temperature": 0}
-    cmpl = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    cmpl: dict[str, Any] = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join([
         _line("chat", "/v1/chat/completions", **chat),
