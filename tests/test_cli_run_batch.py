@@ -209,6 +209,19 @@ def test_bad_lines_get_error_lines_and_never_stop_the_batch(tiny: Any) -> None:
     assert written[0]["response"]["body"]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_byte_order_mark_and_crlf_line_ends_are_accepted(tiny: Any) -> None:
+    ctx, _ = tiny
+    a, b = _line("a", prompt=[1, 2], max_tokens=2), _line("b", prompt=[3, 4], max_tokens=2)
+    as_read: list[bytes] = [b"\xef\xbb\xbf" + a.encode() + b"\r\n", b.encode() + b"\r\n", b"\r\n"]
+    as_text: list[str] = ["\ufeff" + a + "\r\n", b + "\r\n", "\r\n"]
+    raws: list[list[bytes] | list[str]] = [as_read, as_text]
+    for raw in raws:
+        written: list[dict[str, Any]] = []
+        summary = asyncio.run(run_batch(ctx, raw, written.append, 4))
+        assert (summary.total, summary.succeeded) == (2, 2)
+        assert [o["custom_id"] for o in written] == ["a", "b"]
+
+
 def test_max_in_flight_must_be_positive(tiny: Any) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         _run(tiny[0], [], max_in_flight=0)

@@ -194,6 +194,8 @@ async def run_batch(ctx: ServingContext, lines: Iterable[bytes | str], write: Ca
         deliver(index, line, out)
 
     for line_no, raw in enumerate(lines, start=1):
+        if line_no == 1:  # editors on Windows start UTF-8 files with a byte-order mark
+            raw = raw.removeprefix(b"\xef\xbb\xbf") if isinstance(raw, bytes) else raw.removeprefix("\ufeff")
         if not raw.strip():
             continue
         index = summary.total
