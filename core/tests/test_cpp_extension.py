@@ -1,14 +1,17 @@
-"""pagoda.cpp_extension: a package's csrc sources compiled by the system compiler, cached by their inputs, loaded with ctypes.
+"""pagoda.cpp_extension: a package's csrc sources compiled by the system compiler, cached by their inputs, imported as a module.
 
-Also: a failed build is remembered with its reason; the shared headers convert 16-bit floats as torch does;
-the libraries use the OpenMP runtime torch loaded."""
+Also: a failed build is remembered with its reason; calls release the GIL; the shared headers convert 16-bit
+floats as torch does; the libraries use the OpenMP runtime torch loaded."""
 
 from __future__ import annotations
 
 import ctypes
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -22,7 +25,10 @@ EXTENSION_NAME = "pagoda_test_cpp_extension"
 COMPILE_FLAGS = list(DEFAULT_CFLAGS)
 _SOURCE = """
 #include <pagoda/parallel.h>
+#include <pagoda/python.h>
 #include <pagoda/simd.h>
+#include <chrono>
+#include <thread>
 #include "helper.h"
 PAGODA_EXPORT int64_t add_one(int64_t x) { return x + kOne; }
 // Sums 0..n-1 over `threads` OpenMP threads.
@@ -39,6 +45,11 @@ PAGODA_EXPORT int64_t parallel_sum(int64_t n, int threads) {
 PAGODA_EXPORT uint16_t to_bf16(float f) { return pagoda::float_to_bf16(f); }
 PAGODA_EXPORT uint16_t to_half(float f) { return pagoda::float_to_half(f); }
 PAGODA_EXPORT float from_half(uint16_t h) { return pagoda::half_to_float(h); }
+PAGODA_EXPORT void sleep_ms(int64_t ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
+PAGODA_EXPORT int64_t first_byte(const uint8_t* p) { return p == nullptr ? -1 : p[0]; }
+PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(add_one), PAGODA_FUNCTION(parallel_sum), PAGODA_FUNCTION(to_bf16),
+                     PAGODA_FUNCTION(to_half), PAGODA_FUNCTION(from_half), PAGODA_FUNCTION(sleep_ms),
+                     PAGODA_FUNCTION(first_byte))
 """
 
 
@@ -68,12 +79,8 @@ def _extension(package: Path) -> CppExtension:
     return CppExtension(EXTENSION_NAME, package.name, ["csrc/kernel.cpp"])
 
 
-def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
-    library.add_one.argtypes, library.add_one.restype = [ctypes.c_int64], ctypes.c_int64
-    library.parallel_sum.argtypes, library.parallel_sum.restype = [ctypes.c_int64, ctypes.c_int], ctypes.c_int64
-    library.to_bf16.argtypes, library.to_bf16.restype = [ctypes.c_float], ctypes.c_uint16
-    library.to_half.argtypes, library.to_half.restype = [ctypes.c_float], ctypes.c_uint16
-    library.from_half.argtypes, library.from_half.restype = [ctypes.c_uint16], ctypes.c_float
+def _declare(library: ModuleType) -> ModuleType:
+    assert isinstance(library, ModuleType)
     return library
 
 
@@ -102,6 +109,47 @@ def test_built_library_is_cached_and_loaded_again_without_compiling(
     (package / "csrc" / "helper.h").write_text("#pragma once\nconstexpr int kOne = 2;\n")
     failure = _extension(package).build_failure()
     assert failure is not None and "must not be compiled again" in failure
+
+
+def test_module_functions_convert_their_arguments(cache_root: Path, package: Path) -> None:
+    library = _extension(package).library()
+    data = torch.tensor([7, 8], dtype=torch.uint8)
+    assert library.first_byte(data.data_ptr()) == 7
+    assert library.first_byte(None) == -1  # None is a null pointer
+    with pytest.raises(TypeError, match="expected 1 arguments"):
+        library.add_one(1, 2)
+    with pytest.raises(TypeError):
+        library.add_one("1")
+
+
+def test_calls_release_the_gil(cache_root: Path, package: Path) -> None:
+    """The server's event loop runs while a kernel computes: a 300 ms call must not stop Python threads."""
+    library = _extension(package).library()
+    ticks = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.02)
+    before = len(ticks)
+    library.sleep_ms(300)
+    during = len(ticks) - before
+    stop.set()
+    ticker.join()
+    assert during >= 10, f"the ticker ran {during} times during the call"
+
+
+def test_plain_c_build_loads_with_ctypes(package: Path, tmp_path: Path) -> None:
+    """compile_to builds the C entry points without a module (tests build other CPUs' variants so)."""
+    library = ctypes.CDLL(str(_extension(package).compile_to(tmp_path / "libplain.so", ["-O1"])))
+    library.add_one.argtypes, library.add_one.restype = [ctypes.c_int64], ctypes.c_int64
+    assert library.add_one(5) == 6
+    assert not hasattr(library, f"PyInit_{EXTENSION_NAME}")
 
 
 def test_broken_library_is_ignored_and_removed(cache_root: Path) -> None:

@@ -10,8 +10,8 @@ paths other CPUs take.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -23,26 +23,18 @@ EXTENSION = CppExtension(EXTENSION_NAME, "pagoda_platform_cpu", [SOURCE])
 PANEL = 32  # output columns per packed panel (kPanel in the source)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _STEP = {torch.float32: 1, torch.bfloat16: 2}  # k values per packed element group
+_num_threads = torch.get_num_threads
 _NEEDS = {torch.float32: "AVX-512F", torch.bfloat16: "AVX512_BF16 (with AVX512BW and AVX512VL)"}
 
-_p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 class GemmLibrary:
-    """The library's entry points with their C signatures, declared once."""
+    """The library's entry points by dtype."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ModuleType) -> None:
         self.supports = library.pagoda_gemm_supports
-        self.supports.argtypes, self.supports.restype = [_int], _int
-        self.pack = {}
-        self.gemm = {}
-        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            pack = getattr(library, f"pagoda_gemm_pack_{suffix}")
-            pack.argtypes, pack.restype = [_p, _p, _i64, _i64, _int], None
-            self.pack[dtype] = pack
-            gemm = getattr(library, f"pagoda_gemm_{suffix}")
-            gemm.argtypes, gemm.restype = [_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64, _int], _int
-            self.gemm[dtype] = gemm
+        self.pack = {torch.float32: library.pagoda_gemm_pack_f32, torch.bfloat16: library.pagoda_gemm_pack_bf16}
+        self.gemm = {torch.float32: library.pagoda_gemm_f32, torch.bfloat16: library.pagoda_gemm_bf16}
 
 
 _library: GemmLibrary | None = None
@@ -73,6 +65,10 @@ class PackedWeight:
     packed: torch.Tensor  # [ceil(N/32), k-steps, 32, elements per k-step]
     out_features: int
     in_features: int
+    # Read on every call: kept here rather than asked of the tensor each time.
+    dtype: torch.dtype
+    panels: int
+    data_ptr: int
 
 
 class PackedGemmKernel:
@@ -97,7 +93,7 @@ class PackedGemmKernel:
         step = _STEP[dtype]
         packed = torch.zeros((-(-n // PANEL), -(-k // step), PANEL, step), dtype=dtype)
         self._lib.pack[dtype](weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
-        return PackedWeight(packed, n, k)
+        return PackedWeight(packed, n, k, dtype, packed.shape[0], packed.data_ptr())
 
     def apply(self, x: torch.Tensor, prepared: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2:
@@ -106,29 +102,30 @@ class PackedGemmKernel:
         return self._gemm(rows, prepared, bias).reshape(*x.shape[:-1], -1)
 
     def _gemm(self, x: torch.Tensor, prepared: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        packed = prepared.packed
         dtype = x.dtype
-        if dtype != packed.dtype or not x.is_cpu:
-            raise RuntimeError(f"gemm: CPU x in the packed weight's dtype expected (x's dtype is {dtype}, the weight's {packed.dtype})")
+        gemm = self._lib.gemm.get(dtype)
+        if gemm is None or dtype is not prepared.dtype or not x.is_cpu:
+            raise RuntimeError(
+                f"gemm: CPU x in the packed weight's dtype expected (x's dtype is {dtype}, the weight's {prepared.dtype})"
+            )
         m, k = x.shape
         n = prepared.out_features
         if k != prepared.in_features:
             raise RuntimeError(f"gemm: x has {k} columns and N is {n}, the packed weight does not fit them")
-        if x.stride(1) != 1:
+        row_stride, column_stride = x.stride()
+        if column_stride != 1 and k > 1:
             x = x.contiguous()
+            row_stride = k
         bias_ptr = None
         if bias is not None:
             if bias.numel() != n:
                 raise RuntimeError(f"gemm: bias of [{n}] expected")
             # float32, padded to whole panels, so the last panel's bias load stays in bounds.
-            padded = torch.zeros(packed.shape[0] * PANEL, dtype=torch.float32)
+            padded = torch.zeros(prepared.panels * PANEL, dtype=torch.float32)
             padded[:n] = bias.reshape(n)
             bias = padded
             bias_ptr = padded.data_ptr()
-        y = torch.empty((m, n), dtype=dtype)
-        if m and self._lib.gemm[dtype](
-            x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), packed.shape[0], bias_ptr, y.data_ptr(), n,
-            torch.get_num_threads(),
-        ):
+        y = torch.empty(m, n, dtype=dtype)
+        if m and gemm(x.data_ptr(), row_stride, m, k, prepared.data_ptr, prepared.panels, bias_ptr, y.data_ptr(), n, _num_threads()):
             raise RuntimeError(f"gemm: this build has no {dtype} kernel")
         return y

@@ -8,7 +8,7 @@ packed matmul reads at 60-80% of that. See ``pagoda_platform_cpu.linear`` for wh
 
 from __future__ import annotations
 
-import ctypes
+from types import ModuleType
 
 import torch
 
@@ -18,20 +18,14 @@ EXTENSION_NAME = "pagoda_cpu_gemv"
 SOURCE = "csrc/gemv.cpp"
 EXTENSION = CppExtension(EXTENSION_NAME, "pagoda_platform_cpu", [SOURCE])
 
-_p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class GemvLibrary:
-    """The library's entry points with their C signatures, declared once."""
+    """The library's entry points by dtype, and the wrapper that checks their arguments."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ModuleType) -> None:
         self.isa = library.pagoda_gemv_isa
-        self.isa.argtypes, self.isa.restype = [], ctypes.c_char_p
-        self.by_dtype = {}
-        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            fn = getattr(library, f"pagoda_gemv_{suffix}")
-            fn.argtypes, fn.restype = [_p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int], None
-            self.by_dtype[dtype] = fn
+        self.by_dtype = {torch.float32: library.pagoda_gemv_f32, torch.bfloat16: library.pagoda_gemv_bf16}
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] times the contiguous weight [N, K], transposed, plus bias [N]: [M, N] in x's dtype."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from types import ModuleType
 
 from pagoda.cpp_extension import prebuilt
 
@@ -33,17 +35,19 @@ class ExtensionBuildError(RuntimeError):
 
 
 def include_dir() -> Path:
-    """The folder every build gets ``-I`` to: it holds ``pagoda/simd.h`` and ``pagoda/parallel.h``."""
+    """The folder every build gets ``-I`` to: ``pagoda/simd.h``, ``pagoda/parallel.h``, ``pagoda/python.h``."""
     return Path(__file__).resolve().parent / "include"
 
 
 class CppExtension:
-    """A shared library compiled from a package's C++ sources, loaded with ctypes.
+    """A shared library compiled from a package's C++ sources, imported as a Python extension module.
 
     ``sources`` are paths inside ``package`` (by convention ``csrc/<name>.cpp``). The library
-    exports plain ``extern "C"`` functions over pointers and sizes; the package's Python
-    wrappers declare their signatures, check arguments and allocate outputs. ctypes releases
-    the GIL for the length of each call.
+    exports plain ``extern "C"`` functions over pointers, sizes and strides, and lists them
+    with ``PAGODA_PYTHON_MODULE`` (``pagoda/python.h``): the module's functions take Python
+    ints (a tensor's ``data_ptr()``) and floats and release the GIL for the call. The
+    package's Python wrappers check arguments and allocate outputs. The same file loads with
+    ctypes too (its C entry points are exported).
 
     ``start()`` begins the build on a background thread (a compile is a subprocess, so several
     libraries build at once while the caller goes on, e.g. loading weights); ``library()``
@@ -63,7 +67,7 @@ class CppExtension:
         self.cflags = tuple(cflags)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._library: ctypes.CDLL | None = None
+        self._library: ModuleType | None = None
         self._failure: str | None = None
 
     def start(self) -> None:
@@ -74,7 +78,7 @@ class CppExtension:
             self._thread = threading.Thread(target=self._run, name=f"build-{self.name}", daemon=True)
             self._thread.start()
 
-    def library(self) -> ctypes.CDLL:
+    def library(self) -> ModuleType:
         """The loaded library; builds it (or waits for the build) first. Raises ExtensionBuildError when it cannot be built."""
         library = self._library
         if library is not None:
@@ -107,7 +111,9 @@ class CppExtension:
             self._failure = None
 
     def compile_to(self, output: Path, extra_cflags: Sequence[str] = ()) -> Path:
-        """Compile the library to ``output`` with extra flags, outside the cache (tests build the paths other CPUs take)."""
+        """Compile the library to ``output`` with extra flags, outside the cache, as a plain C library (no module).
+
+        Tests build the paths other CPUs take so and call them through ctypes."""
         _compile(self._source_paths(), output, [*self.cflags, *extra_cflags])
         return output
 
@@ -135,14 +141,19 @@ class CppExtension:
             raise FileNotFoundError(f"C++ sources of {self.name} not found: {', '.join(missing)}")
         return paths
 
-    def _build(self) -> tuple[ctypes.CDLL, str]:
+    def _build(self) -> tuple[ModuleType, str]:
         sources = self._source_paths()
         compiler = compiler_path()
         openmp = openmp_link_flags()
+        if not (Path(python_include_dir()) / "Python.h").is_file():
+            raise ExtensionBuildError(
+                f"Python.h is not in {python_include_dir()}: install this Python's development headers (e.g. python3-dev)"
+            )
+        cflags = [*self.cflags, f"-DPAGODA_MODULE_NAME={self.name}", f"-I{python_include_dir()}"]
         key = prebuilt.build_key(
             self.name,
             _key_texts(sources),
-            [list(self.cflags), list(openmp), [compiler, *compiler_version(compiler)]],
+            [cflags, list(openmp), [compiler, *compiler_version(compiler)], [sys.implementation.cache_tag]],
         )
         library = prebuilt.load_prebuilt(self.name, key)
         if library is not None:
@@ -151,20 +162,20 @@ class CppExtension:
         if target is None:  # cache disabled: build in a scratch folder, load, let the folder go
             with tempfile.TemporaryDirectory(prefix=f"{self.name}-") as scratch:
                 built = Path(scratch) / f"lib{self.name}.so"
-                _compile(sources, built, self.cflags)
-                return ctypes.CDLL(str(built)), "compiled (not cached)"
+                _compile(sources, built, cflags)
+                return prebuilt.load_library(self.name, built), "compiled (not cached)"
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".lib{self.name}.", suffix=".so.tmp")
         os.close(fd)
         try:
-            _compile(sources, Path(tmp), self.cflags)
+            _compile(sources, Path(tmp), cflags)
             published = prebuilt.publish(Path(tmp), self.name, key)
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         if published is None:
             raise ExtensionBuildError(f"the built library could not be moved to {target}")
-        return ctypes.CDLL(str(published)), "compiled"
+        return prebuilt.load_library(self.name, published), "compiled"
 
 
 def _compile(sources: Sequence[Path], output: Path, cflags: Sequence[str]) -> None:
@@ -186,6 +197,11 @@ def _key_texts(sources: Sequence[Path]) -> list[str]:
     texts = [f"{p.name}\n{p.read_text()}" for p in sources]
     texts += [f"{p.name}\n{p.read_text()}" for p in sorted(headers)]
     return texts
+
+
+def python_include_dir() -> str:
+    """Where this interpreter's Python.h is (pagoda/python.h includes it)."""
+    return sysconfig.get_paths()["include"]
 
 
 @lru_cache(maxsize=1)

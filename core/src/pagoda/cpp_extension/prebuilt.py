@@ -12,13 +12,15 @@ same key at once each publish a complete copy.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import json
 import logging
 import os
 import platform
 from pathlib import Path
+from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +64,25 @@ def library_path(name: str, key: str) -> Path | None:
     return _library_path(name, key)
 
 
-def load_prebuilt(name: str, key: str) -> ctypes.CDLL | None:
+def load_library(name: str, path: Path) -> ModuleType:
+    """Import the library at ``path`` as the Python extension module ``name`` (see pagoda/python.h)."""
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot import {path} as {name}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def load_prebuilt(name: str, key: str) -> ModuleType | None:
     """The cached library for ``key``, loaded; None when there is none or it does not load (it is removed then)."""
     path = _library_path(name, key)
     if path is None or not path.is_file():
         return None
     try:
-        return ctypes.CDLL(str(path))
-    except OSError as exc:
+        return load_library(name, path)
+    except (ImportError, OSError) as exc:
         logger.warning("ignoring the cached kernel library %s (%s); building it again", path, exc)
         with contextlib.suppress(OSError):
             path.unlink()

@@ -24,6 +24,7 @@
 
 #include <omp.h>
 #include <pagoda/parallel.h>
+#include <pagoda/python.h>
 #include <pagoda/simd.h>
 
 #include <algorithm>
@@ -233,3 +234,10 @@ PAGODA_EXPORT int pagoda_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, in
   return -1;
 #endif
 }
+
+// The entry points as a Python module (pagoda/python.h): one cheap call each from the wrappers.
+PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(pagoda_gemm_supports),
+                     PAGODA_FUNCTION(pagoda_gemm_pack_f32),
+                     PAGODA_FUNCTION(pagoda_gemm_pack_bf16),
+                     PAGODA_FUNCTION(pagoda_gemm_f32),
+                     PAGODA_FUNCTION(pagoda_gemm_bf16))

@@ -18,6 +18,7 @@
 // Tests also compile the file with other -m flags (no AVX-512) to check the paths this CPU does not take.
 
 #include <omp.h>
+#include <pagoda/python.h>
 #include <pagoda/simd.h>
 
 #include <algorithm>
@@ -215,3 +216,8 @@ PAGODA_EXPORT void pagoda_gemv_bf16(const uint16_t* x, const uint16_t* w, const 
                                     int64_t N, int64_t K, int threads) {
   pagoda_gemv::gemv(x, w, bias, y, M, N, K, threads);
 }
+
+// The entry points as a Python module (pagoda/python.h): one cheap call each from the wrappers.
+PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(pagoda_gemv_isa),
+                     PAGODA_FUNCTION(pagoda_gemv_f32),
+                     PAGODA_FUNCTION(pagoda_gemv_bf16))

@@ -24,6 +24,7 @@
 // the outputs; every entry point checks the layout first and returns 0, before writing anything,
 // when it cannot take it: the caller falls back to torch.
 #include <pagoda/parallel.h>
+#include <pagoda/python.h>
 #include <pagoda/simd.h>
 
 #include <algorithm>
@@ -394,3 +395,8 @@ PAGODA_EXPORT int pagoda_rotary_neox(int dtype, void* qk, int64_t tokens, int64_
   }
   return 1;
 }
+
+// The entry points as a Python module (pagoda/python.h): one cheap call each from the wrappers.
+PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(pagoda_add_rms_norm),
+                     PAGODA_FUNCTION(pagoda_silu_and_mul),
+                     PAGODA_FUNCTION(pagoda_rotary_neox))

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from pagoda.attention.interface import AttentionBackend, AttentionMetadata, AttentionSpec
-from pagoda_attn_cpu.kernel import PagedAttentionKernel, build_failure, extension, kernel
+from pagoda_attn_cpu.kernel import PagedAttentionKernel, StepMetadata, build_failure, extension, kernel, step_metadata
 from pagoda_attn_torch.backend import TorchPagedAttentionBackend
 from pagoda_attn_torch.compute import attend_looped
 from pagoda_attn_torch.plan import LoopedSequence, StepPlan
@@ -44,6 +44,9 @@ class CpuStep:
     # with the per-step workspace that path needs.
     sdpa_prefills: list[LoopedSequence]
     sdpa_plan: StepPlan | None
+    # The tensors above as the kernel reads them (checked once per step, reused by every layer).
+    all_seqs_args: StepMetadata
+    kernel_seqs_args: StepMetadata
 
 
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
@@ -114,16 +117,12 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         attend = self._kernel if cache_dtype == self._kernel.dtype else self._kernel_for(cache_dtype)
-        out = attend(
+        out = attend.attend(
             q,
             key if key.dtype == cache_dtype else key.to(cache_dtype),
             value if value.dtype == cache_dtype else value.to(cache_dtype),
             kv_cache,
-            step.slot_mapping,
-            step.query_start,
-            step.seq_lens,
-            step.block_tables,
-            step.kernel_seqs if use_sdpa else step.all_seqs,
+            step.kernel_seqs_args if use_sdpa else step.all_seqs_args,
             float(scale),
             int(sliding_window or 0),
             float(logits_soft_cap or 0.0),
@@ -178,9 +177,10 @@ def build_step(metadata: AttentionMetadata, block_size: int) -> CpuStep:
         slot_mapping = slot_mapping.to(torch.int64).contiguous()
 
     all_seqs = _seq_ids(num_seqs)
+    all_args = step_metadata(slot_mapping, query_start, seq_lens, block_tables, all_seqs)
     sdpa_ids = [i for i, (q, n) in enumerate(zip(query_lens, lens)) if q >= SDPA_PREFILL_MIN_TOKENS and q == n]
     if not sdpa_ids:
-        return CpuStep(query_start, seq_lens, block_tables, slot_mapping, all_seqs, all_seqs, [], None)
+        return CpuStep(query_start, seq_lens, block_tables, slot_mapping, all_seqs, all_seqs, [], None, all_args, all_args)
     sdpa_prefills = [
         LoopedSequence(
             row_start=starts[i],
@@ -201,7 +201,10 @@ def build_step(metadata: AttentionMetadata, block_size: int) -> CpuStep:
     )
     sdpa = set(sdpa_ids)
     kernel_seqs = torch.tensor([i for i in range(num_seqs) if i not in sdpa], dtype=torch.int32)
-    return CpuStep(query_start, seq_lens, block_tables, slot_mapping, all_seqs, kernel_seqs, sdpa_prefills, sdpa_plan)
+    kernel_args = step_metadata(slot_mapping, query_start, seq_lens, block_tables, kernel_seqs)
+    return CpuStep(
+        query_start, seq_lens, block_tables, slot_mapping, all_seqs, kernel_seqs, sdpa_prefills, sdpa_plan, all_args, kernel_args
+    )
 
 
 @functools.lru_cache(maxsize=256)

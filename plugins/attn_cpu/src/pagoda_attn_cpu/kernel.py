@@ -9,8 +9,8 @@ batch that does not fit before writing anything.
 
 from __future__ import annotations
 
-import ctypes
 import threading
+from types import ModuleType
 
 import torch
 
@@ -23,24 +23,6 @@ _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f1
 # others get a library with the generic path only, shared by all of them.
 _FAST_HEAD_DIMS = (64, 128, 256)
 _ERROR_BYTES = 512
-
-_c_int64 = ctypes.c_int64
-_c_void_p = ctypes.c_void_p
-# pagoda_paged_attention's parameters, in order.
-_ARGTYPES = [
-    ctypes.c_int,  # dtype
-    _c_void_p, _c_int64, _c_int64, _c_int64, _c_int64, _c_int64,  # query, tokens, heads, head_dim, strides
-    _c_void_p, _c_int64, _c_int64,  # key, strides
-    _c_void_p, _c_int64, _c_int64,  # value, strides
-    _c_void_p, _c_int64, _c_int64, _c_int64,  # kv_cache, blocks, block_size, kv_heads
-    _c_void_p, _c_int64,  # slot_mapping, its length
-    _c_void_p, _c_void_p, _c_int64,  # query_start, seq_lens, num_seqs
-    _c_void_p, _c_int64, _c_int64,  # block_tables, rows, columns
-    _c_void_p, _c_int64,  # seq_ids, count
-    ctypes.c_float, _c_int64, ctypes.c_float, _c_int64,  # scale, window, soft_cap, tile_tokens
-    _c_void_p, ctypes.c_int,  # out, threads
-    ctypes.c_char_p, _c_int64,  # error buffer
-]
 
 _lock = threading.Lock()
 _extensions: dict[tuple[torch.dtype, int], CppExtension] = {}
@@ -70,14 +52,47 @@ def build_failure(dtype: torch.dtype, head_dim: int) -> str | None:
         return str(exc)
 
 
+# The step's metadata as the library reads it: (slot_mapping, slots, query_start, seq_lens, seqs,
+# block_tables, rows, columns, seq_ids, ids) as pointers and counts. The tensors must stay alive
+# while it is used (the backend's step object holds both).
+StepMetadata = tuple[int, int, int, int, int, int, int, int, int, int]
+
+
+def step_metadata(
+    slot_mapping: torch.Tensor,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_ids: torch.Tensor,
+) -> StepMetadata:
+    """Check the step's host-side metadata tensors once (every layer's call reuses the result)."""
+    if (
+        slot_mapping.dtype != torch.int64
+        or query_start.dtype != torch.int32
+        or seq_lens.dtype != torch.int32
+        or block_tables.dtype != torch.int32
+        or seq_ids.dtype != torch.int32
+    ):
+        raise RuntimeError("slot_mapping must be int64; query_start, seq_lens, block_tables, seq_ids int32")
+    tensors = (slot_mapping, query_start, seq_lens, block_tables, seq_ids)
+    if not all(t.is_cpu and t.is_contiguous() for t in tensors):
+        raise RuntimeError("metadata tensors must be contiguous CPU tensors")
+    if query_start.dim() != 1 or seq_lens.dim() != 1 or query_start.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError("attention metadata: query_start_loc needs one entry more than seq_lens")
+    if block_tables.dim() != 2:
+        raise ValueError("attention metadata: block_tables needs a row per sequence")
+    rows, columns = block_tables.shape
+    return (
+        slot_mapping.data_ptr(), slot_mapping.numel(), query_start.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
+        block_tables.data_ptr(), rows, columns, seq_ids.data_ptr(), seq_ids.numel(),
+    )  # fmt: skip
+
+
 class PagedAttentionKernel:
     """``pagoda_paged_attention`` of one library: argument checks in Python, the work (GIL released) in C++."""
 
-    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
-        fn = library.pagoda_paged_attention
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int
-        self._fn = fn
+    def __init__(self, library: ModuleType, dtype: torch.dtype) -> None:
+        self._fn = library.pagoda_paged_attention
         self._code = _DTYPE_CODES[dtype]
         self.dtype = dtype
         self._errors = threading.local()
@@ -104,54 +119,56 @@ class PagedAttentionKernel:
         kv_cache [2, blocks, block_size, kv_heads, head_dim] contiguous; int32 host-side metadata
         (slot_mapping int64). Returns [tokens, heads, head_dim]; rows past the last sequence are zero.
         """
+        metadata = step_metadata(slot_mapping, query_start, seq_lens, block_tables, seq_ids)
+        return self.attend(query, key, value, kv_cache, metadata, scale, window, soft_cap, tile_tokens)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: StepMetadata,
+        scale: float,
+        window: int,
+        soft_cap: float,
+        tile_tokens: int,
+    ) -> torch.Tensor:
+        """As ``__call__``, with the metadata from ``step_metadata`` (its tensors alive)."""
         dtype = self.dtype
-        if query.dim() != 3 or query.stride(2) != 1:
-            raise RuntimeError("query must be [tokens, heads, head_dim] with contiguous head_dim")
-        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
-            raise RuntimeError("kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor")
-        if query.dtype != dtype or key.dtype != dtype or value.dtype != dtype or kv_cache.dtype != dtype:
+        if query.dtype is not dtype or key.dtype is not dtype or value.dtype is not dtype or kv_cache.dtype is not dtype:
             raise RuntimeError(f"query, key, value and kv_cache must share one dtype ({dtype} for this kernel)")
         if not (query.is_cpu and key.is_cpu and value.is_cpu and kv_cache.is_cpu):
             raise RuntimeError("cpu_paged attention runs on CPU tensors")
-        if (
-            slot_mapping.dtype != torch.int64
-            or query_start.dtype != torch.int32
-            or seq_lens.dtype != torch.int32
-            or block_tables.dtype != torch.int32
-            or seq_ids.dtype != torch.int32
-        ):
-            raise RuntimeError("slot_mapping must be int64; query_start, seq_lens, block_tables, seq_ids int32")
-        if not (
-            slot_mapping.is_contiguous()
-            and query_start.is_contiguous()
-            and seq_lens.is_contiguous()
-            and block_tables.is_contiguous()
-            and seq_ids.is_contiguous()
-        ):
-            raise RuntimeError("metadata tensors must be contiguous")
-        if query_start.dim() != 1 or seq_lens.dim() != 1 or query_start.shape[0] != seq_lens.shape[0] + 1:
-            raise ValueError("attention metadata: query_start_loc needs one entry more than seq_lens")
-        if block_tables.dim() != 2:
-            raise ValueError("attention metadata: block_tables needs a row per sequence")
+        q_strides, k_strides, v_strides = query.stride(), key.stride(), value.stride()
+        if len(q_strides) != 3 or q_strides[2] != 1:
+            raise RuntimeError("query must be [tokens, heads, head_dim] with contiguous head_dim")
+        cache_shape = kv_cache.shape
+        if len(cache_shape) != 5 or cache_shape[0] != 2 or not kv_cache.is_contiguous():
+            raise RuntimeError("kv_cache must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor")
         tokens, heads, head_dim = query.shape
-        _, blocks, block_size, kv_heads, cache_head_dim = kv_cache.shape
+        _, blocks, block_size, kv_heads, cache_head_dim = cache_shape
         if cache_head_dim != head_dim or heads % kv_heads != 0:
             raise RuntimeError("query and kv_cache heads do not fit")
+        key_shape, value_shape = key.shape, value.shape
         if (
-            key.dim() != 3
-            or value.dim() != 3
-            or key.shape[0] < tokens
-            or value.shape[0] < tokens
-            or key.shape[1:] != (kv_heads, head_dim)
-            or value.shape[1:] != (kv_heads, head_dim)
+            len(key_shape) != 3
+            or len(value_shape) != 3
+            or key_shape[0] < tokens
+            or value_shape[0] < tokens
+            or key_shape[1] != kv_heads
+            or value_shape[1] != kv_heads
+            or key_shape[2] != head_dim
+            or value_shape[2] != head_dim
         ):
             raise RuntimeError("key and value must be [tokens, kv_heads, head_dim]")
-        if key.stride(2) != 1:
+        if k_strides[2] != 1:
             key = key.contiguous()
-        if value.stride(2) != 1:
+            k_strides = key.stride()
+        if v_strides[2] != 1:
             value = value.contiguous()
-        q_strides, k_strides, v_strides = query.stride(), key.stride(), value.stride()
-        out = torch.empty((tokens, heads, head_dim), dtype=dtype)
+            v_strides = value.stride()
+        out = torch.empty(tokens, heads, head_dim, dtype=dtype)
         error = self._error_buffer()
         status = self._fn(
             self._code,
@@ -159,23 +176,20 @@ class PagedAttentionKernel:
             key.data_ptr(), k_strides[0], k_strides[1],
             value.data_ptr(), v_strides[0], v_strides[1],
             kv_cache.data_ptr(), blocks, block_size, kv_heads,
-            slot_mapping.data_ptr(), slot_mapping.numel(),
-            query_start.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
-            block_tables.data_ptr(), block_tables.shape[0], block_tables.shape[1],
-            seq_ids.data_ptr(), seq_ids.numel(),
+            *metadata,
             scale, window, soft_cap, tile_tokens,
             out.data_ptr(), torch.get_num_threads(),
-            error, _ERROR_BYTES,
+            error.data_ptr(), _ERROR_BYTES,
         )  # fmt: skip
         if status != 0:
-            raise ValueError(error.value.decode(errors="replace"))
+            raise ValueError(bytes(error.numpy()).split(b"\0", 1)[0].decode(errors="replace"))
         return out
 
-    def _error_buffer(self) -> ctypes.Array[ctypes.c_char]:
-        # One per thread: steps may run on several threads at once.
+    def _error_buffer(self) -> torch.Tensor:
+        # Where the library writes why it refused a call; one per thread: steps may run on several at once.
         buffer = getattr(self._errors, "buffer", None)
         if buffer is None:
-            buffer = self._errors.buffer = ctypes.create_string_buffer(_ERROR_BYTES)
+            buffer = self._errors.buffer = torch.zeros(_ERROR_BYTES, dtype=torch.uint8)
         return buffer
 
 

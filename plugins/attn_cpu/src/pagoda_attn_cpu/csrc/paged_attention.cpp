@@ -33,6 +33,7 @@
 // the library serves, on its register-resident path where it has one; 0: any head_dim, on the
 // generic path (head_dims without a fast path share that library).
 #include <omp.h>
+#include <pagoda/python.h>
 #include <pagoda/simd.h>
 
 #include <algorithm>
@@ -1204,3 +1205,6 @@ PAGODA_EXPORT int pagoda_paged_attention(
                       tile_tokens, threads);
   return 0;
 }
+
+// The entry points as a Python module (pagoda/python.h): one cheap call each from the wrappers.
+PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(pagoda_paged_attention))
