@@ -49,6 +49,32 @@ def test_bad_arguments_and_prompts_are_named(tiny_model_dir) -> None:
     assert llm.llm_engine.engine_core.core.kv_cache_manager.num_free_blocks == llm.llm_engine.engine_core.core.kv_cache_manager.num_usable_blocks
 
 
+def test_model_is_resolved_with_the_config_and_stats_come_through_the_client(tiny_model_dir) -> None:
+    import torch
+
+    from pagoda.config import EngineArgs
+
+    with pytest.raises(RuntimeError, match="not resolved"):
+        _ = EngineArgs().create_engine_config().resolved
+    path, _ = tiny_model_dir("llama")
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=96, num_kv_blocks=32)
+    engine = llm.llm_engine
+    resolved = engine.config.resolved
+    assert (resolved.max_model_len, resolved.dtype, resolved.vocab_size) == (96, torch.float32, 384)
+    assert engine.config.cache_config.block_size is not None
+    # the runner runs exactly what the config resolved
+    runner = engine.engine_core.core.runner
+    assert (runner.max_model_len, runner.dtype, runner.hf_config) == (96, torch.float32, resolved.hf_config)
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    busy = engine.get_stats()
+    assert busy.num_running_reqs == 1 and busy.kv_cache_usage > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    idle = engine.get_stats()
+    assert (idle.num_running_reqs, idle.num_waiting_reqs, idle.kv_cache_usage) == (0, 0, 0.0)
+
+
 def test_generate_command_prints_a_completion_of_the_default_model() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pagoda.entrypoints.cli.main", "generate", "The capital of France is",
