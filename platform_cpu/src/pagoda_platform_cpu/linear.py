@@ -156,6 +156,6 @@ class GemvLinearKernel:
             if x.dim() == 2:
                 return self._gemv(x, prepared.weight, bias)
             return self._gemv(x.reshape(-1, x.shape[-1]), prepared.weight, bias).reshape(*x.shape[:-1], -1)
-        if packed:
+        if packed and self.packer is not None:  # (packed implies a packer; spelled out for the type checker)
             return self.packer.apply(x, prepared.packed, bias)
         return F.linear(x, prepared.weight, bias)
