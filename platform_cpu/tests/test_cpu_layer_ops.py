@@ -210,3 +210,28 @@ def test_a_failed_build_leaves_torch_ops_with_the_reason_logged(
     with caplog.at_level(logging.WARNING):
         assert CpuPlatform().layer_ops(torch.float32) is None
     assert "no compiler" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avx2_build_matches_torch(dtype: torch.dtype, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The 8-lane path (no AVX-512), built here with -mno-avx512f and called through its C entry points."""
+    import ctypes
+    import shutil
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    lib = ctypes.CDLL(str(layer_ops_module.EXTENSION.compile_to(tmp_path / "liblayer_ops_avx2.so", ["-mno-avx512f"])))
+    p, i64, code = ctypes.c_void_p, ctypes.c_int64, 0 if dtype == torch.float32 else 1
+    lib.pagoda_add_rms_norm.argtypes = [ctypes.c_int, p, i64, i64, i64, i64, i64, p, i64, i64, p, p, ctypes.c_float, ctypes.c_int]
+    lib.pagoda_silu_and_mul.argtypes = [ctypes.c_int, p, i64, i64, i64, p, ctypes.c_int]
+    x, residual = _randn(64, 100, dtype=dtype, seed=1), _randn(64, 100, dtype=dtype, seed=2)
+    w = _weight(100, dtype, 3)
+    ref_normed, ref_sum = REF.add_rms_norm(x, residual.clone(), w, EPS)
+    out = torch.empty_like(x)
+    assert lib.pagoda_add_rms_norm(code, x.data_ptr(), 64, 1, 100, 100, 0, residual.data_ptr(), 100, 0, w.data_ptr(), out.data_ptr(), EPS, 2) == 1
+    assert torch.equal(residual, ref_sum)
+    _assert_matches(out, ref_normed)
+    gate_up = _randn(64, 2 * 100, dtype=dtype, seed=4, scale=4.0)
+    out = torch.empty(64, 100, dtype=dtype)
+    assert lib.pagoda_silu_and_mul(code, gate_up.data_ptr(), 64, 100, 200, out.data_ptr(), 2) == 1
+    _assert_matches(out, REF.silu_and_mul(gate_up))

@@ -54,3 +54,25 @@ def test_the_started_build_is_the_one_the_backend_uses() -> None:
     assert extension.build_failure() is None
     assert kernel_module.kernel(torch.float32, 64).dtype == torch.float32
     assert kernel_module.extension(torch.float32, 80) is kernel_module.extension(torch.float32, 40)  # the generic library
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype_code"),
+    [(["-mno-avx512f"], 0), (["-mno-avx512f"], 1), (["-mno-avx512f"], 2), (["-mno-avx512bf16"], 1)],
+    ids=["avx2-f32", "avx2-bf16", "avx2-f16", "avx512_no_bf16-bf16"],  # without BF16 only bf16 changes
+)
+def test_source_builds_for_cpus_without_the_instructions(flags: list[str], dtype_code: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The 8-lane and the no-vdpbf16ps paths sit behind #if: every dtype's library must build without them."""
+    import ctypes
+    import shutil
+
+    from pagoda.cpp_extension import CppExtension
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    extension = CppExtension(
+        "pagoda_test_attn_variant", "pagoda_attn_cpu", ["csrc/paged_attention.cpp"],
+        cflags=("-O1", "-march=native", "-fopenmp", f"-DPAGODA_ATTN_DTYPE={dtype_code}", "-DPAGODA_ATTN_HEAD_DIM=64"),
+    )
+    library = ctypes.CDLL(str(extension.compile_to(tmp_path / "libattn.so", flags)))
+    assert library.pagoda_paged_attention is not None

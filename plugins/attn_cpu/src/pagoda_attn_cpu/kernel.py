@@ -19,9 +19,10 @@ from pagoda.cpp_extension.build import DEFAULT_CFLAGS
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-# Head dims with a register-resident path (16 floats a vector: 4, 8 or 16 vectors; 8 floats: 8 or 16);
-# others get a library with the generic path only, shared by all of them.
-_FAST_HEAD_DIMS = (64, 128, 256)
+# Head dims with a register-resident path: 4, 8 or 16 whole vectors a head (64, 128, 256 with
+# AVX-512's 16 floats a vector; 32, 64, 128 with 8). Each gets its own library; the others share
+# one with the generic path only.
+_FAST_HEAD_DIMS = (32, 64, 128, 256)
 _ERROR_BYTES = 512
 
 _lock = threading.Lock()
