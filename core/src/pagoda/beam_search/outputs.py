@@ -11,7 +11,6 @@ from typing import Any
 
 from pagoda.logprobs import Logprob
 from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.sampling_params import BeamSearchParams
 
 
 @dataclass
