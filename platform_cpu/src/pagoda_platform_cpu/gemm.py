@@ -10,6 +10,7 @@ paths other CPUs take.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -24,6 +25,7 @@ PANEL = 32  # output columns per packed panel (kPanel in the source)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _STEP = {torch.float32: 1, torch.bfloat16: 2}  # k values per packed element group
 _num_threads = torch.get_num_threads
+_empty = torch.empty
 _NEEDS = {torch.float32: "AVX-512F", torch.bfloat16: "AVX512_BF16 (with AVX512BW and AVX512VL)"}
 
 
@@ -69,6 +71,7 @@ class PackedWeight:
     dtype: torch.dtype
     panels: int
     data_ptr: int
+    kernel: Callable[..., int]  # the library's entry point for this dtype
 
 
 class PackedGemmKernel:
@@ -93,22 +96,19 @@ class PackedGemmKernel:
         step = _STEP[dtype]
         packed = torch.zeros((-(-n // PANEL), -(-k // step), PANEL, step), dtype=dtype)
         self._lib.pack[dtype](weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
-        return PackedWeight(packed, n, k, dtype, packed.shape[0], packed.data_ptr())
+        return PackedWeight(packed, n, k, dtype, packed.shape[0], packed.data_ptr(), self._lib.gemm[dtype])
 
     def apply(self, x: torch.Tensor, prepared: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() == 2:
-            return self._gemm(x, prepared, bias)
-        rows = x.reshape(-1, x.shape[-1])
-        return self._gemm(rows, prepared, bias).reshape(*x.shape[:-1], -1)
-
-    def _gemm(self, x: torch.Tensor, prepared: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        # Called for every linear layer of every step: the 2-D case reads each attribute once, inline.
+        shape = x.shape
+        if len(shape) != 2:
+            return self.apply(x.reshape(-1, shape[-1]), prepared, bias).reshape(*shape[:-1], -1)
         dtype = x.dtype
-        gemm = self._lib.gemm.get(dtype)
-        if gemm is None or dtype is not prepared.dtype or not x.is_cpu:
+        if dtype is not prepared.dtype or not x.is_cpu:
             raise RuntimeError(
                 f"gemm: CPU x in the packed weight's dtype expected (x's dtype is {dtype}, the weight's {prepared.dtype})"
             )
-        m, k = x.shape
+        m, k = shape
         n = prepared.out_features
         if k != prepared.in_features:
             raise RuntimeError(f"gemm: x has {k} columns and N is {n}, the packed weight does not fit them")
@@ -125,7 +125,9 @@ class PackedGemmKernel:
             padded[:n] = bias.reshape(n)
             bias = padded
             bias_ptr = padded.data_ptr()
-        y = torch.empty(m, n, dtype=dtype)
-        if m and gemm(x.data_ptr(), row_stride, m, k, prepared.data_ptr, prepared.panels, bias_ptr, y.data_ptr(), n, _num_threads()):
+        y = _empty(m, n, dtype=dtype)
+        if m and prepared.kernel(
+            x.data_ptr(), row_stride, m, k, prepared.data_ptr, prepared.panels, bias_ptr, y.data_ptr(), n, _num_threads()
+        ):
             raise RuntimeError(f"gemm: this build has no {dtype} kernel")
         return y
