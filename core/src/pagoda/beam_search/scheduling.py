@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 class NoBeamSearch:
     """The scheduler's component while no beam search has arrived: every hook is a constant."""
 
-    active = False
-
     def abort(self, group_ids: Iterable[str]) -> list[str]:
         return list(group_ids)
 
@@ -66,8 +64,6 @@ NO_BEAM_SEARCH = NoBeamSearch()
 
 class BeamSearchScheduling:
     """Runs every beam search group of one scheduler: live beams are its ordinary requests."""
-
-    active = True
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler

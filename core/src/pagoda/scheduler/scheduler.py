@@ -72,9 +72,10 @@ class Scheduler:
 
     def add_beam_search(self, group: BeamGroup, root: Request) -> None:
         """Start a beam search; ``root`` (the prompt) is its first beam."""
-        if not self.beam_search.active:
-            self.beam_search = BeamSearchScheduling(self)
-        self.beam_search.add(group, root)
+        beams = self.beam_search
+        if not isinstance(beams, BeamSearchScheduling):
+            beams = self.beam_search = BeamSearchScheduling(self)
+        beams.add(group, root)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests and beam search groups by id, wherever they are."""
@@ -197,9 +198,10 @@ class Scheduler:
             beams = self.beam_search
             while len(self.waiting) and budget > 0:
                 free_rows = self.max_num_seqs - len(self.running) - beams.reserved_rows()
-                req = beams.admissible(self.waiting.peek(), free_rows, self.waiting)
-                if req is None or len(self.running) >= self.max_num_seqs:
+                admissible = beams.admissible(self.waiting.peek(), free_rows, self.waiting)
+                if admissible is None or len(self.running) >= self.max_num_seqs:
                     break
+                req = admissible
                 computed_ids: list[int] = []
                 num_computed = 0
                 # cached tokens have no logits, so a request still owing prompt logprobs computes them all
