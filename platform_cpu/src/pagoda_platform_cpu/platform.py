@@ -7,6 +7,7 @@ import os
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from pagoda import envs
 from pagoda.platforms import Platform
 
 if TYPE_CHECKING:
@@ -100,11 +101,11 @@ class CpuPlatform(Platform):
 
         from pagoda_platform_cpu.linear import GEMV_MAX_ROWS, GemvLinearKernel, OneDNNLinearKernel, onednn_available
 
-        if os.environ.get(PACKED_LINEAR_ENV, "1") == "0":
+        if not envs.PAGODA_CPU_PACKED_LINEAR:
             return None
         if dtype not in (torch.float32, torch.bfloat16):
             return None
-        if os.environ.get(GEMM_ENV, "1") != "0":
+        if envs.PAGODA_CPU_GEMM:
             from pagoda_platform_cpu.gemm import PackedGemmKernel, unavailable_reason
 
             reason = unavailable_reason(dtype)  # compiles on first use; cached per machine afterwards
@@ -114,7 +115,7 @@ class CpuPlatform(Platform):
                 return PackedGemmKernel((dtype,))
             logger.info("pagoda's packed CPU matmul does not run %s here (%s); linears use the GEMV and oneDNN", dtype, reason)
         packer: LinearKernel | None = OneDNNLinearKernel() if onednn_available() else None
-        if os.environ.get(GEMV_ENV, "1") != "0":
+        if envs.PAGODA_CPU_GEMV:
             from pagoda_platform_cpu.gemv import build_failure
 
             failure = build_failure()  # compiles on first use; cached per machine afterwards
@@ -129,7 +130,7 @@ class CpuPlatform(Platform):
         # measured 4.7 -> 2.3 ms fp32 and 4.5 -> 2.1 ms bf16 on the 2-vCPU AVX512 VM.
         import torch
 
-        if os.environ.get(LAYER_OPS_ENV, "1") == "0":
+        if not envs.PAGODA_CPU_LAYER_OPS:
             return None
         if dtype not in (torch.float32, torch.bfloat16):
             return None  # the kernels cover float32 and bfloat16 only
@@ -143,28 +144,16 @@ class CpuPlatform(Platform):
             return None
 
     def num_threads(self) -> int:
-        raw = os.environ.get(THREADS_ENV)
-        if raw:
-            try:
-                n = int(raw)
-            except ValueError as exc:
-                raise ValueError(f"{THREADS_ENV}={raw!r} is not an integer") from exc
-            if n <= 0:
-                raise ValueError(f"{THREADS_ENV} must be positive, got {n}")
+        n: int | None = envs.PAGODA_CPU_THREADS  # a positive int, or a ValueError naming the variable
+        if n is not None:
             return n
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
     def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
         if config.cache_config.kv_cache_memory_bytes is not None:
             return config.cache_config.kv_cache_memory_bytes
-        raw = os.environ.get(KVCACHE_SPACE_ENV)
-        if raw:
-            try:
-                gib = float(raw)
-            except ValueError as exc:
-                raise ValueError(f"{KVCACHE_SPACE_ENV}={raw!r} is not a number of GiB") from exc
-            if gib <= 0:
-                raise ValueError(f"{KVCACHE_SPACE_ENV} must be positive, got {raw}")
+        gib: float | None = envs.PAGODA_CPU_KVCACHE_SPACE  # positive GiB, or a ValueError naming the variable
+        if gib is not None:
             return int(gib * GiB)
         return int(DEFAULT_KVCACHE_GIB * GiB)
 
@@ -198,17 +187,17 @@ def start_kernel_builds() -> None:
     weights load. The same environment switches as ``linear_kernel`` and ``layer_ops`` decide
     which libraries are needed: the GEMV only where the packed matmul is off or cannot run.
     """
-    if os.environ.get(PACKED_LINEAR_ENV, "1") != "0":
-        gemm_wanted = os.environ.get(GEMM_ENV, "1") != "0" and has_avx512f()
+    if envs.PAGODA_CPU_PACKED_LINEAR:
+        gemm_wanted = envs.PAGODA_CPU_GEMM and has_avx512f()
         if gemm_wanted:
             from pagoda_platform_cpu.gemm import EXTENSION as GEMM
 
             GEMM.start()
-        if not gemm_wanted and os.environ.get(GEMV_ENV, "1") != "0":
+        if not gemm_wanted and envs.PAGODA_CPU_GEMV:
             from pagoda_platform_cpu.gemv import EXTENSION as GEMV
 
             GEMV.start()
-    if os.environ.get(LAYER_OPS_ENV, "1") != "0":
+    if envs.PAGODA_CPU_LAYER_OPS:
         from pagoda_platform_cpu.layer_ops import EXTENSION as LAYER_OPS
 
         LAYER_OPS.start()
