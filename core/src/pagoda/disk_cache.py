@@ -16,17 +16,19 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any
 
+from pagoda import envs
+
 CACHE_ROOT_ENV = "PAGODA_CACHE_ROOT"
 DISABLE_ENV = "PAGODA_DISABLE_CACHE"
 
 
 def cache_root() -> Path | None:
     """The cache directory, or None when the cache is disabled."""
-    if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes"):
+    if envs.PAGODA_DISABLE_CACHE:
         return None
-    configured = os.environ.get(CACHE_ROOT_ENV)
-    if configured:
-        return Path(configured).expanduser()
+    configured = envs.PAGODA_CACHE_ROOT
+    if configured is not None:
+        return configured
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "pagoda"
 
