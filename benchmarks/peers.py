@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pagoda import envs
 from pagoda.benchmarks.datasets import random_requests
 
 
@@ -195,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--export-dir", default=os.path.join(tempfile.gettempdir(), "pagoda-bench-model"))
-    ap.add_argument("--vllm-python", default=os.environ.get("PAGODA_BENCH_VLLM_PYTHON"))
+    ap.add_argument("--vllm-python", default=envs.PAGODA_BENCH_VLLM_PYTHON)
     ap.add_argument("--vllm-binds", default="default,0-1", help="VLLM_CPU_OMP_THREADS_BIND settings to try")
-    ap.add_argument("--llamacpp-python", default=os.environ.get("PAGODA_BENCH_LLAMACPP_PYTHON"),
+    ap.add_argument("--llamacpp-python", default=envs.PAGODA_BENCH_LLAMACPP_PYTHON,
                     help="a python with llama-cpp-python installed (runs F32/BF16 GGUF rewrites of the same weights)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--output-json", default=None)

@@ -160,12 +160,12 @@ _VARIABLES: list[EnvVar[Any]] = [
            "triton (also on CPU under TRITON_INTERPRET=1), torch (the references).",
            "pagoda-kernels", _choice("auto", "triton", "torch")),
     # -- repository benchmarks (benchmarks/, not installed) -------------------------
-    EnvVar("PAGODA_BENCH_VLLM_PYTHON", "path", None,
+    EnvVar("PAGODA_BENCH_VLLM_PYTHON", "command", None,
            "Python interpreter with vLLM installed, for the peer comparison (python -m benchmarks.peers).",
-           "benchmarks/", _path),
-    EnvVar("PAGODA_BENCH_LLAMACPP_PYTHON", "path", None,
+           "benchmarks/", _str),
+    EnvVar("PAGODA_BENCH_LLAMACPP_PYTHON", "command", None,
            "Python interpreter with llama-cpp-python installed, for the peer comparison.",
-           "benchmarks/", _path),
+           "benchmarks/", _str),
 ]
 
 ENVIRONMENT_VARIABLES: dict[str, EnvVar[Any]] = {var.name: var for var in _VARIABLES}
@@ -184,8 +184,8 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns
     PAGODA_CPU_GEMM: bool
     PAGODA_CPU_LAYER_OPS: bool
     PAGODA_KERNELS_IMPL: str
-    PAGODA_BENCH_VLLM_PYTHON: Path | None
-    PAGODA_BENCH_LLAMACPP_PYTHON: Path | None
+    PAGODA_BENCH_VLLM_PYTHON: str | None
+    PAGODA_BENCH_LLAMACPP_PYTHON: str | None
 
 
 def __getattr__(name: str) -> Any:
