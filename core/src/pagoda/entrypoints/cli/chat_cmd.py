@@ -95,6 +95,24 @@ def _fail(exc: ClientError) -> typer.Exit:
     return typer.Exit(1)
 
 
+def _connect_or_exit(url: str, api_key: str | None, model_name: str | None) -> tuple[APIClient, str]:
+    try:
+        return _connect(url, api_key, model_name)
+    except ClientError as exc:
+        raise _fail(exc) from None
+
+
+def _session(quick: str | None, banner: str, turn: Callable[[str], None]) -> None:
+    """One turn and exit (-q), or the interactive loop."""
+    if quick is None:
+        _repl(banner, turn)
+        return
+    try:
+        turn(quick)
+    except ClientError as exc:
+        raise _fail(exc) from None
+
+
 def chat(
     url: str = typer.Option(DEFAULT_URL, "--url", help=_URL_HELP),
     model_name: str | None = typer.Option(None, "--model-name", help=_MODEL_HELP),
@@ -107,10 +125,7 @@ def chat(
                                      help="Send MESSAGE, print the reply, exit."),
 ) -> None:
     """Chat with a running server; the conversation is kept until you leave (Ctrl-D)."""
-    try:
-        client, model = _connect(url, api_key, model_name)
-    except ClientError as exc:
-        raise _fail(exc) from None
+    client, model = _connect_or_exit(url, api_key, model_name)
     messages: list[dict[str, str]] = []
     if system_prompt is not None:
         messages.append({"role": "system", "content": system_prompt})
@@ -127,13 +142,7 @@ def chat(
             raise
         messages.append({"role": "assistant", "content": reply})
 
-    if quick is not None:
-        try:
-            turn(quick)
-        except ClientError as exc:
-            raise _fail(exc) from None
-        return
-    _repl(f"Using model: {model}\nPlease enter a message for the chat model (Ctrl-D to quit):", turn)
+    _session(quick, f"Using model: {model}\nPlease enter a message for the chat model (Ctrl-D to quit):", turn)
 
 
 def complete(
@@ -147,10 +156,7 @@ def complete(
                                      help="Complete PROMPT, print the completion, exit."),
 ) -> None:
     """Complete prompts with a running server; each prompt stands alone."""
-    try:
-        client, model = _connect(url, api_key, model_name)
-    except ClientError as exc:
-        raise _fail(exc) from None
+    client, model = _connect_or_exit(url, api_key, model_name)
 
     def turn(prompt: str) -> None:
         body: dict[str, Any] = {"model": model, "prompt": prompt}
@@ -158,13 +164,7 @@ def complete(
             body["max_tokens"] = max_tokens
         _stream_text(client, "/completions", body, _completion_text)
 
-    if quick is not None:
-        try:
-            turn(quick)
-        except ClientError as exc:
-            raise _fail(exc) from None
-        return
-    _repl(f"Using model: {model}\nPlease enter prompt to complete (Ctrl-D to quit):", turn)
+    _session(quick, f"Using model: {model}\nPlease enter prompt to complete (Ctrl-D to quit):", turn)
 
 
 def register(app: typer.Typer) -> None:
