@@ -1,19 +1,30 @@
 """Layers that model-family plugins share, whose compute a platform may specialise."""
 
-from pagoda.layers.activation import SiluAndMul
+from pagoda.layers.activation import Activation, GeluAndMul, SiluAndMul, gated_activation
+from pagoda.layers.embedding import Embedding
 from pagoda.layers.linear import Linear, LinearKernel, prepare_linear_layers
-from pagoda.layers.norm import RMSNorm
+from pagoda.layers.norm import LayerNorm, RMSNorm
 from pagoda.layers.ops import TORCH_LAYER_OPS, LayerOps, LayerOpsModule, TorchLayerOps, bind_layer_ops
+from pagoda.layers.rope_scaling import RopeConfig, rope_config_from_hf
+from pagoda.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "TORCH_LAYER_OPS",
+    "Activation",
+    "Embedding",
+    "GeluAndMul",
+    "LayerNorm",
     "LayerOps",
     "LayerOpsModule",
     "Linear",
     "LinearKernel",
     "RMSNorm",
+    "RopeConfig",
+    "RotaryEmbedding",
     "SiluAndMul",
     "TorchLayerOps",
     "bind_layer_ops",
+    "gated_activation",
     "prepare_linear_layers",
+    "rope_config_from_hf",
 ]

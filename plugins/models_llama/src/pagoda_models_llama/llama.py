@@ -17,12 +17,9 @@ import torch
 from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
-from pagoda.layers import LayerOpsModule, Linear, RMSNorm, SiluAndMul
+from pagoda.layers import Embedding, LayerOpsModule, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_config_from_hf
 from pagoda.models.interface import config_for
 from pagoda_models_llama.arch import DecoderOptions, llama_options, mistral_options, qwen2_options, qwen3_options
-from pagoda_models_llama.layers import Embedding
-from pagoda_models_llama.rope_scaling import rope_config_from_hf
-from pagoda_models_llama.rotary import RotaryEmbedding
 from pagoda_models_llama.weights import load_llama_weights
 
 

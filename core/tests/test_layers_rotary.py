@@ -11,8 +11,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagoda.layers import TorchLayerOps
-from pagoda_models_llama.rope_scaling import RopeConfig, inv_freq_and_attention_factor, rope_config_from_hf
-from pagoda_models_llama.rotary import RotaryEmbedding
+from pagoda.layers.rope_scaling import RopeConfig, inv_freq_and_attention_factor, rope_config_from_hf
+from pagoda.layers.rotary import RotaryEmbedding
 
 HEAD_DIM = 32
 MAX_POS = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda_models_llama.rope_scaling import RopeConfig, inv_freq_and_attention_factor
+from pagoda.layers.rope_scaling import RopeConfig, inv_freq_and_attention_factor
 
 
 class RotaryEmbedding(nn.Module):

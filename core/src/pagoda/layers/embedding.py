@@ -1,4 +1,4 @@
-"""The decoder's uninitialised embedding layer.
+"""The uninitialised embedding layer (token ids or learned absolute positions -> vectors).
 
 Linear layers, RMSNorm and SiLU-and-mul come from core (``pagoda.layers``): the
 platform picks their matmul and elementwise kernels.
