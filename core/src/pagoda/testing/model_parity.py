@@ -152,7 +152,7 @@ def check_parity(
     from pagoda import LLM, SamplingParams
 
     config = hf_model.config
-    vocab_size = int(getattr(config, "vocab_size"))
+    vocab_size = int(config.vocab_size)
     if prompts is None:
         prompts = mixed_prompts(vocab_size, seed=0)
     elif shared_prefix_last and len(prompts) < 11:
