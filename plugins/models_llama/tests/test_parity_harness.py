@@ -49,3 +49,24 @@ def test_a_wrong_weight_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_too_few_prompts_are_refused() -> None:
     with pytest.raises(ValueError, match="at least 8"):
         model_parity.mixed_prompts(256, num_prompts=4)
+
+
+def _family_configs() -> dict[str, Any]:
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        "llama-tied": LlamaConfig(**CONFIG, tie_word_embeddings=True),
+        "mistral-window24": MistralConfig(**CONFIG, sliding_window=24),
+        "qwen2": Qwen2Config(**CONFIG),
+        "qwen3": Qwen3Config(**CONFIG, head_dim=32),
+    }
+
+
+@pytest.mark.parametrize("case", ["llama-tied", "mistral-window24", "qwen2", "qwen3"])
+def test_every_llama_family_architecture(tmp_path: Path, case: str) -> None:
+    check_parity(build_tiny_model(_family_configs()[case], seed=1), tmp_path)
+
+
+def test_torch_paged_backend(tmp_path: Path) -> None:
+    check_parity(build_tiny_model(_family_configs()["mistral-window24"], seed=2), tmp_path,
+                 llm_kwargs={"attention_backend": "torch_paged"})
