@@ -3,6 +3,7 @@
 from pagoda.layers.activation import Activation, GeluAndMul, SiluAndMul, gated_activation
 from pagoda.layers.embedding import Embedding
 from pagoda.layers.linear import Linear, LinearKernel, prepare_linear_layers
+from pagoda.layers.moe import FusedMoE, GatedMLP, fused_experts, fused_topk
 from pagoda.layers.norm import LayerNorm, RMSNorm
 from pagoda.layers.ops import TORCH_LAYER_OPS, LayerOps, LayerOpsModule, TorchLayerOps, bind_layer_ops
 from pagoda.layers.rope_scaling import RopeConfig, rope_config_from_hf
@@ -12,6 +13,8 @@ __all__ = [
     "TORCH_LAYER_OPS",
     "Activation",
     "Embedding",
+    "FusedMoE",
+    "GatedMLP",
     "GeluAndMul",
     "LayerNorm",
     "LayerOps",
@@ -24,6 +27,8 @@ __all__ = [
     "SiluAndMul",
     "TorchLayerOps",
     "bind_layer_ops",
+    "fused_experts",
+    "fused_topk",
     "gated_activation",
     "prepare_linear_layers",
     "rope_config_from_hf",

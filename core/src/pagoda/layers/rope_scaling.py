@@ -15,6 +15,17 @@ sequences of many lengths:
   transformers' formula evaluated at ``seq_len = max_position_embeddings *
   factor`` (the same choice vLLM makes); short sequences therefore see
   slightly different angles than under transformers' per-call rescaling.
+* ``longrope`` (Phi-3; ``su`` in older configs): transformers rotates a whole
+  forward with the ``long_factor`` frequencies once the longest position in it
+  reaches ``original_max_position_embeddings``, else with ``short_factor``.
+  Here the choice is per position: positions below
+  ``original_max_position_embeddings`` use the short factors, the rest the long
+  ones. A token's key then depends only on its token and position, which the
+  paged KV cache and prefix caching need, and decode steps match transformers
+  exactly; a prompt that crosses the threshold sees short-factor angles at its
+  early positions where transformers would use long ones. (vLLM switches the
+  whole batch to long factors when any token passes the threshold, so one long
+  request changes the others' angles.)
 """
 
 from __future__ import annotations
@@ -25,7 +36,9 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# Older names transformers still reads: Phi-3's first configs said "su" for longrope.
+_ROPE_TYPE_ALIASES = {"su": "longrope"}
 DEFAULT_ROPE_THETA = 10_000.0
 
 
@@ -81,6 +94,7 @@ def rope_config_from_hf(hf_config: Any) -> RopeConfig:
     params = _raw_rope_parameters(hf_config)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    rope_type = _ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or DEFAULT_ROPE_THETA
@@ -91,7 +105,7 @@ def rope_config_from_hf(hf_config: Any) -> RopeConfig:
         raise ValueError(f"rotary dimension must be even, got head_dim={head_dim} * partial_rotary_factor={partial}")
     # A top-level original_max_position_embeddings wins over the rope dict (Phi-3 style), as in transformers.
     top_level_original = getattr(hf_config, "original_max_position_embeddings", None)
-    if top_level_original is not None and rope_type in ("llama3", "yarn"):
+    if top_level_original is not None and rope_type in ("llama3", "yarn", "longrope"):
         params["original_max_position_embeddings"] = top_level_original
     return RopeConfig(
         rope_type=rope_type,
@@ -181,6 +195,40 @@ def _yarn(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def _longrope_factor_and_attention(cfg: RopeConfig) -> tuple[float, float]:
+    original_max = cfg.original_max_position_embeddings
+    factor = cfg.scaling.get("factor")
+    if factor is None:
+        # Phi-3 raises max_position_embeddings and keeps the pretrained length beside it
+        factor = cfg.max_position_embeddings / original_max
+    attention_factor = cfg.scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+    return float(factor), float(attention_factor)
+
+
+def longrope_inv_freqs(cfg: RopeConfig) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """LongRoPE: (short-factor inv_freq, long-factor inv_freq, attention factor), as transformers computes them."""
+    half = cfg.rotary_dim // 2
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = cfg.scaling.get(key)
+        if values is None or len(values) != half:
+            got = "none" if values is None else f"{len(values)} values"
+            raise ValueError(f"longrope needs rope parameter {key!r} with rotary_dim / 2 = {half} values, got {got}")
+        factors[key] = torch.tensor(values, dtype=torch.float32)
+    _, attention_factor = _longrope_factor_and_attention(cfg)
+    shape = torch.arange(0, cfg.rotary_dim, 2, dtype=torch.int64).float() / cfg.rotary_dim
+    short = 1.0 / (factors["short_factor"] * cfg.theta**shape)
+    long = 1.0 / (factors["long_factor"] * cfg.theta**shape)
+    return short, long, attention_factor
+
+
+def _longrope(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
+    short, _, attention_factor = longrope_inv_freqs(cfg)
+    return short, attention_factor
+
+
 def _default(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
     return _base_inv_freq(cfg.theta, cfg.rotary_dim), 1.0
 
@@ -191,9 +239,25 @@ _INV_FREQ_FNS = {
     "dynamic": _dynamic_ntk,
     "llama3": _llama3,
     "yarn": _yarn,
+    "longrope": _longrope,
 }
 
 
 def inv_freq_and_attention_factor(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
-    """float32 inverse frequencies [rotary_dim // 2] (on the CPU) and the factor cos/sin are multiplied by."""
+    """float32 inverse frequencies [rotary_dim // 2] (on the CPU) and the factor cos/sin are multiplied by.
+
+    For ``longrope`` these are the short-factor frequencies (positions below the
+    original context); ``rope_angles`` gives every position its own.
+    """
     return _INV_FREQ_FNS[cfg.rope_type](cfg)
+
+
+def rope_angles(cfg: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """float32 angles [len(positions), rotary_dim // 2] for float32 ``positions``, and the cos/sin factor."""
+    if cfg.rope_type == "longrope":
+        short, long, attention_factor = longrope_inv_freqs(cfg)
+        is_long = (positions >= cfg.original_max_position_embeddings)[:, None]
+        inv_freq = torch.where(is_long, long.to(positions.device)[None, :], short.to(positions.device)[None, :])
+        return positions[:, None] * inv_freq, attention_factor
+    inv_freq, attention_factor = inv_freq_and_attention_factor(cfg)
+    return positions[:, None] * inv_freq.to(positions.device)[None, :], attention_factor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda.layers.rope_scaling import RopeConfig, inv_freq_and_attention_factor
+from pagoda.layers.rope_scaling import RopeConfig, rope_angles
 
 
 class RotaryEmbedding(nn.Module):
@@ -27,10 +27,9 @@ class RotaryEmbedding(nn.Module):
         self._sin: torch.Tensor | None = None
 
     def _build(self, device: torch.device) -> None:
-        inv_freq, attention_factor = inv_freq_and_attention_factor(self.config)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.int64).to(torch.float32)
         # float32 angles then cast, as transformers does, so fp32 models match it bit for bit.
-        angles = positions[:, None] * inv_freq.to(device)[None, :]
+        angles, attention_factor = rope_angles(self.config, positions)
         self._cos = (angles.cos() * attention_factor).to(self.dtype)
         self._sin = (angles.sin() * attention_factor).to(self.dtype)
 

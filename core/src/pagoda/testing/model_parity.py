@@ -52,7 +52,9 @@ def randomize_weights(model: torch.nn.Module, seed: int = 0, scale: float = 1.0)
                 else:
                     param.copy_(0.3 * noise)
             elif param.ndim >= 2:
-                fan_in = param.shape[-1] if param.ndim == 2 else math.prod(param.shape[1:])
+                # transformers 5 stacks MoE experts as [num_experts, out, in]: each slice is one matrix
+                stacked_matrices = param.ndim == 3 and "experts" in name
+                fan_in = param.shape[-1] if param.ndim == 2 or stacked_matrices else math.prod(param.shape[1:])
                 param.copy_(scale * noise / fan_in**0.5)
             else:
                 param.copy_(0.3 * noise)

@@ -7,6 +7,19 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class MoEOptions:
+    """Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): which layers are sparse, and their shape."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    renormalize: bool  # the top-k weights rescaled to sum to 1
+    shared_expert_intermediate_size: int  # 0: no shared expert
+    # One entry per layer: True where the layer's MLP is the MoE block, False for a dense MLP.
+    sparse_layers: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
 class DecoderOptions:
     """The per-architecture switches of an otherwise shared decoder."""
 
@@ -16,6 +29,7 @@ class DecoderOptions:
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k heads, before RoPE
     # One entry per layer: the sliding window of that layer, or None for full attention.
     sliding_windows: tuple[int | None, ...]
+    moe: MoEOptions | None = None
 
 
 def _layer_types_windows(hf_config: Any, window: int, num_layers: int) -> tuple[int | None, ...] | None:
@@ -88,4 +102,66 @@ def qwen3_options(hf_config: Any) -> DecoderOptions:
         mlp_bias=False,
         qk_norm=True,
         sliding_windows=qwen_sliding_windows(hf_config),
+    )
+
+
+def phi3_options(hf_config: Any) -> DecoderOptions:
+    """Phi-3: no biases, ``sliding_window`` (when set) on every layer; qkv and gate/up come fused in the checkpoint."""
+    return DecoderOptions(False, False, False, False, mistral_sliding_windows(hf_config))
+
+
+def mixtral_options(hf_config: Any) -> DecoderOptions:
+    """Mixtral: Mistral attention, every MLP a top-k MoE whose k weights are always renormalised."""
+    num_layers = hf_config.num_hidden_layers
+    moe = MoEOptions(
+        num_experts=hf_config.num_local_experts,
+        top_k=hf_config.num_experts_per_tok,
+        intermediate_size=hf_config.intermediate_size,
+        renormalize=True,
+        shared_expert_intermediate_size=0,
+        sparse_layers=(True,) * num_layers,
+    )
+    return DecoderOptions(False, False, False, False, mistral_sliding_windows(hf_config), moe)
+
+
+def _qwen_moe(hf_config: Any, shared_expert_intermediate_size: int) -> MoEOptions:
+    """Qwen-MoE: a layer is sparse unless listed in ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid."""
+    mlp_only = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    num_experts = hf_config.num_experts
+    sparse = tuple(
+        i not in mlp_only and num_experts > 0 and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers)
+    )
+    return MoEOptions(
+        num_experts=num_experts,
+        top_k=hf_config.num_experts_per_tok,
+        intermediate_size=hf_config.moe_intermediate_size,
+        renormalize=bool(getattr(hf_config, "norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared_expert_intermediate_size,
+        sparse_layers=sparse,
+    )
+
+
+def qwen2_moe_options(hf_config: Any) -> DecoderOptions:
+    """Qwen2-MoE: Qwen2 attention (``qkv_bias``), routed experts plus a sigmoid-gated shared expert."""
+    return DecoderOptions(
+        qkv_bias=bool(getattr(hf_config, "qkv_bias", True)),
+        o_proj_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        sliding_windows=qwen_sliding_windows(hf_config),
+        moe=_qwen_moe(hf_config, int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)),
+    )
+
+
+def qwen3_moe_options(hf_config: Any) -> DecoderOptions:
+    """Qwen3-MoE: Qwen3 attention (qk-norm); its config keeps ``sliding_window`` only when it applies, to every layer."""
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    return DecoderOptions(
+        qkv_bias=attention_bias,
+        o_proj_bias=attention_bias,
+        mlp_bias=False,
+        qk_norm=True,
+        sliding_windows=mistral_sliding_windows(hf_config),
+        moe=_qwen_moe(hf_config, 0),
     )

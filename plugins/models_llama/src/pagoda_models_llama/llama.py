@@ -1,6 +1,7 @@
-"""Llama-style decoder for the engine: Llama, Mistral, Qwen2, Qwen3.
+"""Llama-style decoder for the engine: Llama, Mistral, Qwen2, Qwen3, Phi-3 and the MoE Mixtral, Qwen2-MoE, Qwen3-MoE.
 
-One decoder with per-architecture switches (``arch.DecoderOptions``). Written
+One decoder with per-architecture switches (``arch.DecoderOptions``); a MoE
+architecture's sparse layers use ``pagoda.layers.FusedMoE`` as their MLP. Written
 for a flat token batch: activations are [T, hidden], attention goes through
 ``pagoda.attention.Attention`` (the runner binds the backend and KV cache).
 For CPU speed the q/k/v projections are one matmul (``qkv_proj``) and so are
@@ -17,10 +18,29 @@ import torch
 from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
-from pagoda.layers import Embedding, LayerOpsModule, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_config_from_hf
+from pagoda.layers import (
+    Embedding,
+    FusedMoE,
+    LayerOpsModule,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    rope_config_from_hf,
+)
 from pagoda.models.interface import config_for
-from pagoda_models_llama.arch import DecoderOptions, llama_options, mistral_options, qwen2_options, qwen3_options
-from pagoda_models_llama.weights import load_llama_weights
+from pagoda_models_llama.arch import (
+    DecoderOptions,
+    llama_options,
+    mistral_options,
+    mixtral_options,
+    phi3_options,
+    qwen2_moe_options,
+    qwen2_options,
+    qwen3_moe_options,
+    qwen3_options,
+)
+from pagoda_models_llama.weights import FUSED_PROJECTIONS, MIXTRAL_RENAMES, load_llama_weights
 
 
 class LlamaAttention(LayerOpsModule):  # self.ops rotates q and k
@@ -66,12 +86,31 @@ class LlamaAttention(LayerOpsModule):  # self.ops rotates q and k
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
+def _check_activation(cfg: Any) -> None:
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported by the Llama family (only 'silu')")
+
+
+def _moe_block(cfg: Any, options: DecoderOptions, dtype: torch.dtype) -> FusedMoE:
+    moe = options.moe
+    assert moe is not None
+    return FusedMoE(
+        moe.num_experts,
+        moe.top_k,
+        cfg.hidden_size,
+        moe.intermediate_size,
+        renormalize=moe.renormalize,
+        hidden_act="silu",
+        shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+        dtype=dtype,
+    )
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: Any, options: DecoderOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported by the Llama family (only 'silu')")
+        _check_activation(cfg)
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, options.mlp_bias, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
@@ -85,7 +124,12 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, options: DecoderOptions, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, options, layer_idx, dtype)
-        self.mlp = LlamaMLP(cfg, options, dtype)
+        self.mlp: nn.Module
+        if options.moe is not None and options.moe.sparse_layers[layer_idx]:
+            _check_activation(cfg)
+            self.mlp = _moe_block(cfg, options, dtype)
+        else:
+            self.mlp = LlamaMLP(cfg, options, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -128,6 +172,11 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``)."""
+
+    # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
+    packed_modules_mapping: dict[str, list[str]] = FUSED_PROJECTIONS
+    # (regex, replacement) applied to checkpoint names before they are matched to parameters
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -182,3 +231,32 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return qwen3_options(cfg)
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    # The checkpoint stores qkv_proj and gate_up_proj already fused, as the model does.
+    packed_modules_mapping: dict[str, list[str]] = {}
+
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> DecoderOptions:
+        return phi3_options(cfg)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    checkpoint_renames = MIXTRAL_RENAMES
+
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> DecoderOptions:
+        return mixtral_options(cfg)
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> DecoderOptions:
+        return qwen2_moe_options(cfg)
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> DecoderOptions:
+        return qwen3_moe_options(cfg)
