@@ -6,10 +6,13 @@ and the server all build their engine from it. Names follow vLLM's.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
 
 
 class _Config(BaseModel):
@@ -20,8 +23,12 @@ DTypeName = Literal["auto", "float32", "float", "bfloat16", "float16", "half"]
 
 
 class ModelConfig(_Config):
-    model: str | None = Field(None, description="Path to a HF model directory or a .gguf file; None = the embedded default model (SmolLM2-135M-Instruct).")
-    tokenizer: str | None = Field(None, description="Tokenizer path; defaults to the model's.")
+    model: str | None = Field(None, description="Path to a HF model directory or a .gguf file, or a Hugging Face hub id (org/name, org/name:QUANT for a GGUF repo); None = the embedded default model (SmolLM2-135M-Instruct).")
+    tokenizer: str | None = Field(None, description="Tokenizer path or hub id; defaults to the model's.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a model given by hub id; None = main.")
+    tokenizer_revision: str | None = Field(None, description="Hub revision of a tokenizer given by hub id; None = main.")
+    generation_config: str = Field("auto", description="Default sampling parameters: 'auto' = the model's generation_config.json (or the embedded default model's recommended sampling), 'vllm' = pagoda's own defaults, or a directory holding a generation_config.json.")
+    override_generation_config: dict[str, Any] | None = Field(None, description="Values that override the default sampling parameters from generation_config (e.g. {\"temperature\": 0.5}).")
     dtype: DTypeName = Field("auto", description="Weights and activations dtype.")
     seed: int = Field(0, description="Random seed for sampling.")
     max_model_len: int | None = Field(None, gt=0, description="Context length (prompt + output); defaults to the model's.")
@@ -69,7 +76,7 @@ class DeviceConfig(_Config):
 
 class LoadConfig(_Config):
     load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = Field("auto", description="Weight format.")
-    download_dir: str | None = Field(None, description="Unused: pagoda never downloads weights.")
+    download_dir: str | None = Field(None, description="Hugging Face cache directory that hub ids are looked up in and downloaded to; None = HF_HUB_CACHE / HF_HOME.")
 
 
 @dataclass(frozen=True)
@@ -86,16 +93,20 @@ class ResolvedModel:
     dtype: Any  # torch.dtype
     max_model_len: int
     vocab_size: int  # 0 when the config names none (the tokenizer decides)
+    # pagoda.model_loader.GenerationDefaults: sampling defaults and extra EOS ids (generation_config)
+    generation: Any = None
 
 
-def resolve_model(model: ModelConfig, platform: Any) -> ResolvedModel:
+def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = None) -> ResolvedModel:
     """Find the checkpoint, read its config, and fix dtype (the platform's choice) and context length."""
-    from pagoda.model_loader import checkpoint_dtype, load_model_config, resolve_model_path
+    from pagoda.model_loader import checkpoint_dtype, load_generation_defaults, load_model_config, resolve_model_path
     from pagoda.models.interface import config_for
 
-    source = resolve_model_path(model.model)
+    source = resolve_model_path(model.model, model.revision, download_dir)
     hf_config = load_model_config(source, model.hf_overrides)
     text_config = config_for(hf_config)
+    generation = load_generation_defaults(source, model.generation_config, model.override_generation_config)
+    logger.info("%s", generation.describe())
     return ResolvedModel(
         source=source,
         hf_config=hf_config,
@@ -103,6 +114,7 @@ def resolve_model(model: ModelConfig, platform: Any) -> ResolvedModel:
         dtype=platform.resolve_dtype(model.dtype, checkpoint_dtype(source)),
         max_model_len=model.max_model_len or int(getattr(text_config, "max_position_embeddings", 2048)),
         vocab_size=int(getattr(text_config, "vocab_size", 0) or 0),
+        generation=generation,
     )
 
 
@@ -164,6 +176,10 @@ class EngineArgs(_Config):
 
     model: str | None = _field_of(ModelConfig, "model")
     tokenizer: str | None = _field_of(ModelConfig, "tokenizer")
+    revision: str | None = _field_of(ModelConfig, "revision")
+    tokenizer_revision: str | None = _field_of(ModelConfig, "tokenizer_revision")
+    generation_config: str = _field_of(ModelConfig, "generation_config")
+    override_generation_config: dict[str, Any] | None = _field_of(ModelConfig, "override_generation_config")
     dtype: DTypeName = _field_of(ModelConfig, "dtype")
     seed: int = _field_of(ModelConfig, "seed")
     max_model_len: int | None = _field_of(ModelConfig, "max_model_len")

@@ -45,7 +45,7 @@ def prepare_engine_config(config: EngineConfig) -> Platform:
     platform.check_and_update_config(config)
     pm.startup(config)
     if config.resolved_model is None:
-        config.resolved_model = resolve_model(config.model, platform)
+        config.resolved_model = resolve_model(config.model, platform, config.load_config.download_dir)
     if config.cache_config.block_size is None:
         config.cache_config.block_size = platform.default_block_size
     return platform

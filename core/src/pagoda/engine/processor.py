@@ -22,10 +22,13 @@ from pagoda.sampling_params import BeamSearchParams, SamplingParams
 from pagoda.scheduler.request import Request
 
 
-def eos_and_stop_ids(tokenizer: Any, hf_config: Any) -> tuple[int | None, list[int]]:
+def eos_and_stop_ids(tokenizer: Any, hf_config: Any, generation: Any = None) -> tuple[int | None, list[int]]:
+    """-> (the EOS the engine stops on, the other end tokens: config.json's and generation_config.json's)."""
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     cfg_eos = getattr(hf_config, "eos_token_id", None)
     extra = [cfg_eos] if isinstance(cfg_eos, int) else list(cfg_eos or [])
+    # generation_config.json lists every end token (Llama 3: <|end_of_text|>, <|eom_id|>, <|eot_id|>), as vLLM reads it
+    extra += [t for t in (generation.eos_token_ids if generation is not None else ()) if t not in extra]
     if eos is None and extra:
         eos = extra[0]
     return eos, [t for t in extra if t != eos]
@@ -38,11 +41,13 @@ class Processor:
         model = config.resolved
         self.config = config
         self.model_config = config.model
-        self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(model.source, config.model.tokenizer)
+        self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(
+            model.source, config.model.tokenizer, config.model.tokenizer_revision, config.load_config.download_dir
+        )
         self.max_model_len = model.max_model_len
         self.vocab_size = model.vocab_size or (len(self.tokenizer) if self.tokenizer is not None else 0)
         self.block_size: int = config.cache_config.block_size  # type: ignore[assignment]  # resolved with the config
-        self.eos_token_id, self.extra_stop_ids = eos_and_stop_ids(self.tokenizer, model.hf_config)
+        self.eos_token_id, self.extra_stop_ids = eos_and_stop_ids(self.tokenizer, model.hf_config, model.generation)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
         self.beam_searches = BeamSearchFrontend(self.tokenizer, self.max_model_len, self.block_size)
 

@@ -32,6 +32,14 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no sampling params: pagoda's defaults with the
+        model's generation config on top (``generation_config``; vLLM's method of the same name)."""
+        generation = self.llm_engine.config.resolved.generation
+        if generation is None or not generation.sampling:
+            return SamplingParams()
+        return SamplingParams.from_optional(**generation.sampling)
+
     def _normalize(self, prompts: Any) -> list[Any]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
@@ -43,7 +51,7 @@ class LLM:
 
     def _params_list(self, params: Any, n: int) -> list[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)

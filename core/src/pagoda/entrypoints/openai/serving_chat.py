@@ -19,6 +19,7 @@ from pagoda.entrypoints.openai.serving_common import (
     check_limits,
     check_prompt_length,
     collect_finals,
+    default_max_tokens,
     merge_streams,
     new_id,
     sse,
@@ -53,7 +54,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_prompt_length(ctx, len(ids), requested,
                                      "max_completion_tokens" if req.max_completion_tokens is not None else "messages")
-    params = build_sampling_params(req, max_tokens, num_logprobs, req.stream)
+    if requested is None:
+        max_tokens = default_max_tokens(ctx, len(ids)) or max_tokens
+    params = build_sampling_params(req, max_tokens, num_logprobs, req.stream, ctx.default_sampling)
     request_id = new_id("chatcmpl") if req.request_id is None else req.request_id
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
     if req.cache_salt is not None:

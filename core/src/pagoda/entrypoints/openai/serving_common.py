@@ -37,6 +37,8 @@ class ServingContext:
     max_n: int
     chat_template: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # SamplingParams field -> value for fields a request leaves unset (the model's generation config)
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -97,19 +99,33 @@ def check_prompt_length(ctx: ServingContext, num_prompt_tokens: int, max_tokens:
     return max_tokens
 
 
+def default_max_tokens(ctx: ServingContext, num_prompt_tokens: int) -> int | None:
+    """The model's default output length (generation_config's max_new_tokens), capped by the context left."""
+    default = ctx.default_sampling.get("max_tokens")
+    return None if default is None else min(int(default), max(1, ctx.max_model_len - num_prompt_tokens))
+
+
 def build_sampling_params(
-    req: _SamplingFields, max_tokens: int, logprobs: int | None, stream: bool, default_temperature: float = 1.0
+    req: _SamplingFields, max_tokens: int, logprobs: int | None, stream: bool,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
+    """``defaults`` (the model's generation config) fill the fields the request left unset; then pagoda's own."""
+    fallback = {"repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, **(defaults or {})}
+
+    def pick(name: str) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else fallback[name]
+
     kwargs: dict[str, Any] = dict(
         n=req.n,
         best_of=req.best_of,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
-        temperature=req.temperature if req.temperature is not None else default_temperature,
-        top_p=req.top_p if req.top_p is not None else 1.0,
-        top_k=req.top_k if req.top_k is not None else 0,
-        min_p=req.min_p if req.min_p is not None else 0.0,
+        repetition_penalty=pick("repetition_penalty"),
+        temperature=pick("temperature"),
+        top_p=pick("top_p"),
+        top_k=pick("top_k"),
+        min_p=pick("min_p"),
         seed=req.seed,
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,

@@ -18,6 +18,7 @@ from pagoda.entrypoints.openai.serving_common import (
     check_limits,
     check_prompt_length,
     collect_finals,
+    default_max_tokens,
     merge_streams,
     new_id,
     sse,
@@ -57,10 +58,14 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
         raise APIError("suffix is not supported: this server does not do fill-in-the-middle completions", 400, "suffix")
     check_limits(ctx, req, req.logprobs)
     prompts = _prompts(ctx, req)
-    max_tokens = min(check_prompt_length(ctx, len(ids), req.max_tokens, "prompt") for _, ids in prompts)
-    if req.max_tokens is None:
+    requested = req.max_tokens
+    if "max_tokens" not in req.model_fields_set and "max_tokens" in ctx.default_sampling:
+        # the request left max_tokens unset: the model's default, capped by the shortest prompt's room
+        requested = min(default_max_tokens(ctx, len(ids)) or 1 for _, ids in prompts)
+    max_tokens = min(check_prompt_length(ctx, len(ids), requested, "prompt") for _, ids in prompts)
+    if requested is None:
         max_tokens = None  # type: ignore[assignment]  # each prompt gets the rest of its context
-    params = build_sampling_params(req, max_tokens, req.logprobs, req.stream)
+    params = build_sampling_params(req, max_tokens, req.logprobs, req.stream, ctx.default_sampling)
     if req.echo and req.logprobs is not None:
         params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
     request_id = new_id("cmpl") if req.request_id is None else req.request_id
