@@ -1,0 +1,202 @@
+"""Gemma, Gemma 2 and Gemma 3 (text) decoders for the engine.
+
+One decoder with per-generation switches (``arch.GemmaOptions``), written for a
+flat token batch as the Llama family is: activations are [T, hidden], q/k/v are
+one matmul (``qkv_proj``) and so are gate/up (``gate_up_proj``), RoPE rotates q
+and k in place inside the fused QKV output, and attention goes through
+``pagoda.attention.Attention`` (soft-capping and sliding windows are the
+attention layer's own parameters).
+
+Gemma's RMSNorm scales by ``1 + weight``. The loader adds the 1 to the weight
+once (``GemmaRMSNorm``), so core's ``RMSNorm`` and the platform's fused kernels
+serve it unchanged; see ``weights.py`` for what that does to bfloat16 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.attention import Attention, AttentionMetadata
+from pagoda.layers import Embedding, LayerOpsModule, Linear, RotaryEmbedding, gated_activation
+from pagoda.models.interface import config_for
+from pagoda_models_gemma.arch import GemmaOptions, gemma2_options, gemma3_options, gemma_options, head_dim
+from pagoda_models_gemma.norm import GemmaRMSNorm
+from pagoda_models_gemma.weights import load_gemma_weights
+
+
+class GemmaAttention(LayerOpsModule):  # self.ops rotates q and k
+    def __init__(self, cfg: Any, options: GemmaOptions, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        self.head_dim = head_dim(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # row counts of the checkpoint's q/k/v projections stacked into qkv_proj
+        self.shard_sizes = {"qkv_proj": [self.q_size, self.kv_size, self.kv_size]}
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, options.attention_bias, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, options.attention_bias, dtype)
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
+        self.attn = Attention(
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            scale=options.attention_scale,
+            num_kv_heads=self.num_kv_heads,
+            sliding_window=options.sliding_windows[layer_idx],
+            logits_soft_cap=options.attn_logit_softcapping,
+            layer_idx=layer_idx,
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        # q and k heads side by side: one rotation call covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_heads, k_heads = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            q_heads.copy_(self.q_norm(q_heads))
+            k_heads.copy_(self.k_norm(k_heads))
+        self.ops.rotary_neox_(qk, cos, sin)
+        q = qkv[:, : self.q_size]
+        k = qkv[:, self.q_size : self.q_size + self.kv_size]
+        v = qkv[:, self.q_size + self.kv_size :]
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+class GemmaMLP(nn.Module):
+    """GeGLU: down(gelu(gate(x)) * up(x)), gate and up as one fused projection."""
+
+    def __init__(self, cfg: Any, options: GemmaOptions, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shard_sizes = {"gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        self.act_fn = gated_activation(options.hidden_activation)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP (Gemma); with ``sandwich_norms`` each sublayer's output is normed too (Gemma 2/3)."""
+
+    def __init__(self, cfg: Any, options: GemmaOptions, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.rope = options.layer_ropes[layer_idx]
+        self.self_attn = GemmaAttention(cfg, options, layer_idx, dtype)
+        self.mlp = GemmaMLP(cfg, options, dtype)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, dtype)
+        # Gemma: the norm before the MLP. Gemma 2/3: the norm on the attention output.
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, dtype) if options.sandwich_norms else None
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, dtype) if options.sandwich_norms else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns this layer's output and the residual stream, not yet added (the next norm adds them).
+
+        The residual stream is this model's own tensor (the embedding output, then sums):
+        ``add_and_norm`` may write each new sum into it in place.
+        """
+        cos, sin = cos_sin[self.rope]
+        normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(normed, cos, sin, metadata)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+            return self.mlp(normed), residual
+        normed, residual = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(hidden), residual)
+        return self.post_feedforward_layernorm(self.mlp(normed)), residual
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, cfg: Any, options: GemmaOptions, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        # transformers rounds sqrt(hidden_size) to the model dtype before multiplying; so does this.
+        self.normalizer = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype))
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, options, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary_emb = nn.ModuleDict({name: RotaryEmbedding(rope, dtype) for name, rope in options.ropes.items()})
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids).mul_(self.normalizer)
+        # gathered once per step per RoPE table, shared by the layers that use it
+        cos_sin = {name: rotary.cos_sin(positions) for name, rotary in self.rotary_emb.items()}
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos_sin, metadata)
+        hidden, _ = self.norm.add_and_norm(hidden, residual)
+        return hidden
+
+
+class GemmaForCausalLM(nn.Module):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``)."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        cfg = config_for(hf_config)
+        self.config = cfg
+        self.dtype = dtype
+        self.options = self.gemma_options(cfg)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
+        self.model = GemmaModel(cfg, self.options, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if self.tie_word_embeddings:
+            # One tensor, two modules: parameters() lists it once, under the embedding's name.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def gemma_options(cls, cfg: Any) -> GemmaOptions:
+        return gemma_options(cfg)
+
+    @property
+    def max_positions(self) -> int:
+        """Longest context every RoPE table covers; the engine's max_model_len must not exceed it."""
+        return min(rotary.max_positions for rotary in self.model.rotary_emb.values())
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden_states)
+        cap = self.options.final_logit_softcapping
+        if cap is not None:
+            # cap * tanh(logits / cap), in the order transformers computes it
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = load_gemma_weights(self, weights)
+        if self.tie_word_embeddings:
+            # Materialising from the meta device (to_empty) gives each module its own tensor: tie again.
+            self.lm_head.weight = self.model.embed_tokens.weight
+        return loaded
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    @classmethod
+    def gemma_options(cls, cfg: Any) -> GemmaOptions:
+        return gemma2_options(cfg)
+
+
+class Gemma3ForCausalLM(GemmaForCausalLM):
+    @classmethod
+    def gemma_options(cls, cfg: Any) -> GemmaOptions:
+        return gemma3_options(cfg)
