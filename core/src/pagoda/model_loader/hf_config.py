@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from pagoda.model_loader.convert_cache import ConvertCache
@@ -11,6 +12,8 @@ from pagoda.model_loader.source import ModelSource
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
 
 
 def load_hf_config(source: ModelSource, hf_overrides: dict[str, Any] | None = None) -> PretrainedConfig:
@@ -35,15 +38,36 @@ def _load_config(source: ModelSource, hf_overrides: dict[str, Any] | None, light
         if source.kind == "gguf":
             config = _load_gguf_config_cached(source, light)
         else:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(str(source.path), local_files_only=True, trust_remote_code=False)
+            config = _load_hf_dir_config(source)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"Cannot read the model config of {source.display_name}: {exc}") from exc
 
     if hf_overrides:
         apply_hf_overrides(config, hf_overrides)
     return config
+
+
+def _load_hf_dir_config(source: ModelSource) -> Any:
+    """config.json through AutoConfig; a model_type transformers does not know is read as a plain config.
+
+    An out-of-tree model family (docs/adding_a_model.md) brings its own
+    architecture and model_type; its model reads config.json's fields as
+    attributes, which a plain ``PretrainedConfig`` holds without a config class.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return AutoConfig.from_pretrained(str(source.path), local_files_only=True, trust_remote_code=False)
+    except ValueError:
+        config_dict, _ = PretrainedConfig.get_config_dict(str(source.path), local_files_only=True)
+        model_type = config_dict.get("model_type")
+        if not model_type or model_type in CONFIG_MAPPING or "auto_map" in config_dict:
+            raise  # not an unknown model type: transformers' own message says what is wrong
+        logger.info("model_type %r is unknown to transformers: config.json read as a plain PretrainedConfig", model_type)
+        config = PretrainedConfig.from_dict(config_dict)
+        config.name_or_path = str(source.path)
+        return config
 
 
 def _load_gguf_config_cached(source: ModelSource, light: bool) -> Any:

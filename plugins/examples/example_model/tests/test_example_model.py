@@ -1,43 +1,37 @@
-"""The example plugin: its entry point, registration through the plugin manager, and a paged forward.
+"""The example plugin from its source tree: entry point, registration, weights mapping, a paged forward, the engine.
 
-The example is not installed by default, so the test puts its ``src`` on sys.path.
+test_example_model_installed.py installs it with pip and serves it; these run
+with its ``src`` on sys.path, so they need no install.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-PLUGIN_ROOT = Path(__file__).resolve().parents[1]
+from pagoda.plugins import reset_plugin_manager
 
-# Tiny on purpose: two query heads share one KV head (GQA), blocks of 4 tokens.
-CONFIG = SimpleNamespace(
-    vocab_size=50,
-    hidden_size=16,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    intermediate_size=32,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-)
 BLOCK_SIZE = 4
 
 
 @pytest.fixture(autouse=True)
-def example_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(PLUGIN_ROOT / "src"))
+def example_on_path(monkeypatch: pytest.MonkeyPatch, example: Any) -> None:
+    monkeypatch.syspath_prepend(str(example.PLUGIN_ROOT / "src"))
 
 
-def test_pyproject_entry_point_names_the_plugin_module() -> None:
+def test_pyproject_entry_point_names_the_plugin_module(example: Any) -> None:
+    import tomllib
+
     from pagoda.plugins import ENTRY_POINT_GROUPS
 
-    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
-    project = tomllib.loads((PLUGIN_ROOT / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((example.PLUGIN_ROOT / "pyproject.toml").read_text())["project"]
     entry_points = project["entry-points"][ENTRY_POINT_GROUPS["model_family"]]
     assert entry_points == {"example_model": "pagoda_example_model.plugin"}
 
@@ -55,35 +49,17 @@ def test_plugin_registers_its_architecture() -> None:
     assert spec.runner == "generate"
 
 
-def _model() -> torch.nn.Module:
+def _loaded_model(example: Any) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     from pagoda_example_model.model import ExampleTinyForCausalLM
 
-    torch.manual_seed(0)
-    model = ExampleTinyForCausalLM(CONFIG, torch.float32)
-    for param in model.parameters():
-        torch.nn.init.normal_(param, std=0.3)
-    return model.eval()
+    state = example.checkpoint_state(seed=0)
+    model = ExampleTinyForCausalLM(SimpleNamespace(**example.CONFIG), torch.float32)
+    consumed = model.load_weights(state.items())
+    assert consumed == set(state)
+    return model.eval(), state
 
 
-def _reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """Logits of every position of one sequence, with dense causal attention (no cache)."""
-    tokens = torch.tensor(ids)
-    hidden = model.embed_tokens(tokens) + model.embed_positions(torch.arange(len(ids)))
-    x = model.attn_norm(hidden)
-    t, heads, kv_heads, dim = len(ids), model.num_heads, model.num_kv_heads, model.head_dim
-    q = model.q_proj(x).view(t, heads, dim).transpose(0, 1)
-    k = model.k_proj(x).view(t, kv_heads, dim).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-    v = model.v_proj(x).view(t, kv_heads, dim).transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-    attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    hidden = hidden + model.o_proj(attn.transpose(0, 1).reshape(t, heads * dim))
-    x = model.mlp_norm(hidden)
-    hidden = hidden + model.down_proj(torch.nn.functional.gelu(model.up_proj(x)))
-    return model.compute_logits(model.norm(hidden))
-
-
-def _metadata(
-    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
-) -> tuple[torch.Tensor, object]:
+def _metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]) -> tuple[torch.Tensor, Any]:
     from pagoda.attention import AttentionMetadata
 
     positions: list[int] = []
@@ -109,11 +85,11 @@ def _metadata(
     return torch.tensor(positions), metadata
 
 
-def test_paged_prefill_then_decode_matches_dense_attention() -> None:
+def test_paged_prefill_then_decode_matches_the_dense_reference(example: Any) -> None:
     backend_module = pytest.importorskip("pagoda_attn_torch.backend", reason="needs the torch attention backend")
     from pagoda.attention import AttentionSpec
 
-    model = _model()
+    model, state = _loaded_model(example)
     spec = AttentionSpec(
         num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
         dtype=torch.float32, device_type="cpu", block_size=BLOCK_SIZE,
@@ -127,38 +103,56 @@ def test_paged_prefill_then_decode_matches_dense_attention() -> None:
     with torch.no_grad():
         # Step 1: both prompts but their last token, as one flat batch.
         positions, metadata = _metadata([5, 3], [5, 3], tables)
-        ids = torch.tensor(seq_a[:5] + seq_b[:3])
-        hidden = model(ids, positions, backend.prepare(metadata))
+        hidden = model(torch.tensor(seq_a[:5] + seq_b[:3]), positions, backend.prepare(metadata))
         prefill_logits = model.compute_logits(hidden[[4, 7]])
         # Step 2: one new token each, attending to what step 1 cached.
         positions, metadata = _metadata([1, 1], [6, 4], tables)
         hidden = model(torch.tensor([seq_a[5], seq_b[3]]), positions, backend.prepare(metadata))
         decode_logits = model.compute_logits(hidden)
-
-        ref_a, ref_b = _reference_logits(model, seq_a), _reference_logits(model, seq_b)
+        ref_a, ref_b = example.reference_logits(state, seq_a), example.reference_logits(state, seq_b)
     torch.testing.assert_close(prefill_logits, torch.stack([ref_a[4], ref_b[2]]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(decode_logits, torch.stack([ref_a[5], ref_b[3]]), rtol=1e-4, atol=1e-4)
 
 
-def test_load_weights_reports_what_it_loaded_and_rejects_strangers() -> None:
-    model = _model()
-    state = {f"model.{name}": torch.zeros_like(p) for name, p in model.named_parameters()}
-    loaded = model.load_weights(state.items())
-    assert loaded == {name for name, _ in model.named_parameters()}
-    assert all(bool((p == 0).all()) for p in model.parameters())
+def test_q_k_v_land_in_their_rows_of_the_fused_projection(example: Any) -> None:
+    model, state = _loaded_model(example)
+    stacked = torch.cat([state[f"model.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(model.qkv_proj.weight, stacked)
 
-    with pytest.raises(ValueError, match="unexpected weight 'layers.0.q_proj.weight'"):
+
+def test_load_weights_rejects_strangers_misfits_and_gaps(example: Any) -> None:
+    model, state = _loaded_model(example)
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.0.q_proj.weight'"):
         model.load_weights([("model.layers.0.q_proj.weight", torch.zeros(1))])
-    with pytest.raises(ValueError, match=r"weight 'lm_head.weight' has shape \(1,\)"):
-        model.load_weights([("lm_head.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match=r"weight 'model.k_proj.weight' has shape \(1,\), expected \(8, 16\)"):
+        model.load_weights([("model.k_proj.weight", torch.zeros(1))])
+    partial = {k: v for k, v in state.items() if k != "model.v_proj.weight"}
+    with pytest.raises(ValueError, match="the checkpoint lacks v_proj.weight"):
+        model.load_weights(partial.items())
 
 
-def test_plugin_module_imports_no_model_code() -> None:
-    import subprocess
+def test_served_by_the_engine_through_a_script_registration(
+    example: Any, example_checkpoint: Path, request: pytest.FixtureRequest
+) -> None:
+    """``ModelRegistry.register_model`` with a "module:Class" string: the engine generates what the reference does."""
+    from pagoda import LLM, ModelRegistry, SamplingParams
 
+    ModelRegistry.register_model(example.ARCHITECTURE, "pagoda_example_model.model:ExampleTinyForCausalLM")
+    request.addfinalizer(reset_plugin_manager)  # the registration lives in the process-wide plugin manager
+    llm = LLM(model=str(example_checkpoint), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=4,
+              max_num_batched_tokens=8)  # prompts longer than 8 tokens are chunked
+    state = example.checkpoint_state(seed=0)
+    prompts = [[5, 9, 11, 40, 41, 42, 43, 3, 17, 21, 8], [5, 9, 11, 40, 7], [60], [33, 34, 35, 36, 37, 38, 39, 50, 51]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6,
+                                                                                   ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == example.reference_greedy(state, prompt, 6), prompt
+
+
+def test_plugin_module_imports_no_model_code(example: Any) -> None:
     code = (
         "import sys; import pagoda_example_model.plugin;"
         "assert 'pagoda_example_model.model' not in sys.modules, 'model imported at discovery'"
     )
-    env = {**os.environ, "PYTHONPATH": str(PLUGIN_ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(example.PLUGIN_ROOT / "src")}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
