@@ -16,7 +16,7 @@ from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.models.registry import ModelRegistry
 from pagoda.platforms import Platform, resolve_platform, set_current_platform
-from pagoda.plugins import get_plugin_manager
+from pagoda.plugins import get_plugin_manager, load_plugins
 from pagoda.scheduler.output import EngineCoreOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
@@ -51,10 +51,24 @@ def prepare_engine_config(config: EngineConfig) -> Platform:
     return platform
 
 
+def replay_main_process_decisions(config: EngineConfig) -> None:
+    """In a process built from the (pickled) engine config: the main process's plugins and in-script models.
+
+    A no-op in the main process itself; a worker or engine-core process loads
+    exactly ``config.plugins`` and re-registers ``config.registered_models``, so
+    a ``ModelRegistry.register_model`` made in a user's script reaches it (vLLM
+    loses those in its workers).
+    """
+    load_plugins(config.plugins)
+    known = ModelRegistry.registered_in_script()
+    ModelRegistry.replay({arch: ref for arch, ref in config.registered_models.items() if known.get(arch) != ref})
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         self.config = config
         self.platform = platform
+        replay_main_process_decisions(config)
         platform.init_worker(config)
         platform.seed_everything(config.model.seed)
         self.runner = ModelRunner(config, platform)

@@ -149,6 +149,63 @@ def test_served_by_the_engine_through_a_script_registration(
         assert list(out.outputs[0].token_ids) == example.reference_greedy(state, prompt, 6), prompt
 
 
+_WORKER = """
+import pickle, sys
+from pagoda.engine.core import EngineCore
+from pagoda.platforms import resolve_platform, set_current_platform
+
+with open(sys.argv[1], "rb") as f:
+    config = pickle.load(f)
+platform = resolve_platform(config.device_config.device)
+set_current_platform(platform)
+core = EngineCore(config, platform)
+print("model", type(core.runner.model).__name__)
+"""
+
+
+def test_script_registration_reaches_a_worker_process(
+    example: Any, example_checkpoint: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A fresh process built from the pickled engine config (as a worker is) serves the script's model.
+
+    The example is not installed, so no entry point names it there: only the
+    registration carried in ``EngineConfig.registered_models`` can.
+    """
+    import importlib.metadata
+    import pickle
+
+    from pagoda import EngineArgs, ModelRegistry
+
+    try:
+        importlib.metadata.distribution("pagoda-example-model")
+        pytest.skip("the example is installed here, so its entry point would serve the worker without the config")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    from pagoda.engine.core import prepare_engine_config
+
+    ModelRegistry.register_model(example.ARCHITECTURE, "pagoda_example_model.model:ExampleTinyForCausalLM")
+    request.addfinalizer(reset_plugin_manager)
+    config = EngineArgs(model=str(example_checkpoint), dtype="float32", max_model_len=64,
+                        num_kv_blocks=16).create_engine_config()
+    prepare_engine_config(config)
+    assert config.registered_models == {example.ARCHITECTURE: "pagoda_example_model.model:ExampleTinyForCausalLM"}
+
+    env = {**os.environ, "PYTHONPATH": str(example.PLUGIN_ROOT / "src")}
+    worker = tmp_path / "worker.py"
+    worker.write_text(_WORKER)
+    for name, registered in (("with", config.registered_models), ("without", {})):
+        config.registered_models = registered
+        (tmp_path / f"{name}.pkl").write_bytes(pickle.dumps(config))
+        done = subprocess.run([sys.executable, str(worker), str(tmp_path / f"{name}.pkl")], env=env,
+                              capture_output=True, text=True, timeout=300)
+        if registered:
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert done.stdout.split() == ["model", example.ARCHITECTURE]
+        else:  # the control: the worker knows the architecture only through the config
+            assert done.returncode != 0
+            assert "ExampleTinyForCausalLM" in done.stderr and "not supported" in done.stderr
+
+
 def test_plugin_module_imports_no_model_code(example: Any) -> None:
     code = (
         "import sys; import pagoda_example_model.plugin;"
