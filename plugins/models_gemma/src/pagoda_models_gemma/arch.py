@@ -71,7 +71,9 @@ def _positive_or_none(cfg: Any, name: str) -> float | None:
 
 def _check_causal(cfg: Any) -> None:
     if getattr(cfg, "use_bidirectional_attention", False):
-        raise ValueError("use_bidirectional_attention=True (an encoder-style Gemma) is not supported: pagoda serves causal decoders")
+        raise ValueError(
+            "use_bidirectional_attention=True (an encoder-style Gemma) is not supported: pagoda serves causal decoders"
+        )
 
 
 def gemma_options(cfg: Any) -> GemmaOptions:

@@ -15,7 +15,7 @@ serve it unchanged; see ``weights.py`` for what that does to bfloat16 rounding.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from pagoda.layers import Embedding, LayerOpsModule, Linear, RotaryEmbedding, ga
 from pagoda.models.interface import config_for
 from pagoda_models_gemma.arch import GemmaOptions, gemma2_options, gemma3_options, gemma_options, head_dim
 from pagoda_models_gemma.norm import GemmaRMSNorm
-from pagoda_models_gemma.weights import load_gemma_weights
+from pagoda_models_gemma.weights import FUSED_PROJECTIONS, load_gemma_weights
 
 
 class GemmaAttention(LayerOpsModule):  # self.ops rotates q and k
@@ -135,10 +135,13 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary_emb = nn.ModuleDict({name: RotaryEmbedding(rope, dtype) for name, rope in options.ropes.items()})
 
+    def rotary_embeddings(self) -> dict[str, RotaryEmbedding]:
+        return {name: cast(RotaryEmbedding, rotary) for name, rotary in self.rotary_emb.items()}
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids).mul_(self.normalizer)
         # gathered once per step per RoPE table, shared by the layers that use it
-        cos_sin = {name: rotary.cos_sin(positions) for name, rotary in self.rotary_emb.items()}
+        cos_sin = {name: rotary.cos_sin(positions) for name, rotary in self.rotary_embeddings().items()}
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos_sin, metadata)
@@ -148,6 +151,9 @@ class GemmaModel(nn.Module):
 
 class GemmaForCausalLM(nn.Module):
     """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``)."""
+
+    # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
+    packed_modules_mapping: dict[str, list[str]] = FUSED_PROJECTIONS
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -169,7 +175,7 @@ class GemmaForCausalLM(nn.Module):
     @property
     def max_positions(self) -> int:
         """Longest context every RoPE table covers; the engine's max_model_len must not exceed it."""
-        return min(rotary.max_positions for rotary in self.model.rotary_emb.values())
+        return min(rotary.max_positions for rotary in self.model.rotary_embeddings().values())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, metadata)

@@ -17,8 +17,9 @@ Two things differ from a name-for-name copy:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -34,21 +35,28 @@ FUSED_PROJECTIONS: dict[str, list[str]] = {
 }
 _SHARD_OF = {part: (fused, i) for fused, parts in FUSED_PROJECTIONS.items() for i, part in enumerate(parts)}
 
+
+class _Packed(Protocol):
+    """A module owning fused projections: the row count of each stacked checkpoint projection, per fused name."""
+
+    shard_sizes: dict[str, list[int]]
+
+
 # Buffers some checkpoints carry that the engine recomputes.
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "embed_tokens.embed_scale")
 
 
+@dataclass(frozen=True)
 class _Target:
     """Where one checkpoint tensor goes: a parameter, or one shard of a fused one."""
 
-    def __init__(self, param_name: str, shard: int | None, tensor: torch.Tensor, norm_offset: bool) -> None:
-        self.param_name = param_name
-        self.shard = shard
-        self.tensor = tensor
-        self.norm_offset = norm_offset
+    param_name: str
+    shard: int | None  # None: the whole parameter
+    tensor: torch.Tensor
+    norm_offset: bool  # a GemmaRMSNorm weight: add 1
 
 
-def _target(model: GemmaForCausalLM, params: dict[str, torch.Tensor], norms: set[str], name: str) -> _Target | None:
+def _target(model: GemmaForCausalLM, params: Mapping[str, torch.Tensor], norms: set[str], name: str) -> _Target | None:
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in _SHARD_OF:
         fused, shard = _SHARD_OF[parts[-2]]
@@ -57,7 +65,7 @@ def _target(model: GemmaForCausalLM, params: dict[str, torch.Tensor], norms: set
         param = params.get(fused_name)
         if param is None:
             return None
-        sizes: list[int] = model.get_submodule(owner).shard_sizes[fused]
+        sizes = cast(_Packed, model.get_submodule(owner)).shard_sizes[fused]
         return _Target(fused_name, shard, param.data.narrow(0, sum(sizes[:shard]), sizes[shard]), False)
     param = params.get(name)
     return None if param is None else _Target(name, None, param.data, name in norms)
@@ -98,7 +106,7 @@ def load_gemma_weights(model: GemmaForCausalLM, weights: Iterable[tuple[str, tor
     return loaded
 
 
-def _missing(model: GemmaForCausalLM, params: dict[str, torch.Tensor], filled: dict[str, set[int]]) -> list[str]:
+def _missing(model: GemmaForCausalLM, params: Mapping[str, torch.Tensor], filled: dict[str, set[int]]) -> list[str]:
     """Checkpoint names (split projection names where the model stacks them) never filled."""
     names: list[str] = []
     for pname in params:
