@@ -131,13 +131,17 @@ def test_load_weights_rejects_strangers_misfits_and_gaps(example: Any) -> None:
         model.load_weights(partial.items())
 
 
+@pytest.mark.parametrize("by", ["string", "class"])
 def test_served_by_the_engine_through_a_script_registration(
-    example: Any, example_checkpoint: Path, request: pytest.FixtureRequest
+    by: str, example: Any, example_checkpoint: Path, request: pytest.FixtureRequest
 ) -> None:
-    """``ModelRegistry.register_model`` with a "module:Class" string: the engine generates what the reference does."""
+    """``ModelRegistry.register_model`` with "module:Class" or the class: the engine generates what the reference does."""
     from pagoda import LLM, ModelRegistry, SamplingParams
+    from pagoda_example_model.model import ExampleTinyForCausalLM
 
-    ModelRegistry.register_model(example.ARCHITECTURE, "pagoda_example_model.model:ExampleTinyForCausalLM")
+    ModelRegistry.register_model(
+        example.ARCHITECTURE, "pagoda_example_model.model:ExampleTinyForCausalLM" if by == "string" else ExampleTinyForCausalLM
+    )
     request.addfinalizer(reset_plugin_manager)  # the registration lives in the process-wide plugin manager
     llm = LLM(model=str(example_checkpoint), dtype="float32", max_model_len=64, num_kv_blocks=32, block_size=4,
               max_num_batched_tokens=8)  # prompts longer than 8 tokens are chunked

@@ -20,13 +20,18 @@ def generate(
 ) -> None:
     """Generate a completion for PROMPT (default model: SmolLM2-135M-Instruct)."""
     from pagoda.entrypoints.llm import LLM
+    from pagoda.model_loader import ModelLoadError
     from pagoda.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    llm = LLM(**engine_args.model_dump())
+    try:
+        llm = LLM(**engine_args.model_dump())
+    except ModelLoadError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     typer.echo(out.outputs[0].text)
 

@@ -68,8 +68,13 @@ def serve(
         raise typer.BadParameter(str(exc)) from exc
     if served_model_name:
         engine_args = engine_args.model_copy(update={"served_model_name": served_model_name[0]})
+    from pagoda.model_loader import ModelLoadError
+
     try:
         run_server(engine_args, server_args)
+    except ModelLoadError as exc:  # an OSError too (not found): not the socket's fault
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
     except OSError as exc:
         typer.echo(f"error: cannot listen on {host}:{port}: {exc}", err=True)
         raise typer.Exit(1) from exc
