@@ -8,9 +8,9 @@ MLPs, each a fused ``gate_up_proj`` and a ``down_proj``) and, for Qwen2-MoE, a
 
 A step's tokens are sorted by the expert they were routed to (one argsort and
 one bincount for the whole batch), so each expert runs as one matmul pair over
-all of its tokens; the weighted outputs are added back per token with one
-``index_add_``. Python loops only over the experts that received tokens, never
-over tokens. Every projection is a ``pagoda.layers.Linear``, so after loading the
+all of its tokens; one gather puts the outputs back in (token, k) order and a
+weighted sum over k combines them. Python loops only over the experts that
+received tokens, never over tokens. Every projection is a ``pagoda.layers.Linear``, so after loading the
 platform's linear kernel (``prepare_linear_layers``: on CPU the packed GEMM)
 serves the experts like any other layer, with no MoE-specific kernel.
 
@@ -64,27 +64,27 @@ def fused_experts(
     """sum_k weight[t, k] * experts[id[t, k]](hidden[t]) for every token t: [T, H] -> [T, H].
 
     Token-expert pairs are sorted by expert, so each expert sees its tokens as
-    one contiguous [n_e, H] block (one gate_up and one down matmul).
+    one contiguous [n_e, H] block (one gate_up and one down matmul). The outputs
+    go back to (token, k) order with one gather and are summed over k; CPU
+    ``index_add_`` (a serial scatter-add) took 8 ms a call here, most of a step.
     """
+    experts = list(experts)
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
-    # stable: within an expert, tokens keep batch order (the accumulation order transformers uses)
     order = torch.argsort(flat_ids, stable=True)
-    experts = list(experts)
     counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()
-    token_of = order // top_k
-    sorted_hidden = hidden.index_select(0, token_of)
-    sorted_weights = topk_weights.reshape(-1).index_select(0, order).to(hidden.dtype).unsqueeze(1)
-    out = torch.zeros_like(hidden)
+    sorted_hidden = hidden.index_select(0, order // top_k)
+    sorted_out = torch.empty_like(sorted_hidden)
     start = 0
     for expert, count in zip(experts, counts):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        expert_out = expert(sorted_hidden[rows])
-        out.index_add_(0, token_of[rows], expert_out.mul_(sorted_weights[rows]))
-        start += count
-    return out
+        if count:
+            sorted_out[start : start + count] = expert(sorted_hidden[start : start + count])
+            start += count
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    per_slot = sorted_out.index_select(0, inverse).view(num_tokens, top_k, -1)
+    # k-th term added in k order: for top-2 bit-identical to transformers' accumulation
+    return (per_slot * topk_weights.to(hidden.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 class FusedMoE(nn.Module):
