@@ -25,7 +25,9 @@ def test_hf_overrides_architectures_picks_another_registered_class(tiny_model_di
 
 def test_unknown_architecture_lists_the_registered_ones(tiny_model_dir) -> None:
     path, _ = tiny_model_dir("llama")
-    with pytest.raises(ValueError, match=r"NopeForCausalLM.*Registered architectures:.*LlamaForCausalLM"):
+    with pytest.raises(
+        ValueError, match=r"NopeForCausalLM.*transformers fallback.*Installed model families:.*LlamaForCausalLM"
+    ):
         LLM(model=str(path), skip_tokenizer_init=True, hf_overrides={"architectures": ["NopeForCausalLM"]})
 
 

@@ -34,7 +34,8 @@ class ModelConfig(_Config):
     max_model_len: int | None = Field(None, gt=0, description="Context length (prompt + output); defaults to the model's.")
     hf_overrides: dict[str, Any] | None = Field(None, description="Values that override the model's config.json (e.g. architectures).")
     skip_tokenizer_init: bool = Field(False, description="Do not load a tokenizer; prompts must be token ids.")
-    trust_remote_code: bool = Field(False, description="Accepted for vLLM compatibility; remote code is never executed.")
+    trust_remote_code: bool = Field(False, description="Let transformers run the model directory's own Python code (config, tokenizer and, through the transformers fallback, the model: auto_map). Off: such a model is refused.")
+    model_impl: Literal["auto", "pagoda", "transformers"] = Field("auto", description="Which implementation serves the model: 'pagoda' = a model-family plugin's own, 'transformers' = the transformers fallback (pagoda-models-transformers) over pagoda's paged attention, 'auto' = the first if a family implements the architecture, else the second.")
     served_model_name: str | None = Field(None, description="Model name the server reports; defaults to the model path.")
     max_logprobs: int = Field(20, ge=0, description="Largest number of logprobs a request may ask for.")
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field("raw_logprobs", description="What logprobs report.")
@@ -103,7 +104,7 @@ def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = 
     from pagoda.models.interface import config_for
 
     source = resolve_model_path(model.model, model.revision, download_dir)
-    hf_config = load_model_config(source, model.hf_overrides)
+    hf_config = load_model_config(source, model.hf_overrides, model.trust_remote_code)
     text_config = config_for(hf_config)
     generation = load_generation_defaults(source, model.generation_config, model.override_generation_config)
     logger.info("%s", generation.describe())
@@ -186,6 +187,7 @@ class EngineArgs(_Config):
     hf_overrides: dict[str, Any] | None = _field_of(ModelConfig, "hf_overrides")
     skip_tokenizer_init: bool = _field_of(ModelConfig, "skip_tokenizer_init")
     trust_remote_code: bool = _field_of(ModelConfig, "trust_remote_code")
+    model_impl: Literal["auto", "pagoda", "transformers"] = _field_of(ModelConfig, "model_impl")
     served_model_name: str | None = _field_of(ModelConfig, "served_model_name")
     max_logprobs: int = _field_of(ModelConfig, "max_logprobs")
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = _field_of(ModelConfig, "logprobs_mode")

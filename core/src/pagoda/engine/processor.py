@@ -42,7 +42,8 @@ class Processor:
         self.config = config
         self.model_config = config.model
         self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(
-            model.source, config.model.tokenizer, config.model.tokenizer_revision, config.load_config.download_dir
+            model.source, config.model.tokenizer, config.model.tokenizer_revision, config.load_config.download_dir,
+            trust_remote_code=config.model.trust_remote_code,
         )
         self.max_model_len = model.max_model_len
         self.vocab_size = model.vocab_size or (len(self.tokenizer) if self.tokenizer is not None else 0)

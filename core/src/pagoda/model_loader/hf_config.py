@@ -16,29 +16,38 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_hf_config(source: ModelSource, hf_overrides: dict[str, Any] | None = None) -> PretrainedConfig:
-    """Read the config (offline: ``local_files_only``) and apply ``hf_overrides`` on top."""
-    config: PretrainedConfig = _load_config(source, hf_overrides, light=False)
+def load_hf_config(
+    source: ModelSource, hf_overrides: dict[str, Any] | None = None, trust_remote_code: bool = False
+) -> PretrainedConfig:
+    """Read the config (offline: ``local_files_only``) and apply ``hf_overrides`` on top.
+
+    ``trust_remote_code`` lets transformers import the directory's own config class (``auto_map``).
+    """
+    config: PretrainedConfig = _load_config(source, hf_overrides, light=False, trust_remote_code=trust_remote_code)
     return config
 
 
-def load_model_config(source: ModelSource, hf_overrides: dict[str, Any] | None = None) -> Any:
+def load_model_config(
+    source: ModelSource, hf_overrides: dict[str, Any] | None = None, trust_remote_code: bool = False
+) -> Any:
     """What the engine builds its model from: ``load_hf_config``'s values, or a ``CachedHFConfig`` of them.
 
     The engine's start-up path: a GGUF file's cached config comes back without
     importing transformers' config classes. Not for handing to transformers' own
     model classes, which insist on a ``PretrainedConfig`` (use ``load_hf_config``).
     """
-    return _load_config(source, hf_overrides, light=True)
+    return _load_config(source, hf_overrides, light=True, trust_remote_code=trust_remote_code)
 
 
-def _load_config(source: ModelSource, hf_overrides: dict[str, Any] | None, light: bool) -> Any:
+def _load_config(
+    source: ModelSource, hf_overrides: dict[str, Any] | None, light: bool, trust_remote_code: bool = False
+) -> Any:
     # transformers takes seconds to import: only pay for it when a config is read
     try:
         if source.kind == "gguf":
             config = _load_gguf_config_cached(source, light)
         else:
-            config = _load_hf_dir_config(source)
+            config = _load_hf_dir_config(source, trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"Cannot read the model config of {source.display_name}: {exc}") from exc
 
@@ -47,7 +56,7 @@ def _load_config(source: ModelSource, hf_overrides: dict[str, Any] | None, light
     return config
 
 
-def _load_hf_dir_config(source: ModelSource) -> Any:
+def _load_hf_dir_config(source: ModelSource, trust_remote_code: bool = False) -> Any:
     """config.json through AutoConfig; a model_type transformers does not know is read as a plain config.
 
     An out-of-tree model family (docs/adding_a_model.md) brings its own
@@ -58,7 +67,9 @@ def _load_hf_dir_config(source: ModelSource) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
-        return AutoConfig.from_pretrained(str(source.path), local_files_only=True, trust_remote_code=False)
+        return AutoConfig.from_pretrained(
+            str(source.path), local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except ValueError:
         config_dict, _ = PretrainedConfig.get_config_dict(str(source.path), local_files_only=True)
         model_type = config_dict.get("model_type")

@@ -19,9 +19,12 @@ logger = logging.getLogger(__name__)
 
 def load_tokenizer(
     source: ModelSource, tokenizer: str | Path | None = None, revision: str | None = None,
-    download_dir: str | Path | None = None,
+    download_dir: str | Path | None = None, trust_remote_code: bool = False,
 ) -> PreTrainedTokenizerFast:
-    """The fast tokenizer of ``tokenizer`` (a HF directory, .gguf file or hub id) or, when None, of the model itself."""
+    """The fast tokenizer of ``tokenizer`` (a HF directory, .gguf file or hub id) or, when None, of the model itself.
+
+    ``trust_remote_code`` lets transformers import the directory's own tokenizer class (``auto_map``).
+    """
     # transformers takes seconds to import: only pay for it when a tokenizer is loaded
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -34,7 +37,7 @@ def load_tokenizer(
             loaded = _load_gguf_tokenizer(tokenizer_source)
         else:
             loaded = AutoTokenizer.from_pretrained(
-                str(tokenizer_source.path), local_files_only=True, trust_remote_code=False
+                str(tokenizer_source.path), local_files_only=True, trust_remote_code=trust_remote_code
             )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"Cannot load the tokenizer of {tokenizer_source.display_name}: {exc}") from exc

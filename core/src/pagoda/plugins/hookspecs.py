@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         AttentionBackendSpec,
         IOProcessorSpec,
         LogitsProcessorSpec,
+        ModelFallbackSpec,
         ModelSpec,
         PlatformSpec,
         QuantizationSpec,
@@ -36,6 +37,17 @@ def pagoda_register_platforms() -> list[PlatformSpec]:
 @hookspec
 def pagoda_register_model_families() -> list[ModelSpec]:
     """Model architectures (HF ``architectures`` names) this plugin implements."""
+    raise NotImplementedError
+
+
+@hookspec
+def pagoda_register_model_fallbacks() -> list[ModelFallbackSpec]:
+    """Generic model implementations for architectures no family implements (plugin API 1.1).
+
+    ``model_impl="auto"`` uses the first one when no family implements the
+    model's architecture; ``model_impl="transformers"`` asks for the one named
+    ``"transformers"``.
+    """
     raise NotImplementedError
 
 

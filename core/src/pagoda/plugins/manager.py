@@ -23,6 +23,7 @@ from pagoda.plugins.specs import (
     AttentionBackendSpec,
     IOProcessorSpec,
     LogitsProcessorSpec,
+    ModelFallbackSpec,
     ModelSpec,
     PlatformSpec,
     PluginInfo,
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 # MAJOR.MINOR. A plugin written for 1.x loads on any core 1.y with y >= x;
 # core adds hooks and hook arguments only additively within a major version.
-API_VERSION = "1.0"
+# 1.1: pagoda_register_model_fallbacks.
+API_VERSION = "1.1"
 API_VERSION_ATTR = "PAGODA_PLUGIN_API_VERSION"
 PLUGINS_ENV = "PAGODA_PLUGINS"
 
@@ -53,6 +55,7 @@ ENTRY_POINT_GROUPS: dict[str, str] = {
 _REGISTER_HOOKS: dict[str, tuple[type, str]] = {
     "pagoda_register_platforms": (PlatformSpec, "name"),
     "pagoda_register_model_families": (ModelSpec, "architecture"),
+    "pagoda_register_model_fallbacks": (ModelFallbackSpec, "name"),
     "pagoda_register_attention_backends": (AttentionBackendSpec, "name"),
     "pagoda_register_quantization_methods": (QuantizationSpec, "name"),
     "pagoda_register_io_processors": (IOProcessorSpec, "name"),
@@ -372,6 +375,15 @@ class PluginManager:
 
     def model_families(self) -> dict[str, ModelSpec]:
         return self._by_name("pagoda_register_model_families", "architecture")
+
+    def model_fallbacks(self) -> dict[str, ModelFallbackSpec]:
+        return self._by_name("pagoda_register_model_fallbacks", "name")
+
+    def provider_of(self, kind: str, name: str) -> PluginInfo | None:
+        """The loaded plugin whose ``provides`` lists ``kind:name`` (e.g. ``model_families:LlamaForCausalLM``)."""
+        self._collect()
+        wanted = f"{kind}:{name}"
+        return next((i for i in self.infos if i.status == "loaded" and wanted in i.provides), None)
 
     def attention_backends(self) -> dict[str, AttentionBackendSpec]:
         return self._by_name("pagoda_register_attention_backends", "name")

@@ -54,6 +54,30 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class ModelFallbackSpec:
+    """A generic implementation that serves architectures no family implements (vLLM's ``model_impl="transformers"``).
+
+    ``cls`` names the model class, built as ``cls(hf_config, dtype, trust_remote_code=...)``;
+    ``check`` names ``check(hf_config, trust_remote_code) -> list[str]``, the reasons the
+    fallback cannot serve that config (empty: it can). Both are imported only when a model
+    asks for the fallback (or ``pagoda plugins list`` names an architecture).
+    """
+
+    name: str
+    cls: str
+    check: str
+    # Shown in `pagoda plugins list` and in errors: what the fallback serves, in words.
+    description: str = ""
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+    def reasons_unsupported(self, hf_config: Any, trust_remote_code: bool = False) -> list[str]:
+        reasons: list[str] = import_object(self.check)(hf_config, trust_remote_code)
+        return reasons
+
+
+@dataclass(frozen=True)
 class AttentionBackendSpec:
     name: str
     cls: str

@@ -20,7 +20,7 @@ from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.layers import bind_layer_ops, prepare_linear_layers
 from pagoda.model_loader import iter_weights
-from pagoda.models.registry import ModelRegistry
+from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
@@ -97,19 +97,25 @@ class ModelRunner:
         self.memory: MemoryReport | None = None
         # CUDA graphs for decode steps (pagoda.worker.graphs); None: every step runs eagerly.
         self.graphs: DecodeGraphRunner | None = None
+        # which implementation serves the model (pagoda.models.registry), set by load_model
+        self.model_choice: ModelChoice | None = None
 
     # -- set-up --------------------------------------------------------------
     def load_model(self) -> None:
         archs = list(getattr(self.hf_config, "architectures", None) or [])
         if not archs:
             raise ValueError(f"the model config at {self.source.path} names no architectures; pass hf_overrides={{'architectures': [...]}}")
-        cls = ModelRegistry.resolve_model_cls(archs)
+        model_config = self.config.model
+        choice = ModelRegistry.resolve(archs, model_config.model_impl, self.hf_config, model_config.trust_remote_code)
+        logger.info("%s", choice.describe())
+        self.model_choice = choice
+        cls = choice.load()
         t0 = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.hf_config, self.dtype)
+                model = cls(self.hf_config, self.dtype, **choice.init_kwargs)
         finally:
             torch.set_default_dtype(prev)
         # Every tensor is cast to the parameters' one dtype on load: a GGUF file's
