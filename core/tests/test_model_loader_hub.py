@@ -163,3 +163,19 @@ def test_llm_loads_a_hub_id_offline(hub_cache: Path) -> None:
     assert len(out.outputs[0].token_ids) == 5  # the model's max_new_tokens applied
     again = llm.generate("w5 w6 w7", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
     assert again.outputs[0].token_ids == out.outputs[0].token_ids  # and its greedy temperature
+
+
+def test_download_fetches_only_the_files_pagoda_reads() -> None:
+    from pagoda.model_loader.hub import _patterns_for
+
+    repo = HubModelId("org/m")
+    files = ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+             "tokenizer.json", "README.md", "onnx/model.onnx"]
+    patterns = _patterns_for(repo, files)
+    assert "*.safetensors" in patterns and "*.bin" not in patterns and "*.json" in patterns
+    assert "*.bin" in _patterns_for(repo, ["config.json", "pytorch_model.bin"])
+    ggufs = ["m-Q4_K_M.gguf", "m-Q8_0.gguf", "README.md"]
+    assert _patterns_for(HubModelId("org/m", "Q8_0"), ggufs) == ["m-Q8_0.gguf"]
+    assert _patterns_for(repo, ["only-Q4_0.gguf"]) == ["only-Q4_0.gguf"]
+    with pytest.raises(ModelLoadError, match="holds no safetensors"):
+        _patterns_for(repo, ["config.json", "README.md"])

@@ -27,6 +27,7 @@ def run_batch(
     from pagoda.entrypoints.openai.run_batch import check_files, run_batch_file
     from pagoda.entrypoints.openai.server_args import ServerArgs
     from pagoda.entrypoints.openai.serving_common import ServingContext
+    from pagoda.model_loader import ModelLoadError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
@@ -36,7 +37,11 @@ def run_batch(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     server_args = ServerArgs.model_validate({"chat_template": chat_template})
-    engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args)
+    except ModelLoadError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     try:
         ctx = ServingContext(
             engine=engine,
