@@ -40,6 +40,7 @@ class ModelConfig(_Config):
     max_logprobs: int = Field(20, ge=0, description="Largest number of logprobs a request may ask for.")
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field("raw_logprobs", description="What logprobs report.")
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs; every step runs eagerly (GPU platforms).")
+    io_processor_plugin: str | None = Field(None, description="IO processor plugin (pagoda.io_processors group) that turns custom /pooling and LLM.encode requests into prompts and pooled outputs into custom responses; None = the model config's io_processor_plugin key, if any.")
 
 
 class CacheConfig(_Config):
@@ -192,6 +193,7 @@ class EngineArgs(_Config):
     max_logprobs: int = _field_of(ModelConfig, "max_logprobs")
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = _field_of(ModelConfig, "logprobs_mode")
     enforce_eager: bool = _field_of(ModelConfig, "enforce_eager")
+    io_processor_plugin: str | None = _field_of(ModelConfig, "io_processor_plugin")
     block_size: int | None = _field_of(CacheConfig, "block_size")
     enable_prefix_caching: bool = _field_of(CacheConfig, "enable_prefix_caching")
     num_kv_blocks: int | None = _field_of(CacheConfig, "num_kv_blocks")

@@ -39,6 +39,10 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     # SamplingParams field -> value for fields a request leaves unset (the model's generation config)
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    # what the model is for (vLLM's supported tasks): "generate", or pooling tasks ("embed", "classify", "score", ...)
+    supported_tasks: tuple[str, ...] = ("generate",)
+    # the IO processor plugin (pagoda.plugins.io_processors) that /pooling requests with "data" go to
+    io_processor: Any = None
 
     @property
     def model_name(self) -> str:

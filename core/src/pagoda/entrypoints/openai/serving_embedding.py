@@ -1,0 +1,138 @@
+"""POST /v1/embeddings, /pooling (the pooler's raw output, or an IO processor plugin's request) and /classify."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
+    EmbeddingChatRequest,
+    EmbeddingCompletionRequest,
+    IOProcessorRequest,
+    PoolingChatRequest,
+    PoolingCompletionRequest,
+)
+from pagoda.entrypoints.openai.serving_common import ServingContext, new_id
+from pagoda.entrypoints.openai.serving_pooling import (
+    chat_input_prompt,
+    default_pooling_task,
+    encode_pooled,
+    engine_prompt,
+    indexed,
+    input_prompts,
+    pooled_data,
+    pooling_params,
+    pooling_usage,
+    require_task,
+    run_pooling,
+)
+
+
+def _prompts(ctx: ServingContext, req: Any) -> list[dict[str, Any]]:
+    if hasattr(req, "messages"):
+        text, ids = chat_input_prompt(ctx, req, req.truncate_prompt_tokens)
+        return [engine_prompt(text, ids)]
+    return [engine_prompt(text, ids) for text, ids in
+            input_prompts(ctx, req.input, req.add_special_tokens, req.truncate_prompt_tokens)]
+
+
+async def create_embedding(ctx: ServingContext, req: EmbeddingCompletionRequest | EmbeddingChatRequest,
+                           raw_request: Request) -> dict[str, Any]:
+    ctx.check_model(req.model)
+    require_task(ctx, "/v1/embeddings", "embed")
+    prompts = _prompts(ctx, req)
+    params = pooling_params(task="embed", dimensions=req.dimensions, normalize=req.normalize)
+    request_id = req.request_id or new_id("embd")
+    outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, req.priority)
+    data = [{"index": i, "object": "embedding", "embedding": encode_pooled(pooled_data(o), req.encoding_format)}
+            for i, o in enumerate(outputs)]
+    return {"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.model_name,
+            "data": data, "usage": pooling_usage(outputs)}
+
+
+async def create_pooling(ctx: ServingContext, req: PoolingCompletionRequest | PoolingChatRequest,
+                         raw_request: Request) -> dict[str, Any]:
+    ctx.check_model(req.model)
+    task = req.task or default_pooling_task(ctx)
+    require_task(ctx, "/pooling", task or "embed")
+    prompts = _prompts(ctx, req)
+    params = pooling_params(task=task, dimensions=req.dimensions, normalize=req.normalize,
+                            use_activation=req.use_activation)
+    request_id = req.request_id or new_id("pool")
+    outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, req.priority)
+    data = [{"index": i, "object": "pooling", "data": encode_pooled(pooled_data(o), req.encoding_format)}
+            for i, o in enumerate(outputs)]
+    return {"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.model_name,
+            "data": data, "usage": pooling_usage(outputs)}
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    """A plugin's pre_process may return one prompt (text, dict, token ids) or a sequence of them."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise APIError(f"the IO processor's pre_process returned {type(prompts).__name__}, not a prompt or a list of "
+                   "prompts", 500)
+
+
+async def create_io_processor_pooling(ctx: ServingContext, req: IOProcessorRequest, raw_request: Request) -> Any:
+    """vLLM's plugin flow: parse_request -> pre_process -> encode each prompt -> post_process -> output_to_response."""
+    ctx.check_model(req.model)
+    processor = ctx.io_processor
+    if processor is None:
+        raise APIError("This request has 'data', which is for an IO processor plugin, and the server runs none: start it "
+                       "with --io-processor-plugin NAME (see `pagoda plugins list`), or send 'input' or 'messages'.",
+                       400, "data")
+    request_id = req.request_id or new_id("pool")
+    try:
+        validated = processor.parse_request(req)
+        prompts = _as_prompt_list(await processor.pre_process_async(validated, request_id=request_id))
+    except APIError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise APIError(f"the IO processor refused the request: {exc}", 400, "data") from None
+    if not prompts:
+        raise APIError("the IO processor made no prompt of this request", 400, "data")
+    params = processor.validate_or_generate_params()
+    if getattr(params, "task", None) is None:
+        params = params.clone() if hasattr(params, "clone") else params
+        params.task = default_pooling_task(ctx)
+    outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, req.priority)
+    try:
+        plugin_output = await processor.post_process_async(indexed(outputs), request_id=request_id)
+        response = processor.output_to_response(plugin_output)
+    except (ValueError, TypeError) as exc:
+        raise APIError(f"the IO processor could not build the response: {exc}", 400, "data") from None
+    if response.request_id is None:
+        response.request_id = request_id
+    return response.model_dump(mode="json")
+
+
+async def create_classify(ctx: ServingContext, req: ClassificationRequest, raw_request: Request) -> dict[str, Any]:
+    ctx.check_model(req.model)
+    require_task(ctx, "/classify", "classify")
+    prompts = [engine_prompt(text, ids) for text, ids in
+               input_prompts(ctx, req.input, req.add_special_tokens, req.truncate_prompt_tokens)]
+    params = pooling_params(task="classify", use_activation=req.use_activation)
+    request_id = req.request_id or new_id("classify")
+    outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, req.priority)
+    id2label = _id2label(ctx)
+    data = []
+    for i, o in enumerate(outputs):
+        probs = pooled_data(o).flatten()
+        best = int(probs.argmax()) if probs.numel() else 0
+        data.append({"index": i, "label": id2label.get(best), "probs": probs.tolist(), "num_classes": probs.numel()})
+    return {"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.model_name,
+            "data": data, "usage": pooling_usage(outputs)}
+
+
+def _id2label(ctx: ServingContext) -> dict[int, str]:
+    config = ctx.engine.config.resolved.hf_config
+    return {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
