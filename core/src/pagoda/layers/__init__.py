@@ -2,6 +2,7 @@
 
 from pagoda.layers.activation import Activation, GeluAndMul, SiluAndMul, gated_activation
 from pagoda.layers.embedding import Embedding
+from pagoda.layers.head_norm import PerHeadLayerNorm
 from pagoda.layers.linear import Linear, LinearKernel, prepare_linear_layers
 from pagoda.layers.moe import FusedMoE, GatedMLP, fused_experts, fused_topk
 from pagoda.layers.norm import LayerNorm, RMSNorm
@@ -21,6 +22,7 @@ __all__ = [
     "LayerOpsModule",
     "Linear",
     "LinearKernel",
+    "PerHeadLayerNorm",
     "RMSNorm",
     "RopeConfig",
     "RotaryEmbedding",

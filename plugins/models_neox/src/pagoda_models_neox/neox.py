@@ -1,0 +1,250 @@
+"""Rotary LayerNorm decoders for the engine: GPT-NeoX (Pythia), Phi (1, 1.5, 2) and StableLM.
+
+One decoder with per-architecture switches (``arch.NeoXOptions``): LayerNorm
+with bias, RoPE on the first ``partial_rotary_factor`` of each head, and
+attention and MLP either one after the other or side by side on the residual
+stream (``use_parallel_residual``; Phi always). Written for a flat token batch
+as the Llama family is: activations are [T, hidden], q/k/v are one matmul
+(``qkv_proj``; GPT-NeoX's checkpoint already fuses them, per head, and the
+loader reorders its rows), so are gate/up of a SwiGLU MLP (StableLM), RoPE
+rotates q and k in place inside the fused QKV output, and attention goes
+through ``pagoda.attention.Attention``.
+
+Parameter names are one scheme for all three architectures (Llama's, plus
+``mlp.fc1`` / ``fc2`` for the plain MLP); each architecture's checkpoint names
+reach them through its ``checkpoint_renames`` table (``weights.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.attention import Attention, AttentionMetadata
+from pagoda.layers import (
+    Activation,
+    Embedding,
+    LayerNorm,
+    LayerOpsModule,
+    Linear,
+    PerHeadLayerNorm,
+    RotaryEmbedding,
+    gated_activation,
+    rope_config_from_hf,
+)
+from pagoda.models.interface import config_for
+from pagoda_models_neox.arch import NeoXOptions, gpt_neox_options, phi_options, stablelm_options
+from pagoda_models_neox.weights import GATE_UP_PROJ, GPT_NEOX_RENAMES, PHI_RENAMES, QKV_PROJ, load_neox_weights
+
+
+def _qk_norm(options: NeoXOptions, num_heads: int, eps: float, dtype: torch.dtype) -> nn.Module | None:
+    if options.qk_norm == "shared":
+        return LayerNorm(options.head_dim, eps, dtype, bias=options.qk_norm_bias)
+    if options.qk_norm == "per_head":
+        return PerHeadLayerNorm(num_heads, options.head_dim, eps, dtype, bias=options.qk_norm_bias)
+    return None
+
+
+class NeoXAttention(LayerOpsModule):  # self.ops rotates q and k
+    def __init__(self, cfg: Any, options: NeoXOptions, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = options.num_kv_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        self.head_dim = options.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # row counts of the checkpoint's q/k/v projections stacked into qkv_proj
+        self.shard_sizes = {"qkv_proj": [self.q_size, self.kv_size, self.kv_size]}
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, options.qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, options.o_proj_bias, dtype)
+        self.q_layernorm = _qk_norm(options, self.num_heads, cfg.layer_norm_eps, dtype)
+        self.k_layernorm = _qk_norm(options, self.num_kv_heads, cfg.layer_norm_eps, dtype)
+        self.attn = Attention(
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            scale=self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            layer_idx=layer_idx,
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        # q and k heads side by side: one rotation call covers both (only the first rotary_dim channels turn).
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_layernorm is not None and self.k_layernorm is not None:
+            q_heads, k_heads = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            q_heads.copy_(self.q_layernorm(q_heads))
+            k_heads.copy_(self.k_layernorm(k_heads))
+        self.ops.rotary_neox_(qk, cos, sin)
+        q = qkv[:, : self.q_size]
+        k = qkv[:, self.q_size : self.q_size + self.kv_size]
+        v = qkv[:, self.q_size + self.kv_size :]
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+
+class NeoXMLP(nn.Module):
+    """fc2(act(fc1(x))): GPT-NeoX's dense_h_to_4h / dense_4h_to_h and Phi's fc1 / fc2."""
+
+    def __init__(self, cfg: Any, options: NeoXOptions, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, options.mlp_bias, dtype)
+        self.fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
+        self.act = Activation(options.hidden_act)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(hidden)))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up as one projection (StableLM's SwiGLU)."""
+
+    def __init__(self, cfg: Any, options: NeoXOptions, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shard_sizes = {"gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, options.mlp_bias, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
+        self.act_fn = gated_activation(options.hidden_act)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+
+
+class NeoXDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, options: NeoXOptions, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps = cfg.layer_norm_eps
+        self.residual = options.residual
+        self.self_attn = NeoXAttention(cfg, options, layer_idx, dtype)
+        self.mlp = NeoXMLP(cfg, options, dtype) if options.mlp == "plain" else GatedMLP(cfg, options, dtype)
+        self.input_layernorm = LayerNorm(cfg.hidden_size, eps, dtype)
+        # the MLP's own norm; with a shared norm the MLP reads input_layernorm's output
+        shared = options.residual == "parallel_shared_norm"
+        self.post_attention_layernorm = None if shared else LayerNorm(cfg.hidden_size, eps, dtype)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        normed = self.input_layernorm(hidden)
+        attn = self.self_attn(normed, cos, sin, metadata)
+        if self.residual == "sequential":
+            assert self.post_attention_layernorm is not None
+            hidden = attn.add_(hidden)
+            return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
+        mlp_in = normed if self.post_attention_layernorm is None else self.post_attention_layernorm(hidden)
+        # (attn + mlp) + hidden: transformers' order for GPT-NeoX and Phi (StableLM adds hidden first)
+        return attn.add_(self.mlp(mlp_in)).add_(hidden)
+
+
+class NeoXModel(nn.Module):
+    def __init__(self, cfg: Any, options: NeoXOptions, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(NeoXDecoderLayer(cfg, options, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(rope_config_from_hf(cfg), dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions)  # gathered once per step, shared by all layers
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, metadata)
+        return self.norm(hidden)
+
+
+class NeoXFamilyForCausalLM(nn.Module):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``); subclasses name the architecture."""
+
+    # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
+    packed_modules_mapping: dict[str, list[str]] = {}
+    # (checkpoint part, model part) from checkpoint names to this model's parameter names (weights.substitute)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        cfg = config_for(hf_config)
+        self.config = cfg
+        self.dtype = dtype
+        self.options = self.decoder_options(cfg)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.model = NeoXModel(cfg, self.options, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.options.lm_head_bias, dtype)
+        if self.tie_word_embeddings:
+            # One tensor, two modules: parameters() lists it once, under the embedding's name.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> NeoXOptions:
+        raise NotImplementedError(f"{cls.__name__} names no architecture; use one of its subclasses")
+
+    @property
+    def max_positions(self) -> int:
+        """Longest context the RoPE table covers; the engine's max_model_len must not exceed it."""
+        return self.model.rotary_emb.max_positions
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # In the model dtype: the sampler widens only when it must (not for a greedy argmax).
+        return self.lm_head(hidden_states)
+
+    def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor (under this model's parameter name) in the layout the parameter has."""
+        return tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = load_neox_weights(self, weights)
+        if self.tie_word_embeddings:
+            # Materialising from the meta device (to_empty) gives each module its own tensor: tie again.
+            self.lm_head.weight = self.model.embed_tokens.weight
+        return loaded
+
+
+class GPTNeoXForCausalLM(NeoXFamilyForCausalLM):
+    checkpoint_renames = GPT_NEOX_RENAMES
+
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> NeoXOptions:
+        return gpt_neox_options(cfg)
+
+    def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """GPT-NeoX's fused query_key_value rows are [heads, 3, head_dim] (q, k, v of head 0, then head 1 ...).
+
+        transformers views the output as [T, heads, 3 * head_dim] and splits each head's slice in three;
+        the model wants all q rows, then all k, then all v ([3, heads, head_dim]) so q, k and v are
+        contiguous column blocks of the matmul output.
+        """
+        if not name.endswith((".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")):
+            return tensor
+        heads, head_dim = self.config.num_attention_heads, self.options.head_dim
+        if tensor.shape[0] != 3 * heads * head_dim:
+            return tensor  # the loader reports the shape mismatch by name
+        rest = tuple(tensor.shape[1:])
+        return tensor.reshape(heads, 3, head_dim, *rest).transpose(0, 1).reshape(tensor.shape)
+
+
+class PhiForCausalLM(NeoXFamilyForCausalLM):
+    packed_modules_mapping = QKV_PROJ
+    checkpoint_renames = PHI_RENAMES
+
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> NeoXOptions:
+        return phi_options(cfg)
+
+
+class StableLmForCausalLM(NeoXFamilyForCausalLM):
+    packed_modules_mapping = {**QKV_PROJ, **GATE_UP_PROJ}
+
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> NeoXOptions:
+        return stablelm_options(cfg)
