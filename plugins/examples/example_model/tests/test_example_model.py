@@ -207,7 +207,7 @@ def test_script_registration_reaches_a_worker_process(
             assert done.stdout.split() == ["model", example.ARCHITECTURE]
         else:  # the control: the worker knows the architecture only through the config
             assert done.returncode != 0
-            assert "ExampleTinyForCausalLM" in done.stderr and "not supported" in done.stderr
+            assert "UnsupportedArchitectureError" in done.stderr and "ExampleTinyForCausalLM" in done.stderr
 
 
 def test_plugin_module_imports_no_model_code(example: Any) -> None:
