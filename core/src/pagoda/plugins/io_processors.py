@@ -69,12 +69,13 @@ class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
         return self.pre_process(prompt, request_id, **kwargs)
 
     def validate_or_generate_params(self, params: Any = None) -> Any:
-        """The ``PoolingParams`` the prompts run with; ``params`` is what the caller passed (offline) or None."""
+        """The ``PoolingParams`` the prompts run with; ``params`` is what the caller passed (offline) or None.
+        Params without a task run the model's own pooling task (its first of embed, classify, score, ...)."""
         if params is not None:
             return params
         from pagoda.pooling_params import PoolingParams
 
-        return PoolingParams(task="encode")
+        return PoolingParams()
 
     @abstractmethod
     def post_process(self, model_output: Sequence[Any], request_id: str | None = None,

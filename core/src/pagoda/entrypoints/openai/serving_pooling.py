@@ -178,11 +178,24 @@ async def run_pooling(ctx: ServingContext, raw_request: Request, prompts: Sequen
     try:
         return await until_disconnected(raw_request, run_all())
     except ValueError as exc:
-        raise APIError(str(exc), 400, "input") from None
+        message = str(exc)
+        raise APIError(message, 400, _engine_param(message)) from None
     except EngineDeadError as exc:
         raise APIError(f"the engine is not running: {exc}", 503) from None
     except EngineGenerateError as exc:
         raise APIError(f"internal engine error: {exc}", 500) from None
+
+
+# PoolingParams' checks name these; any other refusal is about the prompt
+_POOLING_PARAM_NAMES = ("dimensions", "normalize", "use_activation", "truncate_prompt_tokens")
+
+
+def _engine_param(message: str) -> str:
+    if "matryoshka" in message:
+        return "dimensions"
+    # "Task X only supports [...] parameters, does not support [...] parameters": the second list is at fault
+    at_fault = message.rpartition("does not support")[2] or message
+    return next((name for name in _POOLING_PARAM_NAMES if name in at_fault), "input")
 
 
 async def indexed(outputs: Sequence[Any]) -> AsyncIterator[tuple[int, Any]]:
