@@ -206,4 +206,6 @@ def test_an_unsupported_activation_is_refused() -> None:
     with pytest.raises(ValueError, match="activation 'tanh' is not supported"):
         neox.GPTNeoXForCausalLM(GPTNeoXConfig(**SMALL, num_hidden_layers=1, hidden_act="tanh"), torch.float32)
     with pytest.raises(ValueError, match="does not support activation 'relu'"):
-        neox.StableLmForCausalLM(StableLmConfig(**SMALL, num_hidden_layers=1, num_key_value_heads=4, hidden_act="relu"), torch.float32)
+        neox.StableLmForCausalLM(
+            StableLmConfig(**SMALL, num_hidden_layers=1, num_key_value_heads=4, hidden_act="relu"), torch.float32
+        )
