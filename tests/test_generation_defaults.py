@@ -44,9 +44,12 @@ def test_server_applies_the_models_defaults_to_unset_fields(model_with_generatio
     url = server.url + "/v1/completions"
     unset = httpx.post(url, json={"prompt": "w5 w6 w7"}, timeout=60).json()
     assert unset["usage"]["completion_tokens"] == 4  # max_new_tokens, not the completion API's 16
-    explicit = httpx.post(url, json={"prompt": "w5 w6 w7", "max_tokens": 6, "temperature": 0}, timeout=60).json()
-    assert explicit["usage"]["completion_tokens"] == 6
-    assert explicit["choices"][0]["text"].startswith(unset["choices"][0]["text"])  # the default was greedy
+    # as in vLLM, max_new_tokens caps an explicit max_tokens too
+    capped = httpx.post(url, json={"prompt": "w5 w6 w7", "max_tokens": 6, "temperature": 0}, timeout=60).json()
+    assert capped["usage"]["completion_tokens"] == 4
+    assert capped["choices"][0]["text"] == unset["choices"][0]["text"]  # the default was greedy
+    shorter = httpx.post(url, json={"prompt": "w5 w6 w7", "max_tokens": 2}, timeout=60).json()
+    assert shorter["usage"]["completion_tokens"] == 2
     # n=2 is refused under the model's greedy default, and accepted once the request samples
     assert httpx.post(url, json={"prompt": "w5", "n": 2}, timeout=60).status_code == 400
     sampled = httpx.post(url, json={"prompt": "w5", "n": 2, "temperature": 1.0, "seed": 1}, timeout=60)

@@ -54,8 +54,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_prompt_length(ctx, len(ids), requested,
                                      "max_completion_tokens" if req.max_completion_tokens is not None else "messages")
-    if requested is None:
-        max_tokens = default_max_tokens(ctx, len(ids)) or max_tokens
+    default = default_max_tokens(ctx, len(ids))
+    if default is not None:
+        # as vLLM: the model's max_new_tokens caps an explicit max_tokens too
+        max_tokens = default if requested is None else min(max_tokens, default)
     params = build_sampling_params(req, max_tokens, num_logprobs, req.stream, ctx.default_sampling)
     request_id = new_id("chatcmpl") if req.request_id is None else req.request_id
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}

@@ -59,9 +59,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
     check_limits(ctx, req, req.logprobs)
     prompts = _prompts(ctx, req)
     requested = req.max_tokens
-    if "max_tokens" not in req.model_fields_set and "max_tokens" in ctx.default_sampling:
-        # the request left max_tokens unset: the model's default, capped by the shortest prompt's room
-        requested = min(default_max_tokens(ctx, len(ids)) or 1 for _, ids in prompts)
+    if "max_tokens" in ctx.default_sampling:
+        # the model's max_new_tokens, capped by the shortest prompt's room, caps (or stands in for) the
+        # request's max_tokens, as in vLLM
+        default = min(default_max_tokens(ctx, len(ids)) or 1 for _, ids in prompts)
+        requested = default if "max_tokens" not in req.model_fields_set or requested is None else min(requested, default)
     max_tokens = min(check_prompt_length(ctx, len(ids), requested, "prompt") for _, ids in prompts)
     if requested is None:
         max_tokens = None  # type: ignore[assignment]  # each prompt gets the rest of its context
