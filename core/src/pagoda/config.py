@@ -10,7 +10,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pagoda.pooling.config import ConvertOption, PoolerConfig, RunnerOption
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,15 @@ class ModelConfig(_Config):
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field("raw_logprobs", description="What logprobs report.")
     enforce_eager: bool = Field(False, description="Never capture CUDA graphs; every step runs eagerly (GPU platforms).")
     io_processor_plugin: str | None = Field(None, description="IO processor plugin (pagoda.io_processors group) that turns custom /pooling and LLM.encode requests into prompts and pooled outputs into custom responses; None = the model config's io_processor_plugin key, if any.")
+    runner: RunnerOption = Field("auto", description="What the model runs as: 'generate' (sampled tokens), 'pooling' (embeddings, classification, scores: prefill only, a pooler instead of the sampler), 'auto' = the model family's kind, else by the architecture's name as vLLM decides (…ForCausalLM generates, …Model / …ForSequenceClassification pool).")
+    convert: ConvertOption = Field("auto", description="Turn a generative model into a pooling one (runner 'pooling'): 'embed' (last token, normalized), 'classify' (a score head on the last token), 'reward' (every token's hidden state), as vLLM's as_embedding_model / as_seq_cls_model / as_reward_model; 'auto' = by the architecture's name; 'none' = no conversion.")
+    pooler_config: PoolerConfig | dict[str, Any] | None = Field(None, description="Overrides of the model's pooler, vLLM's PoolerConfig fields: pooling_type (CLS, MEAN, LAST, ALL, STEP), normalize, dimensions, use_activation, logit_bias, step_tag_id, returned_token_ids.")
+
+    @field_validator("pooler_config", mode="after")
+    @classmethod
+    def _pooler_config_object(cls, value: Any) -> PoolerConfig | None:
+        # a dict (JSON on the CLI) becomes the object, so its fields are checked here
+        return PoolerConfig(**value) if isinstance(value, dict) else value
 
 
 class CacheConfig(_Config):
@@ -97,6 +108,10 @@ class ResolvedModel:
     vocab_size: int  # 0 when the config names none (the tokenizer decides)
     # pagoda.model_loader.GenerationDefaults: sampling defaults and extra EOS ids (generation_config)
     generation: Any = None
+    # "generate" or "pooling" (pagoda.pooling.resolve); a pooling model's pooler settings and the
+    # architecture whose class is built (pagoda.pooling.config.PoolingModelInfo)
+    runner_type: str = "generate"
+    pooling: Any = None
 
 
 def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = None) -> ResolvedModel:
@@ -107,16 +122,25 @@ def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = 
     source = resolve_model_path(model.model, model.revision, download_dir)
     hf_config = load_model_config(source, model.hf_overrides, model.trust_remote_code)
     text_config = config_for(hf_config)
+    from pagoda.pooling.resolve import resolve_runner
+
     generation = load_generation_defaults(source, model.generation_config, model.override_generation_config)
     logger.info("%s", generation.describe())
+    runner = resolve_runner(model, source, hf_config)
+    max_model_len = model.max_model_len or runner.max_model_len or int(getattr(text_config, "max_position_embeddings", 2048))
+    if runner.max_model_len is not None and max_model_len > runner.max_model_len:
+        raise ValueError(f"max_model_len={max_model_len} is longer than this model takes ({runner.max_model_len} "
+                         f"tokens: {runner.max_model_len_origin})")
     return ResolvedModel(
         source=source,
         hf_config=hf_config,
         text_config=text_config,
         dtype=platform.resolve_dtype(model.dtype, checkpoint_dtype(source)),
-        max_model_len=model.max_model_len or int(getattr(text_config, "max_position_embeddings", 2048)),
+        max_model_len=max_model_len,
         vocab_size=int(getattr(text_config, "vocab_size", 0) or 0),
         generation=generation,
+        runner_type=runner.runner_type,
+        pooling=runner.pooling,
     )
 
 
@@ -194,6 +218,9 @@ class EngineArgs(_Config):
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = _field_of(ModelConfig, "logprobs_mode")
     enforce_eager: bool = _field_of(ModelConfig, "enforce_eager")
     io_processor_plugin: str | None = _field_of(ModelConfig, "io_processor_plugin")
+    runner: RunnerOption = _field_of(ModelConfig, "runner")
+    convert: ConvertOption = _field_of(ModelConfig, "convert")
+    pooler_config: PoolerConfig | dict[str, Any] | None = _field_of(ModelConfig, "pooler_config")
     block_size: int | None = _field_of(CacheConfig, "block_size")
     enable_prefix_caching: bool = _field_of(CacheConfig, "enable_prefix_caching")
     num_kv_blocks: int | None = _field_of(CacheConfig, "num_kv_blocks")

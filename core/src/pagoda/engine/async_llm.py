@@ -31,7 +31,8 @@ from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor
 from pagoda.metrics.requests import RequestMetrics
 from pagoda.metrics.stats import IterationStats, SchedulerStats, StatLogger
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import PoolingRequestOutput, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class _Tracked:
 
     collector: RequestOutputCollector
     metrics: RequestMetrics
+    pooling: bool = False
 
 
 class AsyncLLM:
@@ -145,6 +147,9 @@ class AsyncLLM:
         self.vocab_size = self.processor.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = ThreadedClient(config, platform, self._from_core_thread, self._core_died)
+        # what the loaded model serves: ("generate",) or its pooling tasks (vLLM's supported tasks)
+        self.supported_tasks: tuple[str, ...] = self.engine_core.get_supported_tasks()
+        self.processor.supported_tasks = self.supported_tasks
         self._tracked: dict[str, _Tracked] = {}
         # log_stats=False: stat loggers get no records
         self.stat_loggers: list[StatLogger] = []
@@ -176,6 +181,9 @@ class AsyncLLM:
         if self.engine_core.stopped_unexpectedly:
             raise EngineDeadError("the engine core thread stopped")
 
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.supported_tasks
+
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self.stat_loggers.append(stat_logger)
 
@@ -183,10 +191,12 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: Any,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | PoolingParams,
         priority: int = 0,
     ) -> RequestStream:
         """Validate, tokenize and queue a request; bad input raises ValueError here, before the core sees it.
+
+        ``PoolingParams`` make a pooling request (prefill only, one ``PoolingRequestOutput``).
 
         The caller must iterate the returned stream to its end or call ``abort()`` on it.
         """
@@ -202,7 +212,7 @@ class AsyncLLM:
         self.output_processor.add_request(parent)
         collector = RequestOutputCollector(sampling_params.output_kind)
         metrics = RequestMetrics(arrival, requests[0].num_prompt_tokens, num_sequences=len(requests))
-        self._tracked[request_id] = _Tracked(collector, metrics)
+        self._tracked[request_id] = _Tracked(collector, metrics, isinstance(sampling_params, PoolingParams))
         return RequestStream(self, request_id, collector)
 
     async def generate(
@@ -217,6 +227,46 @@ class AsyncLLM:
         async for out in stream:
             yield out
 
+    async def encode(
+        self,
+        prompt: Any,
+        pooling_params: PoolingParams,
+        request_id: str,
+        lora_request: Any = None,
+        trace_headers: Any = None,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling request's output (vLLM's signature): one final ``PoolingRequestOutput``.
+
+        ``pooling_params.task`` picks the pooler ("embed", "classify", "score", "token_embed",
+        "token_classify"; None = the model's first, "encode" = its per-token task). Bad input or
+        parameters the model refuses (``dimensions`` on a model without matryoshka support, a task it
+        does not serve) raise ValueError before the core sees the request.
+        """
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported by pagoda yet")
+        if trace_headers is not None:
+            raise ValueError("trace_headers (OpenTelemetry tracing) are not supported by pagoda yet")
+        if not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}")
+        if truncate_prompt_tokens is not None or tokenization_kwargs:
+            pooling_params = pooling_params.clone()
+            limit = truncate_prompt_tokens
+            if tokenization_kwargs:
+                unknown = set(tokenization_kwargs) - {"truncation", "max_length"}
+                if unknown:
+                    raise ValueError(f"tokenization_kwargs {sorted(unknown)} are not supported (only truncation, max_length)")
+                if tokenization_kwargs.get("truncation") and limit is None:
+                    limit = tokenization_kwargs.get("max_length", -1)
+            if limit is not None:
+                pooling_params.truncate_prompt_tokens = limit
+                pooling_params.__post_init__()
+        stream = self.add_request(request_id, prompt, pooling_params, priority)
+        async for out in stream:
+            yield out
+
     async def abort(self, request_id: str | list[str]) -> None:
         """Stop requests; their streams end with a finished output (finish_reason "abort")."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -224,7 +274,12 @@ class AsyncLLM:
             tracked = self._tracked.get(rid)
             self._abort_local(rid)
             if tracked is not None:
-                tracked.collector.put(RequestOutput(rid, None, [], None, [], finished=True))
+                ended: RequestOutput | PoolingRequestOutput
+                if tracked.pooling:
+                    ended = PoolingRequestOutput(rid, None, [], 0, True)
+                else:
+                    ended = RequestOutput(rid, None, [], None, [], finished=True)
+                tracked.collector.put(ended)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self.engine_core.shutdown(timeout)
@@ -284,7 +339,7 @@ class AsyncLLM:
                 if tracked is None:
                     continue
                 if ro.finished:
-                    reason = ro.outputs[0].finish_reason if ro.outputs else "stop"
+                    reason = ro.outputs[0].finish_reason if isinstance(ro, RequestOutput) and ro.outputs else "stop"
                     self._record_finished(tracked, reason or "stop")
                 tracked.collector.put(ro)
         if not self.log_stats:

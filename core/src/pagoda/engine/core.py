@@ -100,6 +100,10 @@ class EngineCore:
         )
         self._reported_preemptions = 0
 
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """What the loaded model serves: ("generate",), or its pooler's tasks (vLLM's supported tasks)."""
+        return self.runner.supported_tasks()
+
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

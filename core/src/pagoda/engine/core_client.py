@@ -74,6 +74,9 @@ class InprocClient:
     def get_output(self) -> EngineCoreOutputs:
         return EngineCoreOutputs(outputs=self.core.step())
 
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.core.get_supported_tasks()
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
@@ -109,6 +112,10 @@ class ThreadedClient:
         self.dead_error: BaseException | None = None
 
     # -- front-end side --------------------------------------------------------------
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        # fixed once the core loaded its model (before the thread starts), so read directly
+        return self.core.get_supported_tasks()
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pagoda-engine-core", daemon=True)

@@ -18,7 +18,8 @@ from pagoda.engine.core_client import InprocClient
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor
 from pagoda.metrics.stats import SchedulerStats
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import PoolingRequestOutput, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -32,6 +33,9 @@ class LLMEngine:
         self.max_model_len = self.processor.max_model_len
         self.vocab_size = self.processor.vocab_size
         self.engine_core = InprocClient(config, platform)
+        # what the loaded model serves: ("generate",) or its pooling tasks (vLLM's supported tasks)
+        self.supported_tasks: tuple[str, ...] = self.engine_core.get_supported_tasks()
+        self.processor.supported_tasks = self.supported_tasks
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_searches = self.processor.beam_searches
 
@@ -42,15 +46,19 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.supported_tasks
+
     # -- requests ---------------------------------------------------------------
     def add_request(
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
+        """Queue a request: ``SamplingParams`` generate, ``PoolingParams`` pool (one ``PoolingRequestOutput``)."""
         params = params or SamplingParams()
         if self.output_processor.has(request_id) or request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -85,7 +93,7 @@ class LLMEngine:
                 continue
             self.engine_core.abort_requests(self.output_processor.abort(rid))
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         outputs, beam_results = self.beam_searches.split(self.engine_core.get_output().outputs)
         results, to_abort = self.output_processor.process(outputs)
         results.extend(beam_results)

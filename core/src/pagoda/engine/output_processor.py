@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.detokenizer import IncrementalDetokenizer
-from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagoda.sampling_params import RequestOutputKind
 from pagoda.scheduler.output import EngineCoreOutput
 
@@ -37,6 +37,8 @@ class RequestState:
     sent_text: int = 0
     sent_logprobs: int = 0
     sent_prompt_logprobs: bool = False
+    # a pooling request's result (the pooler's tensor)
+    pooling_output: Any = None
 
 
 @dataclass
@@ -92,7 +94,7 @@ class OutputProcessor:
             self.children.pop(c.request_id, None)
         return [c.request_id for c in parent.children]
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[Any], list[str]]:
         """-> (request outputs to deliver, child request ids the core must abort)."""
         touched: dict[str, ParentState] = {}
         to_abort: list[str] = []
@@ -104,7 +106,7 @@ class OutputProcessor:
             if state.finish_reason == "stop" and out.finish_reason is None:
                 to_abort.append(state.request_id)  # a stop string ended it on our side
             touched[state.parent_id] = self.parents[state.parent_id]
-        results: list[RequestOutput] = []
+        results: list[Any] = []
         for parent in touched.values():
             ro = self._make_output(parent)
             if ro is not None:
@@ -117,6 +119,8 @@ class OutputProcessor:
         if st.finish_reason is not None:
             return
         st.num_cached_tokens = out.num_cached_tokens
+        if out.pooling_output is not None:
+            st.pooling_output = out.pooling_output
         if out.new_prompt_logprobs is not None:
             if self.tokenizer is not None:
                 for record in out.new_prompt_logprobs:
@@ -182,8 +186,12 @@ class OutputProcessor:
             finish_reason=st.finish_reason, stop_reason=st.stop_reason,
         )
 
-    def _make_output(self, parent: ParentState) -> RequestOutput | None:
+    def _make_output(self, parent: ParentState) -> RequestOutput | PoolingRequestOutput | None:
         finished = parent.finished
+        first = parent.children[0]
+        if first.pooling_output is not None:
+            return PoolingRequestOutput(parent.request_id, PoolingOutput(first.pooling_output), first.prompt_token_ids,
+                                        first.num_cached_tokens, finished, first.prompt)
         if parent.kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         children = parent.children
@@ -194,7 +202,6 @@ class OutputProcessor:
         if finished and parent.rank_by_logprob:
             for i, o in enumerate(outs):
                 o.index = i
-        first = parent.children[0]
         prompt_logprobs = first.prompt_logprobs
         if delta and prompt_logprobs is not None:
             # a delta stream carries the prompt's logprobs once, in the first output that has them

@@ -17,7 +17,9 @@ from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.logits_processors import resolve_logits_processors
 from pagoda.engine.output_processor import ParentState, RequestState
+from pagoda.inputs import parse_prompt
 from pagoda.model_loader import load_tokenizer
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
 from pagoda.scheduler.request import Request
 
@@ -51,6 +53,11 @@ class Processor:
         self.eos_token_id, self.extra_stop_ids = eos_and_stop_ids(self.tokenizer, model.hf_config, model.generation)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
         self.beam_searches = BeamSearchFrontend(self.tokenizer, self.max_model_len, self.block_size)
+        self.runner_type: str = model.runner_type
+        # pagoda.pooling.PoolingModelInfo of a pooling model (what PoolingParams.verify reads)
+        self.pooling = model.pooling
+        # what the loaded model serves ("generate", or pooling tasks); set once the core has loaded it
+        self.supported_tasks: tuple[str, ...] = ("generate",) if model.runner_type == "generate" else ()
 
     def _child_params(self, params: SamplingParams, prompt_len: int, rank_by_logprob: bool) -> SamplingParams:
         p = params.clone()
@@ -80,8 +87,13 @@ class Processor:
         self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float, priority: int
     ) -> tuple[ParentState, list[Request]]:
         """-> (the output processor's state for the request, one core request per sequence)."""
+        if isinstance(params, PoolingParams):
+            return self.process_pooling(request_id, prompt, params, arrival_time, priority)
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
+        if "generate" not in self.supported_tasks:
+            raise ValueError(f"this model runs with the pooling runner (tasks: {', '.join(self.supported_tasks)}); it "
+                             "cannot generate text: use embed / classify / score / encode")
         self._check(params, priority)
         text, ids, salt = self.input_processor.process(prompt, params)
         n_children = max(params.best_of or params.n, params.n)
@@ -105,6 +117,84 @@ class Processor:
                                     arrival_time=arrival_time, priority=priority, cache_salt=salt))
         parent = ParentState(request_id, params.n, n_children, states, params.output_kind, rank_by_logprob=rank)
         return parent, requests
+
+    def pooling_task(self, params: PoolingParams) -> str:
+        """The request's task: its own, else the model's first; "encode" runs as token_embed / token_classify."""
+        tasks = self.supported_tasks
+        if self.runner_type != "pooling":
+            raise ValueError("this model generates text (runner 'generate'); pooling requests (embed, classify, score, "
+                             "encode) need a pooling model: pass runner='pooling' (and convert) to pool a decoder")
+        task = params.task
+        if task is None:
+            task = next((t for t in ("embed", "classify", "score", "token_embed", "token_classify") if t in tasks), None)
+        elif task == "encode":
+            task = next((t for t in ("token_embed", "token_classify") if t in tasks), "encode")
+        if task not in tasks:
+            raise ValueError(f"pooling task {params.task or task!r} is not supported by this model; it supports "
+                             f"{', '.join(tasks) or 'none'}")
+        return task
+
+    def process_pooling(
+        self, request_id: str, prompt: Any, params: PoolingParams, arrival_time: float, priority: int
+    ) -> tuple[ParentState, list[Request]]:
+        """A pooling request: one core request, prefill only; its PoolingParams checked against the model."""
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
+            raise ValueError("priority is only honoured with scheduling_policy='priority'")
+        task = self.pooling_task(params)
+        params = params.clone()
+        if params.task == "encode":
+            params.task = None
+        params.verify(task, self.pooling)
+        text, ids, salt, token_type_ids = self._pooling_prompt(prompt, params.truncate_prompt_tokens)
+        if params.step_tag_id is not None or (self.pooling is not None and self.pooling.pooler_config.pooling_type == "STEP"):
+            params.requires_token_ids = True
+        state = RequestState(request_id, request_id, 0, text, ids, params, None)
+        request = Request(request_id, ids, None, None, self.block_size, arrival_time=arrival_time, priority=priority,
+                          cache_salt=salt, pooling_params=params, token_type_ids=token_type_ids)
+        parent = ParentState(request_id, 1, 1, [state], params.output_kind)
+        return parent, [request]
+
+    def _pooling_prompt(self, prompt: Any, truncate: int | None) -> tuple[str | None, list[int], str | None, list[int] | None]:
+        """-> (text, ids, cache salt, token type ids); a pooling prompt may fill the whole context."""
+        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if isinstance(prompt, dict) and "token_type_ids" in prompt:
+            prompt = {k: v for k, v in prompt.items() if k != "token_type_ids"}
+        text, ids, salt = parse_prompt(prompt)
+        limit = self.max_model_len if truncate == -1 else truncate
+        if ids is None:
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init=True: prompts must be given as token ids (prompt_token_ids)")
+            assert text is not None
+            if self.pooling is not None and self.pooling.do_lower_case:
+                text = text.lower()  # sentence_bert_config.json's do_lower_case, as vLLM applies it
+            if limit is None:
+                enc = self.tokenizer(text)
+            else:
+                # the tokenizer truncates text on its side, special tokens kept (vLLM's rule)
+                enc = self.tokenizer(text, truncation=True, max_length=limit)
+            ids = list(enc.input_ids)
+            if token_type_ids is None and getattr(self.pooling, "extra", {}).get("uses_token_type_ids"):
+                token_type_ids = enc.get("token_type_ids")
+        elif limit is not None and len(ids) > limit:
+            # token ids keep their last ``limit`` tokens (vLLM's rule)
+            if token_type_ids is not None:
+                token_type_ids = list(token_type_ids)[-limit:]
+            ids = ids[-limit:]
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id(s) {bad[:5]} out of range [0, {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt ({len(ids)} tokens) is longer than this model's maximum length of "
+                             f"{self.max_model_len} tokens; shorten it or set truncate_prompt_tokens")
+        if token_type_ids is not None:
+            token_type_ids = [int(t) for t in token_type_ids]
+            if len(token_type_ids) != len(ids):
+                raise ValueError(f"token_type_ids has {len(token_type_ids)} entries for {len(ids)} prompt tokens")
+            if any(t != 0 for t in token_type_ids) and not getattr(self.pooling, "extra", {}).get("uses_token_type_ids"):
+                raise ValueError("token_type_ids are given but this model has no token type embeddings")
+        return text, ids, salt, token_type_ids
 
     def process_beam_search(
         self, request_id: str, prompt: Any, params: BeamSearchParams, arrival_time: float | None,

@@ -21,6 +21,9 @@ class NewRequestData:
     # instead of sampling (the scheduler picks the beams' tokens).
     num_beam_candidates: int = 0
     beam_temperature: float = 0.0
+    # A pooling request: its PoolingParams (no sampling) and the prompt's token type ids, if any.
+    pooling_params: Any = None
+    token_type_ids: list[int] | None = None
 
 
 @dataclass
@@ -77,6 +80,9 @@ class ModelRunnerOutput:
     sampled_logprobs: dict[str, list[float]] | None = None
     # Beam rows: req_id -> (top token ids, their logprobs), best first.
     beam_candidates: dict[str, tuple[list[int], list[float]]] | None = None
+    # Pooling runner: per scheduled request (batch order), the pooled tensor once its whole prompt is
+    # computed (float32, host), else None.
+    pooler_output: list[Any] | None = None
 
 
 @dataclass
@@ -95,3 +101,5 @@ class EngineCoreOutput:
     beam_sequences: list[Any] | None = None
     # Set on a request's first output only: when it was first scheduled (for queue-time metrics).
     first_scheduled_time: float | None = None
+    # A finished pooling request: the pooler's tensor for it.
+    pooling_output: Any = None

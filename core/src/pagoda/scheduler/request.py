@@ -45,6 +45,8 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: Any = None,
+        token_type_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -54,6 +56,10 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # A pooling request (PoolingParams): prefill only, finished by the pooler's output after its step.
+        self.pooling_params = pooling_params
+        # the prompt's token type ids (BERT-style pair encodings), one per prompt token
+        self.token_type_ids = token_type_ids
         self.max_tokens: int | None = getattr(sampling_params, "max_tokens", None)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

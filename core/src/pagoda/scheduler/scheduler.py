@@ -285,6 +285,8 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
             num_beam_candidates=num_candidates,
             beam_temperature=candidate_temperature,
+            pooling_params=req.pooling_params,
+            token_type_ids=req.token_type_ids,
         )
 
     # -- results ----------------------------------------------------------------
@@ -292,10 +294,23 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         now = time.time()
         prompt_logprobs = runner_out.prompt_logprobs or {}
+        pooled = runner_out.pooler_output
         for idx, rid in enumerate(runner_out.req_ids):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if req.pooling_params is not None:
+                if pooled is None or pooled[idx] is None:
+                    continue  # (never with chunked prefill off) the prompt is not all computed yet
+                # prefill only: done after this step, and its blocks go back to the pool now
+                req.status = RequestStatus.FINISHED_STOPPED
+                outputs.append(EngineCoreOutput(req_id=rid, new_token_ids=[], finish_reason="stop",
+                                                num_cached_tokens=max(req.num_cached_tokens, 0),
+                                                first_scheduled_time=req.first_scheduled_time,
+                                                pooling_output=pooled[idx]))
+                self.running.remove(req)
+                self._free(req)
+                continue
             if rid in prompt_logprobs:
                 self._collect_prompt_logprobs(req, *prompt_logprobs[rid])
             if req.beam_group is not None:

@@ -29,6 +29,9 @@ from pagoda.worker.sampling import RunnerSampler
 
 logger = logging.getLogger(__name__)
 
+# the order supported pooling tasks are listed in (the first is a request's default)
+POOLING_TASK_ORDER = ("embed", "classify", "score", "token_embed", "token_classify")
+
 
 @dataclass
 class MemoryReport:
@@ -92,6 +95,9 @@ class ModelRunner:
         self.dtype = model.dtype
         self.block_size: int = config.cache_config.block_size or platform.default_block_size
         self.max_model_len: int = model.max_model_len
+        # "generate" (logits -> sampler) or "pooling" (hidden states -> the model's pooler)
+        self.runner_type: str = model.runner_type
+        self.pooling_info = model.pooling
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
         self.memory: MemoryReport | None = None
@@ -136,6 +142,13 @@ class ModelRunner:
             archs[0], self.dtype, time.perf_counter() - t0, kernel.name if kernel else "F.linear", prepared,
             ops.name if ops is not None else "torch", bound,
         )
+
+    def supported_tasks(self) -> tuple[str, ...]:
+        """("generate",) for a generative model; a pooling model's pooler tasks (vLLM's order)."""
+        if self.runner_type == "generate":
+            return ("generate",)
+        tasks = self.model.pooler.get_supported_tasks()
+        return tuple(t for t in POOLING_TASK_ORDER if t in tasks)
 
     def attention_spec(self) -> AttentionSpec:
         layer = next(m for m in self.model.modules() if isinstance(m, Attention))
