@@ -22,12 +22,13 @@ def run_batch(
 ) -> None:
     """Run a batch of /v1/chat/completions and /v1/completions requests through the server's handlers, no HTTP."""
     from pagoda.engine.async_llm import AsyncLLM
-    from pagoda.entrypoints.openai.api_server import default_sampling, served_names
+    from pagoda.entrypoints.openai.api_server import default_sampling, served_names, supported_tasks
     from pagoda.entrypoints.openai.chat_template import load_chat_template
     from pagoda.entrypoints.openai.run_batch import check_files, run_batch_file
     from pagoda.entrypoints.openai.server_args import ServerArgs
     from pagoda.entrypoints.openai.serving_common import ServingContext
     from pagoda.model_loader import ModelLoadError
+    from pagoda.plugins.io_processors import get_io_processor
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
@@ -51,6 +52,8 @@ def run_batch(
             max_n=server_args.max_n,
             chat_template=template,
             default_sampling=default_sampling(engine),
+            supported_tasks=supported_tasks(engine),
+            io_processor=get_io_processor(engine.config, engine.model_config.io_processor_plugin),
         )
         # twice the scheduler's batch keeps it full without holding the whole file in flight
         summary = run_batch_file(ctx, input_file, output_file, max_in_flight=2 * engine_args.max_num_seqs)

@@ -26,6 +26,7 @@ from pagoda.entrypoints.openai.errors import (
     validation_error,
 )
 from pagoda.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagoda.entrypoints.openai.pooling_routes import POOLING_ROUTES, PoolingRoute, validate_body
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,28 +34,11 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from pagoda.entrypoints.openai.protocol_pooling import (
-    ClassificationRequest,
-    EmbeddingChatRequest,
-    EmbeddingCompletionRequest,
-    IOProcessorRequest,
-    PoolingChatRequest,
-    PoolingCompletionRequest,
-    RerankRequest,
-    ScoreRequest,
-)
 from pagoda.entrypoints.openai.server_args import ServerArgs
 from pagoda.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServingContext
 from pagoda.entrypoints.openai.serving_completion import create_completion
-from pagoda.entrypoints.openai.serving_embedding import (
-    create_classify,
-    create_embedding,
-    create_io_processor_pooling,
-    create_pooling,
-)
-from pagoda.entrypoints.openai.serving_pooling import describe_tasks, is_pooling_model, require_task
-from pagoda.entrypoints.openai.serving_score import create_rerank, create_score
+from pagoda.entrypoints.openai.serving_pooling import require_generate
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagoda.metrics.prometheus import PrometheusStatLogger
 from pagoda.plugins.io_processors import get_io_processor
@@ -63,11 +47,6 @@ from pagoda.version import __version__
 logger = logging.getLogger(__name__)
 
 B = TypeVar("B", bound=BaseModel)
-
-# vLLM serves score and rerank under several paths (Jina's and Cohere's among them).
-_SCORE_ROUTES = ("/score", "/v1/score")
-_RERANK_ROUTES = ("/rerank", "/v1/rerank", "/v2/rerank")
-
 
 def _json_body_schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
     """The body schema for the OpenAPI document (handlers parse bodies themselves to control the errors)."""
@@ -83,20 +62,13 @@ async def _json_object(raw_request: Request) -> dict[str, Any]:
     return data
 
 
-def _validate(data: dict[str, Any], model: type[B]) -> B:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-
-
 async def _parse(raw_request: Request, model: type[B]) -> B:
-    return _validate(await _json_object(raw_request), model)
+    return validate_body(await _json_object(raw_request), model)
 
 
 def supported_tasks(engine: AsyncLLM) -> tuple[str, ...]:
     """What the model is for, decided when it loaded (the runner: generate, or the pooling tasks)."""
-    return ("generate",)  # TODO(pooling): the engine's supported tasks once the pooling runner lands
+    return tuple(engine.supported_tasks)
 
 
 def served_names(engine_args: EngineArgs, server_args: ServerArgs) -> list[str]:
@@ -178,21 +150,14 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str])
         ]}
 
     # -- generation ----------------------------------------------------------------------
-    def require_generate(path: str) -> None:
-        if "generate" not in ctx.supported_tasks:
-            raise APIError(
-                f"The model `{ctx.model_name}` does not support {path}: it is a pooling model (tasks: "
-                f"{describe_tasks(ctx.supported_tasks)}); use /v1/embeddings, /pooling, /classify, /score or /rerank, "
-                "or serve a generative model.", 404, None, code="model_not_supported")
-
     @route("/v1/completions", CompletionRequest)
     async def completions(raw_request: Request) -> Any:
-        require_generate("/v1/completions")
+        require_generate(ctx, "/v1/completions")
         return await create_completion(ctx, await _parse(raw_request, CompletionRequest), raw_request)
 
     @route("/v1/chat/completions", ChatCompletionRequest)
     async def chat_completions(raw_request: Request) -> Any:
-        require_generate("/v1/chat/completions")
+        require_generate(ctx, "/v1/chat/completions")
         return await create_chat_completion(ctx, await _parse(raw_request, ChatCompletionRequest), raw_request)
 
     # -- tokenizer -------------------------------------------------------------------------
@@ -228,40 +193,16 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str])
         return {"prompt": tok.decode(req.tokens)}
 
     # -- pooling (each answers 404 model_not_supported when the model lacks its task) ---------------
-    @route("/v1/embeddings", EmbeddingCompletionRequest)
-    async def embeddings(raw_request: Request) -> Any:
-        require_task(ctx, "/v1/embeddings", "embed")
-        data = await _json_object(raw_request)
-        req: Any = _validate(data, EmbeddingChatRequest if "messages" in data else EmbeddingCompletionRequest)
-        return await create_embedding(ctx, req, raw_request)
+    def pooling_endpoint(path: str, pooling_route: PoolingRoute) -> None:
+        async def endpoint(raw_request: Request) -> Any:
+            pooling_route.check(ctx, path)
+            return await pooling_route.handle(ctx, await _json_object(raw_request), raw_request)
 
-    @route("/pooling", PoolingCompletionRequest)
-    async def pooling(raw_request: Request) -> Any:
-        if not is_pooling_model(ctx):
-            require_task(ctx, "/pooling", "embed")
-        data = await _json_object(raw_request)
-        if "data" in data:
-            return await create_io_processor_pooling(ctx, _validate(data, IOProcessorRequest), raw_request)
-        req: Any = _validate(data, PoolingChatRequest if "messages" in data else PoolingCompletionRequest)
-        return await create_pooling(ctx, req, raw_request)
+        endpoint.__name__ = "pooling_" + path.strip("/").replace("/", "_")
+        route(path, pooling_route.body)(endpoint)
 
-    @route("/classify", ClassificationRequest)
-    async def classify(raw_request: Request) -> Any:
-        require_task(ctx, "/classify", "classify")
-        return await create_classify(ctx, await _parse(raw_request, ClassificationRequest), raw_request)
-
-    async def score(raw_request: Request) -> Any:
-        require_task(ctx, raw_request.url.path, "score", "embed")
-        return await create_score(ctx, await _parse(raw_request, ScoreRequest), raw_request)
-
-    async def rerank(raw_request: Request) -> Any:
-        require_task(ctx, raw_request.url.path, "score", "embed")
-        return await create_rerank(ctx, await _parse(raw_request, RerankRequest), raw_request)
-
-    for path in _SCORE_ROUTES:
-        route(path, ScoreRequest)(score)
-    for path in _RERANK_ROUTES:
-        route(path, RerankRequest)(rerank)
+    for path, pooling_route in POOLING_ROUTES.items():
+        pooling_endpoint(path, pooling_route)
 
     # outermost last: CORS answers preflights before the key check; the size cap runs before any parsing
     api_key = server_args.resolved_api_key()

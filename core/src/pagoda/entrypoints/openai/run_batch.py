@@ -26,10 +26,12 @@ from starlette.requests import Request
 from starlette.types import Message
 
 from pagoda.entrypoints.openai.errors import APIError, error_body, validation_error
+from pagoda.entrypoints.openai.pooling_routes import POOLING_ROUTES
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagoda.entrypoints.openai.serving_chat import create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServingContext
 from pagoda.entrypoints.openai.serving_completion import create_completion
+from pagoda.entrypoints.openai.serving_pooling import require_generate
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +41,8 @@ ENDPOINTS: dict[str, tuple[type[BaseModel], Handler]] = {
     "/v1/chat/completions": (ChatCompletionRequest, create_chat_completion),
     "/v1/completions": (CompletionRequest, create_completion),
 }
-# The server answers these with "needs a pooling model"; a batch line gets the same answer.
-POOLING_URLS = frozenset({"/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
-                          "/v2/rerank"})
+# Served by the server's pooling handlers (a model without the task gets the server's 404).
+POOLING_URLS = frozenset(POOLING_ROUTES)
 _LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
 
 
@@ -140,14 +141,14 @@ async def run_line(ctx: ServingContext, line: BatchLine) -> dict[str, Any]:
         return _error_line(line, line.error)
     assert line.url is not None and line.body is not None
     if line.url in POOLING_URLS:
-        return _error_line(line, APIError(
-            f"The model `{ctx.model_name}` does not support {line.url}: it is a generative model; pooling endpoints "
-            "(embeddings, pooling, classify, score, rerank) need a pooling model.", 404, None, code="model_not_supported"))
+        return await _run_pooling_line(ctx, line)
     if line.url not in ENDPOINTS:
         return _error_line(line, APIError(
-            f"url {line.url!r} is not an endpoint run-batch serves; use one of {', '.join(ENDPOINTS)}", 404, "url"))
+            f"url {line.url!r} is not an endpoint run-batch serves; use one of "
+            f"{', '.join([*ENDPOINTS, *POOLING_ROUTES])}", 404, "url"))
     model, handler = ENDPOINTS[line.url]
     try:
+        require_generate(ctx, line.url)
         try:
             req: Any = model.model_validate(line.body)
         except ValidationError as exc:
@@ -161,6 +162,20 @@ async def run_line(ctx: ServingContext, line: BatchLine) -> dict[str, Any]:
         logger.exception("batch line %d (custom_id %r) failed", line.line_no, line.custom_id)
         return _error_line(line, APIError(f"internal error: {type(exc).__name__}: {exc}", 500, None))
     return output_line(line.custom_id, response.status_code, json.loads(response.body), None)
+
+
+async def _run_pooling_line(ctx: ServingContext, line: BatchLine) -> dict[str, Any]:
+    assert line.url is not None and line.body is not None
+    pooling_route = POOLING_ROUTES[line.url]
+    try:
+        pooling_route.check(ctx, line.url)
+        body = await pooling_route.handle(ctx, line.body, _no_client_request(line.url))
+    except APIError as err:
+        return _error_line(line, err)
+    except Exception as exc:  # noqa: BLE001 - one line's failure must not stop the batch
+        logger.exception("batch line %d (custom_id %r) failed", line.line_no, line.custom_id)
+        return _error_line(line, APIError(f"internal error: {type(exc).__name__}: {exc}", 500, None))
+    return output_line(line.custom_id, 200, body, None)
 
 
 async def run_batch(ctx: ServingContext, lines: Iterable[bytes | str], write: Callable[[dict[str, Any]], None],

@@ -21,7 +21,6 @@ from pagoda.entrypoints.openai.serving_pooling import (
     chat_input_prompt,
     default_pooling_task,
     encode_pooled,
-    engine_prompt,
     indexed,
     input_prompts,
     pooled_data,
@@ -30,14 +29,13 @@ from pagoda.entrypoints.openai.serving_pooling import (
     require_task,
     run_pooling,
 )
+from pagoda.pooling_params import PoolingParams
 
 
 def _prompts(ctx: ServingContext, req: Any) -> list[dict[str, Any]]:
     if hasattr(req, "messages"):
-        text, ids = chat_input_prompt(ctx, req, req.truncate_prompt_tokens)
-        return [engine_prompt(text, ids)]
-    return [engine_prompt(text, ids) for text, ids in
-            input_prompts(ctx, req.input, req.add_special_tokens, req.truncate_prompt_tokens)]
+        return [chat_input_prompt(ctx, req, req.truncate_prompt_tokens)]
+    return input_prompts(ctx, req.input, req.add_special_tokens, req.truncate_prompt_tokens)
 
 
 async def create_embedding(ctx: ServingContext, req: EmbeddingCompletionRequest | EmbeddingChatRequest,
@@ -45,7 +43,8 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingCompletionRequest 
     ctx.check_model(req.model)
     require_task(ctx, "/v1/embeddings", "embed")
     prompts = _prompts(ctx, req)
-    params = pooling_params(task="embed", dimensions=req.dimensions, normalize=req.normalize)
+    params = pooling_params(task="embed", dimensions=req.dimensions, normalize=req.normalize,
+                            truncate_prompt_tokens=req.truncate_prompt_tokens)
     request_id = req.request_id or new_id("embd")
     outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, req.priority)
     data = [{"index": i, "object": "embedding", "embedding": encode_pooled(pooled_data(o), req.encoding_format)}
@@ -58,10 +57,11 @@ async def create_pooling(ctx: ServingContext, req: PoolingCompletionRequest | Po
                          raw_request: Request) -> dict[str, Any]:
     ctx.check_model(req.model)
     task = req.task or default_pooling_task(ctx)
-    require_task(ctx, "/pooling", task or "embed")
+    # "encode" is the generic per-token task: the model's token_embed or token_classify
+    require_task(ctx, "/pooling", *(("encode", "token_embed", "token_classify") if task == "encode" else (task or "embed",)))
     prompts = _prompts(ctx, req)
     params = pooling_params(task=task, dimensions=req.dimensions, normalize=req.normalize,
-                            use_activation=req.use_activation)
+                            use_activation=req.use_activation, truncate_prompt_tokens=req.truncate_prompt_tokens)
     request_id = req.request_id or new_id("pool")
     outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, req.priority)
     data = [{"index": i, "object": "pooling", "data": encode_pooled(pooled_data(o), req.encoding_format)}
@@ -101,9 +101,12 @@ async def create_io_processor_pooling(ctx: ServingContext, req: IOProcessorReque
     if not prompts:
         raise APIError("the IO processor made no prompt of this request", 400, "data")
     params = processor.validate_or_generate_params()
-    if getattr(params, "task", None) is None:
-        params = params.clone() if hasattr(params, "clone") else params
-        params.task = default_pooling_task(ctx)
+    if not isinstance(params, PoolingParams):
+        raise APIError(f"the IO processor's validate_or_generate_params returned {type(params).__name__}, not "
+                       "PoolingParams", 500)
+    if params.task is None:
+        params = params.clone()
+        params.task = default_pooling_task(ctx)  # type: ignore[assignment]
     outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, req.priority)
     try:
         plugin_output = await processor.post_process_async(indexed(outputs), request_id=request_id)
@@ -118,9 +121,9 @@ async def create_io_processor_pooling(ctx: ServingContext, req: IOProcessorReque
 async def create_classify(ctx: ServingContext, req: ClassificationRequest, raw_request: Request) -> dict[str, Any]:
     ctx.check_model(req.model)
     require_task(ctx, "/classify", "classify")
-    prompts = [engine_prompt(text, ids) for text, ids in
-               input_prompts(ctx, req.input, req.add_special_tokens, req.truncate_prompt_tokens)]
-    params = pooling_params(task="classify", use_activation=req.use_activation)
+    prompts = input_prompts(ctx, req.input, req.add_special_tokens, req.truncate_prompt_tokens)
+    params = pooling_params(task="classify", use_activation=req.use_activation,
+                            truncate_prompt_tokens=req.truncate_prompt_tokens)
     request_id = req.request_id or new_id("classify")
     outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, req.priority)
     id2label = _id2label(ctx)

@@ -22,6 +22,7 @@ from fastapi import Request
 from pagoda.engine.async_llm import EngineDeadError, EngineGenerateError
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.serving_common import ServingContext, until_disconnected
+from pagoda.pooling_params import PoolingParams
 
 # The task /pooling runs when a request names none: the first the model supports, in this order.
 _DEFAULT_TASK_ORDER = ("embed", "classify", "score", "token_embed", "token_classify", "encode")
@@ -54,6 +55,15 @@ def require_task(ctx: ServingContext, path: str, *tasks: str) -> str:
     raise APIError(message, 404, None, code="model_not_supported")
 
 
+def require_generate(ctx: ServingContext, path: str) -> None:
+    """Generation endpoints on a pooling model: a 404 that says what the model is for."""
+    if "generate" not in ctx.supported_tasks:
+        raise APIError(
+            f"The model `{ctx.model_name}` does not support {path}: it is a pooling model (tasks: "
+            f"{describe_tasks(ctx.supported_tasks)}); use /v1/embeddings, /pooling, /classify, /score or /rerank, "
+            "or serve a generative model.", 404, None, code="model_not_supported")
+
+
 # -- prompts ------------------------------------------------------------------------------------------
 
 
@@ -79,8 +89,13 @@ def tokenize_text(ctx: ServingContext, text: str, add_special_tokens: bool, trun
 
 
 def input_prompts(ctx: ServingContext, value: Any, add_special_tokens: bool, truncate_prompt_tokens: int | None,
-                  param: str = "input") -> list[tuple[str | None, list[int]]]:
-    """-> [(text or None, token ids)] for the four ``input`` shapes (a string, strings, ids, lists of ids)."""
+                  param: str = "input") -> list[dict[str, Any]]:
+    """Engine prompts for the four ``input`` shapes (a string, strings, token ids, lists of token ids).
+
+    Texts go to the engine as text, so it tokenizes them as ``LLM.embed`` does (the model's
+    ``do_lower_case``, truncation by ``PoolingParams.truncate_prompt_tokens``); only
+    ``add_special_tokens=false`` is tokenized here.
+    """
     truncate = truncation_length(ctx, truncate_prompt_tokens)
     if isinstance(value, str):
         items: list[Any] = [value]
@@ -90,22 +105,26 @@ def input_prompts(ctx: ServingContext, value: Any, add_special_tokens: bool, tru
         items = [list(value)]
     else:
         items = list(value)
-    out: list[tuple[str | None, list[int]]] = []
+    out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = param if len(items) == 1 else f"{param}[{i}]"
         if isinstance(item, str):
-            ids = tokenize_text(ctx, item, add_special_tokens, truncate)
-            out.append((item, ids))
+            if add_special_tokens:
+                out.append({"prompt": item})
+                continue
+            ids = tokenize_text(ctx, item, False, truncate)
+            out.append(engine_prompt(item, ids))
         else:
             if not item:
                 raise APIError(f"{where}: a token id list must not be empty", 400, param)
             # as vLLM: token ids keep their last ``truncate`` tokens
-            out.append((None, list(item)[-truncate:] if truncate is not None else list(item)))
-        check_pooling_length(ctx, len(out[-1][1]), where)
+            ids = list(item)[-truncate:] if truncate is not None else list(item)
+            out.append(engine_prompt(None, ids))
+        check_pooling_length(ctx, len(ids), where)
     return out
 
 
-def chat_input_prompt(ctx: ServingContext, req: Any, truncate_prompt_tokens: int | None) -> tuple[str, list[int]]:
+def chat_input_prompt(ctx: ServingContext, req: Any, truncate_prompt_tokens: int | None) -> dict[str, Any]:
     """A conversation rendered with the chat template, then tokenized (truncated as text is)."""
     from pagoda.entrypoints.openai.serving_chat import chat_prompt
 
@@ -114,7 +133,7 @@ def chat_input_prompt(ctx: ServingContext, req: Any, truncate_prompt_tokens: int
     if truncate is not None:
         ids = tokenize_text(ctx, text, req.add_special_tokens, truncate)
     check_pooling_length(ctx, len(ids), "messages")
-    return text, ids
+    return engine_prompt(text, ids)
 
 
 def check_pooling_length(ctx: ServingContext, num_tokens: int, param: str) -> None:
@@ -134,10 +153,8 @@ def engine_prompt(text: str | None, ids: list[int], **extra: Any) -> dict[str, A
     return prompt
 
 
-def pooling_params(**fields: Any) -> Any:
+def pooling_params(**fields: Any) -> PoolingParams:
     """``PoolingParams`` from the request's fields; one the engine refuses is the client's 400."""
-    from pagoda.pooling_params import PoolingParams
-
     try:
         return PoolingParams(**{k: v for k, v in fields.items() if v is not None})
     except (ValueError, TypeError) as exc:
@@ -151,16 +168,21 @@ def _param_of(message: str, fields: dict[str, Any]) -> str | None:
 # -- running --------------------------------------------------------------------------------------------
 
 
-async def run_pooling(ctx: ServingContext, raw_request: Request, prompts: Sequence[Any], params: Any | Sequence[Any],
-                      request_id: str, priority: int) -> list[Any]:
+async def run_pooling(ctx: ServingContext, raw_request: Request, prompts: Sequence[Any],
+                      params: PoolingParams | Sequence[PoolingParams], request_id: str, priority: int,
+                      input_name: str = "input") -> list[Any]:
     """Each prompt's final ``PoolingRequestOutput``, in prompt order; all of them aborted however this ends early."""
-    params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    params_list = [params] * len(prompts) if isinstance(params, PoolingParams) else list(params)
 
     async def one(i: int) -> Any:
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         final = None
-        async for out in ctx.engine.encode(prompts[i], params_list[i], rid, priority=priority):
-            final = out
+        try:
+            async for out in ctx.engine.encode(prompts[i], params_list[i], rid, priority=priority):
+                final = out
+        except ValueError as exc:
+            # which of several inputs the engine refused
+            raise ValueError(str(exc) if len(prompts) == 1 else f"{input_name}[{i}]: {exc}") from None
         if final is None:
             raise EngineGenerateError(f"request {rid} ended without an output")
         return final
@@ -179,7 +201,7 @@ async def run_pooling(ctx: ServingContext, raw_request: Request, prompts: Sequen
         return await until_disconnected(raw_request, run_all())
     except ValueError as exc:
         message = str(exc)
-        raise APIError(message, 400, _engine_param(message)) from None
+        raise APIError(message, 400, _engine_param(message, input_name)) from None
     except EngineDeadError as exc:
         raise APIError(f"the engine is not running: {exc}", 503) from None
     except EngineGenerateError as exc:
@@ -187,15 +209,17 @@ async def run_pooling(ctx: ServingContext, raw_request: Request, prompts: Sequen
 
 
 # PoolingParams' checks name these; any other refusal is about the prompt
-_POOLING_PARAM_NAMES = ("dimensions", "normalize", "use_activation", "truncate_prompt_tokens")
+_POOLING_PARAM_NAMES = ("dimensions", "normalize", "use_activation")
 
 
-def _engine_param(message: str) -> str:
+def _engine_param(message: str, input_name: str) -> str:
     if "matryoshka" in message:
         return "dimensions"
-    # "Task X only supports [...] parameters, does not support [...] parameters": the second list is at fault
-    at_fault = message.rpartition("does not support")[2] or message
-    return next((name for name in _POOLING_PARAM_NAMES if name in at_fault), "input")
+    # PoolingParams.verify: "Task X only supports [...] parameters, does not support [...] parameters"
+    if "parameters, does not support" in message:
+        at_fault = message.rpartition("does not support")[2]
+        return next((name for name in _POOLING_PARAM_NAMES if name in at_fault), input_name)
+    return input_name
 
 
 async def indexed(outputs: Sequence[Any]) -> AsyncIterator[tuple[int, Any]]:

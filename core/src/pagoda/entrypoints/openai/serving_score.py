@@ -70,7 +70,7 @@ async def compute_scores(ctx: ServingContext, raw_request: Request, pairs: list[
         truncate = truncation_length(ctx, truncate_prompt_tokens)
         prompts = [_pair_prompt(ctx, a, b, truncate, param) for a, b in pairs]
         params = pooling_params(task="score", use_activation=use_activation)
-        outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, priority)
+        outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, priority, param)
         scores = []
         for out in outputs:
             values = pooled_data(out).flatten()
@@ -83,9 +83,9 @@ async def compute_scores(ctx: ServingContext, raw_request: Request, pairs: list[
                        "of embeddings", 400, "use_activation")
     # an embedding model: embed each distinct text once, then the cosine of each pair
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    prompts = [engine_prompt(text, ids) for text, ids in
-               input_prompts(ctx, texts, True, truncate_prompt_tokens, param)]
-    outputs = await run_pooling(ctx, raw_request, prompts, pooling_params(task="embed"), request_id, priority)
+    prompts = input_prompts(ctx, texts, True, truncate_prompt_tokens, param)
+    params = pooling_params(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+    outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, priority, param)
     by_text = {t: pooled_data(o).flatten() for t, o in zip(texts, outputs)}
     scores = [float(torch.nn.functional.cosine_similarity(by_text[a], by_text[b], dim=0)) for a, b in pairs]
     tokens = {t: len(o.prompt_token_ids) for t, o in zip(texts, outputs)}
