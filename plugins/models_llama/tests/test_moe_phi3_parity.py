@@ -83,3 +83,21 @@ def test_experts_run_on_the_platform_linear_kernel(tmp_path: Path) -> None:
     kernels |= {type(block.gate.kernel).__name__ for block in blocks}
     assert "NoneType" not in kernels, kernels
     print("expert linear kernels:", kernels)
+
+
+@pytest.mark.parametrize(("case", "reason"), [("mixtral", "model MixtralForCausalLM"), ("phi3", "attention backend")])
+def test_moe_models_opt_out_of_decode_graphs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, case: str, reason: str
+) -> None:
+    """FusedMoE syncs with the host per step: a platform that would capture decode graphs skips them for it."""
+    import logging
+
+    from pagoda import LLM
+    from pagoda.worker import graphs
+
+    monkeypatch.setattr(graphs, "capture_sizes_for", lambda platform, config: [1, 2, 4])
+    model_dir = save_tiny_model(build_tiny_model(_configs()[case], seed=3), tmp_path / case)
+    with caplog.at_level(logging.INFO, logger=graphs.logger.name):
+        llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=256, num_kv_blocks=64)
+    assert llm.llm_engine.engine_core.core.runner.graphs is None
+    assert f"CUDA graphs off: {reason}" in caplog.text

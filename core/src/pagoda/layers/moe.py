@@ -82,7 +82,7 @@ def fused_experts(
             start += count
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    per_slot = sorted_out.index_select(0, inverse).view(num_tokens, top_k, -1)
+    per_slot = sorted_out.index_select(0, inverse).view(num_tokens, top_k, hidden.shape[-1])
     # k-th term added in k order: for top-2 bit-identical to transformers' accumulation
     return (per_slot * topk_weights.to(hidden.dtype).unsqueeze(-1)).sum(dim=1)
 

@@ -297,6 +297,11 @@ def create_decode_graphs(runner: ModelRunner) -> DecodeGraphRunner | None:
         if runner.platform.supports_graphs:
             logger.info("CUDA graphs off (enforce_eager or no capture sizes): every step runs eagerly")
         return None
+    # Optional on a model class (default True): pagoda.layers.FusedMoE reads its per-expert token
+    # counts on the host, which a CUDA graph cannot capture.
+    if not getattr(runner.model, "supports_cuda_graphs", True):
+        logger.info("CUDA graphs off: model %s does not support them", type(runner.model).__name__)
+        return None
     backend = runner.attn_backend
     if not backend.supports_cuda_graphs:
         logger.info("CUDA graphs off: attention backend %r does not support them", type(backend).name)

@@ -177,6 +177,8 @@ class LlamaForCausalLM(nn.Module):
     packed_modules_mapping: dict[str, list[str]] = FUSED_PROJECTIONS
     # (regex, replacement) applied to checkpoint names before they are matched to parameters
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # FusedMoE reads per-expert token counts on the host, which a CUDA graph cannot capture
+    supports_cuda_graphs: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -244,6 +246,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     checkpoint_renames = MIXTRAL_RENAMES
+    supports_cuda_graphs = False
 
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
@@ -251,12 +254,16 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    supports_cuda_graphs = False
+
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return qwen2_moe_options(cfg)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    supports_cuda_graphs = False
+
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return qwen3_moe_options(cfg)
