@@ -32,7 +32,7 @@ def parameters_on_meta() -> Iterator[None]:
             param = nn.Parameter(param.to("meta"), requires_grad=False)
         original(module, name, param)
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -84,8 +84,8 @@ def replace_linear_layers(model: nn.Module) -> int:
                 continue
             with torch.device("meta"):  # the new layer's own parameters are dropped at once
                 layer = TransformersLinear(child.in_features, child.out_features, child.bias is not None, child.weight.dtype)
-            layer.weight = child.weight
-            layer.bias = child.bias
+            layer.weight = child.weight  # type: ignore[assignment]  # nn.Linear's Parameter
+            layer.bias = child.bias  # type: ignore[assignment]  # a Parameter or None, as nn.Linear holds it
             setattr(parent, child_name, layer)
             swapped += 1
     return swapped

@@ -62,9 +62,13 @@ def _layer_windows(cfg: Any, modules: dict[int, nn.Module], num_layers: int) -> 
     for i in range(num_layers):
         module = modules.get(i)
         if module is not None and hasattr(module, "sliding_window"):
-            windows.append(module.sliding_window or None)
+            window: Any = module.sliding_window
+            windows.append(int(window) if window else None)
         elif layer_types:
             windows.append(cfg.sliding_window if layer_types[i] == "sliding_attention" else None)
+        elif getattr(cfg, "use_sliding_window", True) is not False:
+            # Mistral-style configs: one window for every layer, no layer types
+            windows.append(getattr(cfg, "sliding_window", None) or None)
         else:
             windows.append(None)
     return windows
@@ -76,8 +80,8 @@ def build_attention_layers(cfg: Any, hf_model: nn.Module, architecture: str) -> 
     Head counts and sizes come from the module where it keeps them (``head_dim``, ``num_key_value_groups``,
     ``scaling``), else from the config; each call checks the q/k/v it actually gets against them.
     """
-    modules = {
-        m.layer_idx: m
+    modules: dict[int, nn.Module] = {
+        int(getattr(m, "layer_idx")): m  # noqa: B009  # typed as a module attribute, an int here
         for m in hf_model.modules()
         if isinstance(getattr(m, "layer_idx", None), int) and type(m).__name__.endswith("Attention")
     }
@@ -127,7 +131,7 @@ class TransformersForCausalLM(nn.Module):
         reasons = reasons_unsupported(cfg, trust_remote_code)
         if reasons:
             raise FallbackUnsupportedError(f"the transformers fallback cannot serve this model: {'; '.join(reasons)}")
-        cls = resolve_class(cfg, trust_remote_code)
+        cls: Any = resolve_class(cfg, trust_remote_code)
         self.architecture: str = cls.__name__
         register_attention_function()
         from transformers.initialization import no_init_weights
@@ -209,7 +213,7 @@ def load_transformers_weights(hf_model: nn.Module, weights: Iterable[tuple[str, 
             key = name
             if key not in params and key not in persistent and prefix and f"{prefix}.{key}" in params:
                 key = f"{prefix}.{key}"
-            target = params.get(key)
+            target: torch.Tensor | None = params.get(key)
             if target is None:
                 target = persistent.get(key)
             if target is None:

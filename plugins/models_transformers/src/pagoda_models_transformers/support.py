@@ -45,12 +45,14 @@ def resolve_class(hf_config: Any, trust_remote_code: bool) -> type:
     arch = archs[0]
     remote = _remote_reference(hf_config, arch)
     causal_lm_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if remote is not None and arch not in causal_lm_names:
-        if not trust_remote_code:
-            raise FallbackUnsupportedError(
-                f"{arch} is the model directory's own code (auto_map {remote!r}); "
-                "pass trust_remote_code=True to let transformers import and run it"
-            )
+    # As transformers' AutoModelForCausalLM decides: the directory's own code when trusted, else the library's
+    # class of that name, else a refusal that names trust_remote_code.
+    if remote is not None and not trust_remote_code and arch not in causal_lm_names:
+        raise FallbackUnsupportedError(
+            f"{arch} is the model directory's own code (auto_map {remote!r}); "
+            "pass trust_remote_code=True to let transformers import and run it"
+        )
+    if remote is not None and trust_remote_code:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
         name_or_path = str(getattr(hf_config, "name_or_path", "") or getattr(hf_config, "_name_or_path", ""))

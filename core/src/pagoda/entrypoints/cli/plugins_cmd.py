@@ -17,12 +17,58 @@ def _manager():  # type: ignore[no-untyped-def]
         raise typer.Exit(2) from exc
 
 
+def _echo_architectures() -> None:
+    """Every architecture a family implements, with its family and implementation, then the fallback's row."""
+    from pagoda.models.registry import FALLBACK_DISTRIBUTION, ModelRegistry
+
+    typer.echo("\narchitectures:")
+    for arch, family, implementation in ModelRegistry.architectures():
+        typer.echo(f"  {arch:<34} {family:<30} {implementation}")
+    fallback = ModelRegistry.fallback()
+    if fallback is None:
+        typer.echo(
+            f"  {'(any other)':<34} {'-':<30} refused: no transformers fallback installed "
+            f"(pip install {FALLBACK_DISTRIBUTION})"
+        )
+        return
+    info = _manager().provider_of("model_fallbacks", fallback.name)
+    family = (info.distribution or info.name) if info is not None else "in-process plugin"
+    what = f": {fallback.description}" if fallback.description else ""
+    typer.echo(f"  {'(any other)':<34} {family:<30} transformers fallback{what}")
+    typer.echo("  (ask about one architecture: pagoda plugins list --architecture NAME [--model-impl ...])")
+
+
+def _echo_resolutions(architectures: list[str], model_impl: str, trust_remote_code: bool) -> bool:
+    """How each named architecture would be served; False when one cannot be."""
+    from pagoda.models.registry import ModelRegistry, UnsupportedArchitectureError
+
+    ok = True
+    for arch in architectures:
+        try:
+            typer.echo(ModelRegistry.resolve([arch], model_impl, trust_remote_code=trust_remote_code).describe())
+        except (UnsupportedArchitectureError, ValueError) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            ok = False
+    return ok
+
+
 @app.command("list")
-def list_plugins() -> None:
-    """Each plugin: name, kind, distribution, version, what it provides, loaded or the error."""
+def list_plugins(
+    architecture: list[str] = typer.Option(  # noqa: B008
+        [], "--architecture", "-a",
+        help="Say which implementation would serve this architecture (repeatable); exit 1 if none can.",
+    ),
+    model_impl: str = typer.Option("auto", "--model-impl", help="With --architecture: auto, pagoda or transformers."),
+) -> None:
+    """Each plugin: name, kind, distribution, version, what it provides, loaded or the error; every
+    architecture with its family and implementation."""
     from pagoda.platforms import probe_platforms
 
     pm = _manager()
+    if architecture:
+        if not _echo_resolutions(architecture, model_impl, trust_remote_code=False):
+            raise typer.Exit(1)
+        return
     if not pm.infos:
         typer.echo("no plugins installed")
     pm.platforms()  # runs registration hooks so `provides` and hook errors are filled in
@@ -33,6 +79,7 @@ def list_plugins() -> None:
             typer.echo(f"    provides: {', '.join(info.provides)}")
         if info.error:
             typer.echo(f"    error: {info.error}")
+    _echo_architectures()
     rows = probe_platforms()
     if rows:
         typer.echo("\nplatforms:")
