@@ -4,7 +4,10 @@
 ``gguf.GGUFReader`` (seconds, for the vocabulary it then ignores). For the
 architectures listed here the same config is built from transformers' own
 GGUF-key table and pagoda's parser; a test checks both give equal configs.
-Any other architecture goes through transformers.
+pagoda also reads the keys transformers 5.23 drops though the file states them
+(``EXTRA_KEYS``: Qwen3's head size, the MoE expert widths, Gemma 2's soft-caps,
+a partial rotary width) and the architectures it cannot read at all (gemma,
+gptneox, phi2). Any other architecture goes through transformers.
 """
 
 from __future__ import annotations
@@ -17,13 +20,71 @@ from pagoda.model_loader.gguf_file import SkippedStrings, open_gguf
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-# Architectures whose transformers GGUF config is a plain key rename (no special cases in transformers).
-FAST_CONFIG_ARCHITECTURES = frozenset({"llama"})
+# llama.cpp architecture -> transformers model_type, where they differ
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gptneox": "gpt_neox", "phi2": "phi"}
+
+# Keys transformers' own table (GGUF_CONFIG_MAPPING) leaves out although llama.cpp writes them and the
+# config would otherwise take a class default that contradicts the file; and the whole table for the
+# architectures transformers cannot read from GGUF at all (gemma, gptneox, phi2).
+EXTRA_KEYS: dict[str, dict[str, str]] = {
+    "qwen3": {"attention.key_length": "head_dim"},
+    "qwen2moe": {
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    },
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping"},
+    "gpt2": {"context_length": "n_positions"},
+    "gemma": {
+        "context_length": "max_position_embeddings",
+        "block_count": "num_hidden_layers",
+        "feed_forward_length": "intermediate_size",
+        "embedding_length": "hidden_size",
+        "rope.freq_base": "rope_theta",
+        "attention.key_length": "head_dim",
+        "attention.head_count": "num_attention_heads",
+        "attention.head_count_kv": "num_key_value_heads",
+        "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+        "vocab_size": "vocab_size",
+    },
+    "gptneox": {
+        "context_length": "max_position_embeddings",
+        "block_count": "num_hidden_layers",
+        "feed_forward_length": "intermediate_size",
+        "embedding_length": "hidden_size",
+        "rope.freq_base": "rope_theta",
+        "attention.head_count": "num_attention_heads",
+        "attention.layer_norm_epsilon": "layer_norm_eps",
+        "use_parallel_residual": "use_parallel_residual",
+        "vocab_size": "vocab_size",
+    },
+    "phi2": {
+        "context_length": "max_position_embeddings",
+        "block_count": "num_hidden_layers",
+        "feed_forward_length": "intermediate_size",
+        "embedding_length": "hidden_size",
+        "rope.freq_base": "rope_theta",
+        "attention.head_count": "num_attention_heads",
+        "attention.head_count_kv": "num_key_value_heads",
+        "attention.layer_norm_epsilon": "layer_norm_eps",
+        "vocab_size": "vocab_size",
+    },
+}
+# llama.cpp states a partial rotary embedding as a width (rope.dimension_count); transformers takes a fraction.
+ROTARY_FRACTION_KEYS = {
+    "stablelm": "partial_rotary_factor", "phi2": "partial_rotary_factor", "phi3": "partial_rotary_factor",
+    "gptneox": "rotary_pct",
+}
+# The architectures this module builds configs for; any other goes through transformers.
+FAST_CONFIG_ARCHITECTURES = frozenset(
+    {"llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "gptneox", "phi2"}
+)
 
 
 def gguf_config_dict(path: Path) -> dict[str, object] | None:
-    """The config dict transformers would build, or None when this architecture needs transformers' own path."""
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    """The config dict transformers builds (``load_gguf_checkpoint``) plus ``EXTRA_KEYS``; None when this
+    architecture needs transformers' own path."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     gguf_file = open_gguf(path)
     metadata = gguf_file.metadata
@@ -32,19 +93,45 @@ def gguf_config_dict(path: Path) -> dict[str, object] | None:
     # transformers reads a llama-architecture file named "mistral" as Mistral
     if architecture not in FAST_CONFIG_ARCHITECTURES or (isinstance(name, str) and "mistral" in name):
         return None
+    model_type = MODEL_TYPES.get(architecture, architecture)
+    tensor_names = {t.name for t in gguf_file.tensors}
 
     config: dict[str, object] = {
-        "tie_word_embeddings": all(t.name != "output.weight" for t in gguf_file.tensors),
+        # llama.cpp writes the output matrix only when it is not the embedding's
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    if architecture == "stablelm":
+        # as transformers: the file states these only through which tensors it has
+        config["use_qkv_bias"] = any(f"attn_{x}.bias" in n for n in tensor_names for x in "qkv")
+        config["use_parallel_residual"] = not any("ffn_norm" in n for n in tensor_names)
+    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture, {}))
+    config.update(defaults)
+    arch_keys = dict(cast("dict[str, Any]", GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING.get(architecture) or {}))
+    arch_keys.update(EXTRA_KEYS.get(architecture, {}))
+    tables = {
+        architecture: arch_keys,
+        "general": cast("dict[str, Any]", GGUF_CONFIG_MAPPING["general"]),
+        "tokenizer": cast("dict[str, Any]", GGUF_CONFIG_MAPPING["tokenizer"]),
     }
     for key, value in metadata.items():
         prefix, _, rest = key.partition(".")
-        renames = cast("dict[str, Any] | None", GGUF_CONFIG_MAPPING.get(prefix))
+        renames = tables.get(prefix)
         if renames is None or rest not in renames:
             continue
         hf_key = renames[rest]
         if hf_key is None or hf_key == -1 or isinstance(value, SkippedStrings):
             continue
+        if isinstance(value, str) and architecture in value:
+            value = value.replace(architecture, model_type)  # as transformers: "qwen2moe" -> "qwen2_moe"
         config[hf_key] = value
+    if architecture == "gpt2" and "n_positions" in config:
+        config["n_ctx"] = config["n_positions"]
+    rotary_width = metadata.get(f"{architecture}.rope.dimension_count")
+    if architecture in ROTARY_FRACTION_KEYS and isinstance(rotary_width, int):
+        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None)
+        if isinstance(head_dim, int) and head_dim and (architecture != "phi3" or rotary_width != head_dim):
+            config[ROTARY_FRACTION_KEYS[architecture]] = rotary_width / head_dim
     if "vocab_size" not in config:
         tokens = metadata.get("tokenizer.ggml.tokens")
         if isinstance(tokens, SkippedStrings):

@@ -1,9 +1,11 @@
 """Tensors of a GGUF file, dequantized and renamed to Hugging Face parameter names.
 
-llama.cpp's converter renames every tensor (``blk.3.attn_q.weight``) and, for
-llama-architecture models, reorders the rows of the Q and K projections so
-rotary embedding pairs sit next to each other. Both are undone here, so the
-tensors equal what ``transformers`` loads from the same file.
+llama.cpp's converter renames every tensor (``blk.3.attn_q.weight``, names in
+``gguf_names``) and changes a few layouts per architecture: Llama's Q and K rows
+reordered for its rotary kernel, Gemma's norm weights stored as ``1 + w``,
+GPT-2's Conv1D matrices transposed, GPT-NeoX's fused QKV regrouped, MoE experts
+split per projection. All are undone here, so the tensors equal what
+``transformers`` loads from the same file.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
 from gguf.quants import dequantize
 
 from pagoda.model_loader.convert_cache import CACHEABLE_DTYPES, ConvertCache
 from pagoda.model_loader.errors import ModelLoadError
 from pagoda.model_loader.gguf_file import GGUFFile, GGUFTensorInfo, open_gguf
+from pagoda.model_loader.gguf_names import ARCHITECTURES, GGUFArchitecture, TensorRole, hf_parameter, tensor_role
 
 Q = GGMLQuantizationType
 
@@ -34,48 +38,80 @@ QUANTIZED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
 SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | QUANTIZED_TYPES
+# The RMSNorm weights llama.cpp stores as 1 + w for Gemma
+_NORM_KINDS = frozenset({
+    MODEL_TENSOR.OUTPUT_NORM, MODEL_TENSOR.ATTN_NORM, MODEL_TENSOR.ATTN_POST_NORM, MODEL_TENSOR.FFN_NORM, MODEL_TENSOR.FFN_PRE_NORM,
+    MODEL_TENSOR.FFN_POST_NORM, MODEL_TENSOR.ATTN_Q_NORM, MODEL_TENSOR.ATTN_K_NORM,
+})
 
 
 @dataclass(frozen=True)
-class ArchitectureNames:
-    """How one GGUF architecture's tensor names map to Hugging Face names."""
+class Conversion:
+    """One step of the load: GGUF tensors in, HF-named tensors out (usually one of each)."""
 
-    top_level: dict[str, str]  # GGUF base name -> HF module path
-    per_block: dict[str, str]  # GGUF base name inside ``blk.N`` -> HF module path inside ``model.layers.N``
-    ignored: frozenset[str]  # GGUF tensors with no HF parameter
-    permute_qk: bool  # llama.cpp reorders Q/K rows for rotary pairs
-
-
-_LLAMA = ArchitectureNames(
-    top_level={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"},
-    per_block={
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    },
-    # Llama 3 files store the rope scaling factors; HF recomputes them from config.rope_scaling.
-    ignored=frozenset({"rope_freqs.weight"}),
-    permute_qk=True,
-)
-
-ARCHITECTURES: dict[str, ArchitectureNames] = {"llama": _LLAMA}
+    sources: tuple[GGUFTensorInfo, ...]
+    outputs: tuple[tuple[str, tuple[int, ...]], ...]  # HF name and shape of every tensor it yields
+    op: str  # "rename", "fuse_rows", "fuse_experts", "split_qkv"
+    role: TensorRole
 
 
-def hf_name(gguf_name: str, names: ArchitectureNames) -> str | None:
-    """The HF parameter name of a GGUF tensor; None when it has no HF counterpart; KeyError when unknown."""
-    if gguf_name in names.ignored:
-        return None
-    base, _, kind = gguf_name.rpartition(".")  # kind: weight / bias
-    if base.startswith("blk."):
-        _, layer, block_base = base.split(".", 2)
-        return f"model.layers.{int(layer)}.{names.per_block[block_base]}.{kind}"
-    return f"{names.top_level[base]}.{kind}"
+def plan_conversions(gguf_file: GGUFFile, arch: GGUFArchitecture) -> list[Conversion]:
+    """Every HF tensor the file yields, in file order; ModelLoadError naming the first tensor with no HF name."""
+    path = gguf_file.path
+    fused_kinds = {kind: fused for fused in arch.fused for kind in fused.kinds}
+    groups: dict[tuple[int | None, str, str], list[tuple[MODEL_TENSOR, GGUFTensorInfo]]] = {}
+    conversions: list[Conversion] = []
+    for tensor in gguf_file.tensors:
+        role = tensor_role(arch.name, tensor.name)
+        if role is None or (
+            role.kind not in arch.names and role.kind not in fused_kinds
+            and role.kind not in arch.ignored and role.kind not in arch.split_qkv
+        ):
+            raise ModelLoadError(
+                f"GGUF file {path}: tensor {tensor.name} has no known Hugging Face name for architecture {arch.name!r}"
+            )
+        if role.kind in arch.ignored:
+            continue
+        if role.kind in arch.split_qkv:
+            rows = tensor.shape[0] // 3
+            names = tuple(hf_parameter(arch, role, module) for module in arch.split_qkv[role.kind])
+            outputs = tuple((name, (rows, *tensor.shape[1:])) for name in names)
+            conversions.append(Conversion((tensor,), outputs, "split_qkv", role))
+        elif role.kind in fused_kinds:
+            fused = fused_kinds[role.kind]
+            key = (role.block, fused.hf_name, role.suffix)
+            members = groups.setdefault(key, [])
+            members.append((role.kind, tensor))
+            if len(members) == len(fused.kinds):
+                ordered = tuple(t for kind in fused.kinds for k, t in members if k == kind)
+                conversions.append(_fused_conversion(arch, role, fused.hf_name, fused.how, ordered))
+        else:
+            shape = tensor.shape
+            if role.kind in arch.transposed and len(shape) == 2:
+                shape = (shape[1], shape[0])
+            elif role.kind == MODEL_TENSOR.FFN_GATE_INP_SHEXP and len(shape) == 1:
+                shape = (1, *shape)  # llama.cpp squeezes the [1, hidden] gate
+            conversions.append(Conversion((tensor,), ((hf_parameter(arch, role, arch.names[role.kind]), shape),),
+                                          "rename", role))
+    for (block, hf_module, _suffix), members in groups.items():
+        fused = next(f for f in arch.fused if f.hf_name == hf_module)
+        if len(members) != len(fused.kinds):
+            missing = [TENSOR_NAMES[k].format(bid=block) for k in fused.kinds if k not in {m[0] for m in members}]
+            raise ModelLoadError(f"GGUF file {path} has {members[0][1].name} but not {', '.join(missing)}")
+    return conversions
+
+
+def _fused_conversion(
+    arch: GGUFArchitecture, role: TensorRole, hf_module: str, how: str, sources: tuple[GGUFTensorInfo, ...]
+) -> Conversion:
+    first = sources[0].shape
+    if how == "fuse_rows":
+        shape = (sum(t.shape[0] for t in sources), *first[1:])
+        name = f"{arch.layer_prefix}.{role.block}.{hf_module}.{role.suffix}"
+    else:  # stacked experts [E, rows, cols] (a bare parameter in transformers 5), concatenated on the rows
+        shape = (first[0], sum(t.shape[1] for t in sources), *first[2:])
+        name = f"{arch.layer_prefix}.{role.block}.{hf_module}"
+    return Conversion(sources, ((name, shape),), how, role)
 
 
 def reverse_qk_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -85,6 +121,15 @@ def reverse_qk_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
         raise ModelLoadError(f"cannot undo the Q/K permutation: {rows} rows do not split into {num_heads} heads")
     per_half = rows // num_heads // 2
     return weight.reshape(num_heads, per_half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def reverse_neox_qkv(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's GPT-NeoX QKV order: all q, all k, all v -> per head [q, k, v] (HF's)."""
+    rows = weight.shape[0]
+    if rows % (3 * num_heads):
+        raise ModelLoadError(f"cannot regroup the fused QKV: {rows} rows do not split into 3 x {num_heads} heads")
+    head_dim = rows // 3 // num_heads
+    return weight.reshape(3, num_heads, head_dim, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
 
 
 def tensor_to_torch(gguf_file: GGUFFile, tensor: GGUFTensorInfo) -> torch.Tensor:
@@ -102,21 +147,15 @@ def tensor_to_torch(gguf_file: GGUFFile, tensor: GGUFTensorInfo) -> torch.Tensor
     return torch.from_numpy(dequantize(rows, tensor.tensor_type)).reshape(tensor.shape)
 
 
-def _check_supported(gguf_file: GGUFFile, names: ArchitectureNames) -> None:
+def _check_types(gguf_file: GGUFFile) -> None:
     """Fail before the first tensor is yielded, not halfway through a load."""
-    path = gguf_file.path
     for tensor in gguf_file.tensors:
-        tensor_type = tensor.tensor_type
-        if tensor_type not in SUPPORTED_TYPES:
+        if tensor.tensor_type not in SUPPORTED_TYPES:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
             raise ModelLoadError(
-                f"GGUF file {path}: tensor {tensor.name} has type {tensor_type.name}, which pagoda cannot "
-                f"dequantize (supported: {supported})"
+                f"GGUF file {gguf_file.path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which pagoda "
+                f"cannot dequantize (supported: {supported})"
             )
-        try:
-            hf_name(tensor.name, names)
-        except (KeyError, ValueError):
-            raise ModelLoadError(f"GGUF file {path}: tensor {tensor.name} has no known Hugging Face name") from None
 
 
 def _head_counts(gguf_file: GGUFFile, architecture: str) -> tuple[int, int]:
@@ -137,21 +176,22 @@ def iter_gguf(path: Path, cache_dtype: torch.dtype | None = None) -> Iterator[tu
     """
     gguf_file = open_gguf(path)
     architecture = gguf_file.architecture
-    names = ARCHITECTURES.get(architecture)
-    if names is None:
+    arch = ARCHITECTURES.get(architecture)
+    if arch is None:
         raise ModelLoadError(
             f"GGUF file {path} has architecture {architecture!r}; pagoda reads GGUF weights of: "
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
-    _check_supported(gguf_file, names)
+    _check_types(gguf_file)
+    conversions = plan_conversions(gguf_file, arch)
     num_heads, num_kv_heads = _head_counts(gguf_file, architecture)
-    tensors = _dequantized_tensors(gguf_file, names, num_heads, num_kv_heads)
+    tensors = _dequantized_tensors(gguf_file, arch, conversions, num_heads, num_kv_heads)
     if cache_dtype is None:
         return tensors
     cache = ConvertCache.for_gguf(path) if cache_dtype in CACHEABLE_DTYPES else None
     if cache is None:
         return ((name, tensor.to(cache_dtype)) for name, tensor in tensors)
-    plan = [(name, tensor.shape) for tensor in gguf_file.tensors if (name := hf_name(tensor.name, names)) is not None]
+    plan = [output for conversion in conversions for output in conversion.outputs]
     cached = cache.read_weights(plan, cache_dtype)
     if cached is not None:
         return cached
@@ -159,18 +199,35 @@ def iter_gguf(path: Path, cache_dtype: torch.dtype | None = None) -> Iterator[tu
 
 
 def _dequantized_tensors(
-    gguf_file: GGUFFile, names: ArchitectureNames, num_heads: int, num_kv_heads: int
+    gguf_file: GGUFFile, arch: GGUFArchitecture, conversions: list[Conversion], num_heads: int, num_kv_heads: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for tensor in gguf_file.tensors:
-        name = hf_name(tensor.name, names)
-        if name is None:
+    for conversion in conversions:
+        weights = [tensor_to_torch(gguf_file, tensor) for tensor in conversion.sources]
+        kind = conversion.role.kind
+        if conversion.op == "fuse_rows":
+            yield conversion.outputs[0][0], torch.cat(weights, dim=0)
             continue
-        weight = tensor_to_torch(gguf_file, tensor)
-        if names.permute_qk and ".self_attn.q_proj." in name:
+        if conversion.op == "fuse_experts":
+            yield conversion.outputs[0][0], torch.cat(weights, dim=1)
+            continue
+        weight = weights[0]
+        if conversion.op == "split_qkv":
+            for (name, _), part in zip(conversion.outputs, weight.chunk(3, dim=0)):
+                yield name, part.contiguous()
+            continue
+        if arch.permute_qk and kind == MODEL_TENSOR.ATTN_Q:
             weight = reverse_qk_permute(weight, num_heads)
-        elif names.permute_qk and ".self_attn.k_proj." in name:
+        elif arch.permute_qk and kind == MODEL_TENSOR.ATTN_K:
             weight = reverse_qk_permute(weight, num_kv_heads)
-        yield name, weight
+        elif arch.regroup_neox_qkv and kind == MODEL_TENSOR.ATTN_QKV:
+            weight = reverse_neox_qkv(weight, num_heads)
+        elif arch.norm_offset and conversion.role.suffix == "weight" and kind in _NORM_KINDS:
+            # as transformers does: subtract in float32 (the stored values are 1 + w)
+            weight = weight.float() - 1
+        elif kind in arch.transposed and weight.dim() == 2:
+            weight = weight.t().contiguous()
+        name, shape = conversion.outputs[0]
+        yield name, weight.reshape(shape)
 
 
 def gguf_dtype(path: Path) -> torch.dtype | None:

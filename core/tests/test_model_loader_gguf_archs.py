@@ -1,0 +1,203 @@
+"""GGUF files of every architecture pagoda maps, written from tiny random transformers models
+(``pagoda.testing.gguf_writer``): config, tokenizer and weights against transformers' own GGUF loader
+for the same file, and against the model the file was written from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as tf
+from gguf import GGMLQuantizationType as Q
+
+from pagoda.model_loader import iter_weights, load_hf_config, load_tokenizer, resolve_model_path
+from pagoda.model_loader.gguf_config import gguf_config_dict
+from pagoda.testing.gguf_writer import GGUFTokenizer, bpe_tokenizer, spm_tokenizer, write_gguf
+from pagoda.testing.model_parity import build_tiny_model
+
+_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+_GQA = dict(_SIZES, num_key_value_heads=2)
+
+
+def _gpt2_tokenizer() -> GGUFTokenizer:
+    return bpe_tokenizer(special_tokens=("<|endoftext|>",), pre="gpt-2", chat_template=None)
+
+
+# architecture -> (tokenizer, config from vocab size, transformers reads this file right).
+# Where transformers 5.23 drops a key the file states, the tiny config keeps the class default so that
+# transformers stays a valid reference (Qwen3's head_dim 128, StableLM's rotary 0.25, GPT-2's 1024
+# positions, the MoE widths); EXTRA_CASES below set other values, checked against the original model.
+CASES: dict[str, tuple[Callable[[], GGUFTokenizer], Callable[[int], Any], bool]] = {
+    "llama": (spm_tokenizer, lambda v: tf.LlamaConfig(vocab_size=v, **_GQA), True),
+    "qwen2": (bpe_tokenizer, lambda v: tf.Qwen2Config(vocab_size=v, tie_word_embeddings=False, **_GQA), True),
+    "qwen3": (bpe_tokenizer, lambda v: tf.Qwen3Config(vocab_size=v, head_dim=128, tie_word_embeddings=True, **_GQA), True),
+    "gemma": (lambda: spm_tokenizer(gemma=True), lambda v: tf.GemmaConfig(vocab_size=v, head_dim=16, **_GQA), False),
+    "gemma2": (
+        lambda: spm_tokenizer(gemma=True),
+        lambda v: tf.Gemma2Config(vocab_size=v, head_dim=16, sliding_window=16, **_GQA),
+        True,
+    ),
+    "phi3": (spm_tokenizer, lambda v: tf.Phi3Config(vocab_size=v, tie_word_embeddings=False, pad_token_id=0, **_GQA), True),
+    "gpt2": (_gpt2_tokenizer, lambda v: tf.GPT2Config(vocab_size=v, n_embd=64, n_layer=2, n_head=4), True),
+    "stablelm": (_gpt2_tokenizer, lambda v: tf.StableLmConfig(vocab_size=v, use_qkv_bias=True, **_GQA), True),
+    "qwen2moe": (
+        bpe_tokenizer,
+        lambda v: tf.Qwen2MoeConfig(vocab_size=v, num_experts=4, num_experts_per_tok=2, **_GQA),
+        False,  # transformers 5.23 reshapes the squeezed shared-expert gate to [1, 1, hidden] and fails
+    ),
+    "qwen3moe": (
+        bpe_tokenizer,
+        lambda v: tf.Qwen3MoeConfig(vocab_size=v, head_dim=32, num_experts=4, num_experts_per_tok=2, **_GQA),
+        True,
+    ),
+    "gptneox": (_gpt2_tokenizer, lambda v: tf.GPTNeoXConfig(vocab_size=v, rotary_pct=0.5, **_SIZES), False),
+    "phi2": (_gpt2_tokenizer, lambda v: tf.PhiConfig(vocab_size=v, partial_rotary_factor=0.5, **_SIZES), False),
+}
+# Values transformers would lose from the file: pagoda must still match the original model.
+EXTRA_CASES: dict[str, Callable[[int], Any]] = {
+    "qwen3": lambda v: tf.Qwen3Config(vocab_size=v, head_dim=32, **_GQA),
+    "stablelm": lambda v: tf.StableLmConfig(vocab_size=v, partial_rotary_factor=0.5, use_parallel_residual=True, **_GQA),
+    "gpt2": lambda v: tf.GPT2Config(vocab_size=v, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "qwen2moe": lambda v: tf.Qwen2MoeConfig(
+        vocab_size=v, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, **_GQA),
+    "gemma2": lambda v: tf.Gemma2Config(
+        vocab_size=v, head_dim=16, sliding_window=16, attn_logit_softcapping=20.0, final_logit_softcapping=10.0, **_GQA),
+}
+# Config keys that describe the run, not the model.
+_VOLATILE = {"_name_or_path", "_model_name_or_path", "dtype", "transformers_version", "architectures"}
+
+
+def build_case(tmp_path: Path, arch: str, make_config: Callable[[int], Any] | None = None,
+               quantization: Any = None) -> tuple[Any, Path, GGUFTokenizer]:
+    make_tokenizer, default_config, _ = CASES[arch]
+    tokenizer = make_tokenizer()
+    hf_model = build_tiny_model((make_config or default_config)(tokenizer.vocab_size), seed=0)
+    (tmp_path / "model").mkdir(exist_ok=True)
+    path = write_gguf(hf_model, tmp_path / "model" / f"tiny-{arch}.gguf", arch, tokenizer, quantization=quantization)
+    return hf_model, path, tokenizer
+
+
+def transformers_model(path: Path) -> Any:
+    return tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def config_values(config: Any) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
+
+
+@pytest.fixture(autouse=True)
+def _cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGODA_CACHE_ROOT", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_config_and_weights_match_transformers(tmp_path: Path, arch: str) -> None:
+    hf_model, path, _ = build_case(tmp_path, arch)
+    source = resolve_model_path(path)
+    assert gguf_config_dict(path) is not None, "built by pagoda's lean parser, not transformers' GGUFReader"
+    config = load_hf_config(source)
+    assert config.architectures == [type(hf_model).__name__]
+    ours = dict(iter_weights(source))
+    original = hf_model.state_dict()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    expected_names = {n for n in original if not (tied and n == "lm_head.weight")}
+    if arch == "gpt2":
+        expected_names.add("lm_head.weight")  # llama.cpp writes GPT-2's head beside the embedding
+    assert set(ours) == expected_names
+    for name, tensor in ours.items():
+        # Gemma's norms went through llama.cpp's 1 + w and back: equal up to float32 rounding
+        atol = 1e-6 if arch.startswith("gemma") and "norm" in name else 0.0
+        torch.testing.assert_close(tensor, original[name].float(), atol=atol, rtol=0, msg=name)
+
+    if not CASES[arch][2]:
+        return
+    reference_config = tf.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert config_values(config) == config_values(reference_config)
+    reference_state = transformers_model(path).state_dict()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, reference_state[name]), name
+
+
+@pytest.mark.parametrize("arch", list(EXTRA_CASES))
+def test_config_keeps_what_transformers_drops(tmp_path: Path, arch: str) -> None:
+    hf_model, path, _ = build_case(tmp_path, arch, EXTRA_CASES[arch])
+    config = load_hf_config(resolve_model_path(path))
+    original = hf_model.config
+    for key in ("head_dim", "moe_intermediate_size", "shared_expert_intermediate_size", "n_positions",
+                "attn_logit_softcapping", "final_logit_softcapping", "use_parallel_residual"):
+        if hasattr(original, key):
+            assert getattr(config, key) == getattr(original, key), key
+    rope = getattr(original, "rope_parameters", None) or {}
+    if "partial_rotary_factor" in rope:
+        assert config.rope_parameters["partial_rotary_factor"] == rope["partial_rotary_factor"]
+    for name, tensor in iter_weights(resolve_model_path(path)):
+        torch.testing.assert_close(tensor, hf_model.state_dict()[name].float(), atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "phi3", "gpt2"])
+def test_tokenizer_and_chat_template_match_transformers(tmp_path: Path, arch: str) -> None:
+    _, path, spec = build_case(tmp_path, arch)
+    source = resolve_model_path(path)
+    ours = load_tokenizer(source)
+    again = load_tokenizer(source)  # the second load reads pagoda's convert cache
+    reference = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog.", "  two spaces, 12345 and ünïcode!", ""]
+    for text in texts:
+        ids = reference.encode(text)
+        assert ours.encode(text) == ids == again.encode(text), text
+        assert ours.decode(ids) == reference.decode(ids)
+    assert ours.eos_token_id == spec.eos_token_id
+    assert ours.chat_template == spec.chat_template
+    if spec.chat_template is not None:
+        messages = [{"role": "user", "content": "Hello there"}]
+        assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_quantized_file_matches_transformers(tmp_path: Path, arch: str) -> None:
+    _, path, _ = build_case(tmp_path, arch, quantization=Q.Q8_0)
+    reference = transformers_model(path).state_dict()
+    for name, tensor in iter_weights(resolve_model_path(path)):
+        assert torch.equal(tensor.float(), reference[name]), name
+
+
+def test_convert_cache_keeps_config_and_weights(tmp_path: Path) -> None:
+    """The second load reads the cache: same tensors, and a light config with the architecture."""
+    from pagoda.model_loader import load_model_config
+
+    _, path, _ = build_case(tmp_path, "gemma2")
+    source = resolve_model_path(path)
+    first = dict(iter_weights(source, cache_dtype=torch.float32))
+    second = dict(iter_weights(source, cache_dtype=torch.float32))
+    assert list(first) == list(second)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    load_hf_config(source)
+    light = load_model_config(source)
+    assert type(light).__name__ == "CachedHFConfig"
+    assert light.architectures == ["Gemma2ForCausalLM"]
+    assert light.final_logit_softcapping == 30.0
+
+
+def test_unmapped_tensor_is_named(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    from pagoda.model_loader import ModelLoadError
+
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_head_count(4)
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="blk.0.ffn_gate_exps.weight has no known Hugging Face name"):
+        iter_weights(resolve_model_path(path))
