@@ -32,6 +32,9 @@ class AttentionSpec:
     block_size: int
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    # False: bidirectional (encoder-only models): every token of a sequence attends to all of its
+    # tokens, later ones included. Such a sequence is computed in one step (no chunked prefill).
+    causal: bool = True
 
 
 @dataclass
@@ -119,6 +122,7 @@ class AttentionBackend:
         Returns [num_tokens, num_heads, head_dim]. Causal: a new token at
         absolute position p (= context_len + its index among the new tokens)
         attends to cached and new tokens at positions <= p (and > p - window
-        with a sliding window).
+        with a sliding window). With ``spec.causal`` False every token attends
+        to all ``seq_len`` tokens of its sequence.
         """
         raise NotImplementedError

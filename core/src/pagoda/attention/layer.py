@@ -25,6 +25,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         layer_idx: int = 0,
+        causal: bool = True,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -34,6 +35,8 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.layer_idx = layer_idx
+        # False: bidirectional attention (encoder-only models); the backend reads it from its AttentionSpec
+        self.causal = causal
         self.backend: AttentionBackend | None = None
         self.kv_cache: torch.Tensor | None = None
 

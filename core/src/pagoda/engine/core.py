@@ -74,6 +74,14 @@ class EngineCore:
         self.runner = ModelRunner(config, platform)
         self.max_model_len = config.resolved.max_model_len
         sc = config.scheduler_config
+        enable_caching = config.cache_config.enable_prefix_caching
+        if config.resolved.runner_type == "pooling":
+            # vLLM's rule for pooling models: a prompt is pooled in one step, whole (bidirectional
+            # attention needs all of it; the poolers read every hidden state), and a cached prefix
+            # would leave its hidden states uncomputed
+            sc = sc.model_copy(update={"enable_chunked_prefill": False})
+            enable_caching = False
+            logger.info("pooling model: chunked prefill and prefix caching are off (a prompt is pooled whole in one step)")
         if sc.max_num_batched_tokens is not None:
             budget = sc.max_num_batched_tokens
         else:
@@ -88,7 +96,7 @@ class EngineCore:
         memory = self.runner.init_kv_cache(sc.max_num_seqs, budget)
         self.block_size = memory.block_size
         self.kv_cache_manager = KVCacheManager(
-            memory.num_blocks, memory.block_size, enable_caching=config.cache_config.enable_prefix_caching
+            memory.num_blocks, memory.block_size, enable_caching=enable_caching
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,

@@ -16,6 +16,7 @@ from typing import Literal
 
 from pagoda.model_loader.errors import ModelLoadError, ModelNotFoundError
 from pagoda.model_loader.hub import HubModelId, select_gguf, snapshot_path
+from pagoda.model_loader.packaged import PACKAGED_MODELS, packaged_model_dir
 
 ModelKind = Literal["hf", "gguf"]
 
@@ -92,6 +93,9 @@ def resolve_model_path(
         return ModelSource(kind="gguf", path=path.parent, gguf_file=path.name, is_default=True)
 
     path = Path(model).expanduser()
+    if not path.exists() and str(model) in PACKAGED_MODELS:
+        _refuse_revision(revision, f"the packaged model {str(model)!r}")
+        return ModelSource(kind="hf", path=packaged_model_dir(str(model)), model_id=str(model))
     if not path.exists():
         hub_id = HubModelId.parse(str(model)) if isinstance(model, str) else None
         if hub_id is None:

@@ -122,6 +122,9 @@ def resolve_runner(model_config: Any, source: Any, hf_config: Any) -> RunnerDeci
     user = model_config.pooler_config
     if user is not None:
         pooler = user.merged_over(pooler)
+    if convert == "reward" and pooler.use_activation is None:
+        # vLLM's reward conversion returns the hidden states as they are
+        pooler = PoolerConfig(**{**pooler.model_dump(), "use_activation": False})
     is_matryoshka, dims = matryoshka_of(hf_config)
     num_labels = int(getattr(hf_config, "num_labels", 0) or 0) if convert in ("none", "classify") else 0
     info = PoolingModelInfo(

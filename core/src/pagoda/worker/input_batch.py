@@ -22,10 +22,13 @@ class RowState:
     # Beam search rows report this many next-token candidates instead of sampling.
     num_beam_candidates: int = 0
     beam_temperature: float = 0.0
+    # a pooling request's PoolingParams (the pooler reads them); None for sampled rows
+    pooling_params: Any = None
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 with_token_type_ids: bool = False) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
@@ -37,12 +40,15 @@ class InputBatch:
         # -1: the row wants no prompt logprobs; else how many top alternatives per prompt token
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.num_beam_candidates = np.zeros(max_num_reqs, dtype=np.int64)
+        # BERT-style models: each prompt token's type id (0 where a request gives none)
+        self.token_type_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64) if with_token_type_ids else None
         self.rows: dict[str, RowState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, block_ids: list[int],
             num_computed: int, sampling_params: Any, output_token_ids: list[int],
-            num_beam_candidates: int = 0, beam_temperature: float = 0.0) -> RowState:
+            num_beam_candidates: int = 0, beam_temperature: float = 0.0, pooling_params: Any = None,
+            token_type_ids: list[int] | None = None) -> RowState:
         if not self._free_rows:
             raise RuntimeError("input batch is full (more running requests than max_num_seqs)")
         row = self._free_rows.pop()
@@ -58,8 +64,10 @@ class InputBatch:
         prompt_logprobs = getattr(sampling_params, "prompt_logprobs", None)
         self.num_prompt_logprobs[row] = -1 if prompt_logprobs is None else prompt_logprobs
         self.num_beam_candidates[row] = num_beam_candidates
+        if self.token_type_ids is not None:
+            self.token_type_ids[row, :n] = token_type_ids if token_type_ids is not None else 0
         state = RowState(req_id, row, sampling_params, num_prompt_tokens, output_token_ids,
-                         num_beam_candidates, beam_temperature)
+                         num_beam_candidates, beam_temperature, pooling_params)
         self.rows[req_id] = state
         return state
 

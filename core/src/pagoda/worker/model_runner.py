@@ -20,8 +20,10 @@ from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.layers import bind_layer_ops, prepare_linear_layers
 from pagoda.model_loader import iter_weights
+from pagoda.models.adapters import as_pooling_model
 from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
+from pagoda.pooling.pooler import PoolingMetadata
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
 from pagoda.worker.input_batch import InputBatch
@@ -112,16 +114,27 @@ class ModelRunner:
         if not archs:
             raise ValueError(f"the model config at {self.source.path} names no architectures; pass hf_overrides={{'architectures': [...]}}")
         model_config = self.config.model
+        info = self.pooling_info
+        if info is not None and info.architecture:
+            archs = [info.architecture]  # a generative sibling that the conversion serves
         choice = ModelRegistry.resolve(archs, model_config.model_impl, self.hf_config, model_config.trust_remote_code)
         logger.info("%s", choice.describe())
         self.model_choice = choice
         cls = choice.load()
+        init_kwargs = dict(choice.init_kwargs)
+        if info is not None:
+            if info.convert_type != "none":
+                cls = as_pooling_model(cls, info.convert_type)
+            elif not getattr(cls, "is_pooling_model", False):
+                raise ValueError(f"{choice.cls} is registered with runner 'pooling' but is no pooling model "
+                                 "(is_pooling_model is not set)")
+            init_kwargs["pooler_config"] = info.pooler_config
         t0 = time.perf_counter()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.hf_config, self.dtype, **choice.init_kwargs)
+                model = cls(self.hf_config, self.dtype, **init_kwargs)
         finally:
             torch.set_default_dtype(prev)
         # Every tensor is cast to the parameters' one dtype on load: a GGUF file's
@@ -161,6 +174,7 @@ class ModelRunner:
             block_size=self.block_size,
             sliding_window=layer.sliding_window,
             logits_soft_cap=layer.logits_soft_cap,
+            causal=layer.causal,
         )
 
     def init_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:
@@ -181,6 +195,10 @@ class ModelRunner:
         else:
             budget = self.platform.kv_cache_budget_bytes(self.config, self.weights_bytes, activation)
             num_blocks = budget // bytes_per_block
+            if self.runner_type == "pooling":
+                # a pooling request holds blocks for its one step only: one full step's worth is all that is used
+                step_blocks = -(-max_num_batched_tokens // self.block_size) + max_num_seqs
+                num_blocks = min(num_blocks, max(step_blocks, -(-self.max_model_len // self.block_size)))
         needed = -(-self.max_model_len // self.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -195,12 +213,15 @@ class ModelRunner:
             layer.bind(self.attn_backend, cache)
         self.num_blocks = num_blocks
         max_blocks_per_req = needed
-        self.batch = InputBatch(max_num_seqs, self.max_model_len, max_blocks_per_req)
-        self.sampler = RunnerSampler(self.config, self.text_config, self.batch, self.device)
+        self.batch = InputBatch(max_num_seqs, self.max_model_len, max_blocks_per_req,
+                                with_token_type_ids=self.uses_token_type_ids)
+        # a pooling model samples nothing: its pooler replaces the sampler
+        self.sampler = None if self.runner_type == "pooling" else RunnerSampler(
+            self.config, self.text_config, self.batch, self.device)
         self.memory = MemoryReport(self.weights_bytes, activation, num_blocks * bytes_per_block, num_blocks, self.block_size, bytes_per_block)
         logger.info("%s", self.memory.describe())
-        # Last: graphs bake in the bound KV caches and the batch's block-table width.
-        self.graphs = create_decode_graphs(self)
+        # Last: graphs bake in the bound KV caches and the batch's block-table width (pooling never decodes).
+        self.graphs = create_decode_graphs(self) if self.runner_type == "generate" else None
         return self.memory
 
     @torch.inference_mode()
@@ -228,8 +249,9 @@ class ModelRunner:
         stats = self.platform.memory_stats()
         before = stats.get("peak_bytes", _rss_peak_bytes()) if stats else _rss_peak_bytes()
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, positions, md)
-        self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler_config.max_num_seqs):])
+        hidden = self.model(ids, positions, md, **self._extra_inputs(torch.zeros_like(ids)))
+        if self.runner_type == "generate":
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler_config.max_num_seqs):])
         self.platform.synchronize()
         stats = self.platform.memory_stats()
         after = stats.get("peak_bytes", _rss_peak_bytes()) if stats else _rss_peak_bytes()
@@ -240,14 +262,17 @@ class ModelRunner:
     def _apply_diffs(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             state = self.batch.remove(rid)
-            if state is not None and not state.num_beam_candidates:
+            if state is not None and not state.num_beam_candidates and self.sampler is not None:
                 self.sampler.remove(state)
         for new in so.scheduled_new_reqs:
             state = self.batch.add(
                 new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
                 new.num_computed_tokens, new.sampling_params, new.output_token_ids,
                 num_beam_candidates=new.num_beam_candidates, beam_temperature=new.beam_temperature,
+                pooling_params=new.pooling_params, token_type_ids=new.token_type_ids,
             )
+            if self.sampler is None:
+                continue
             if not state.num_beam_candidates:
                 # beam rows never sample: the scheduler picks their tokens
                 self.sampler.add(state)
@@ -266,6 +291,38 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in so.block_copies], device=self.device)
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
+
+    @property
+    def uses_token_type_ids(self) -> bool:
+        """The model reads token type ids (BERT-style embeddings); the batch keeps them per row."""
+        return bool(getattr(self.model, "uses_token_type_ids", False))
+
+    def _extra_inputs(self, token_type_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"token_type_ids": token_type_ids} if self.uses_token_type_ids else {}
+
+    def _pool(self, hidden: torch.Tensor, req_ids: list[str], rows: np.ndarray, cu: np.ndarray, start: np.ndarray,
+              nsched: np.ndarray, done: np.ndarray) -> ModelRunnerOutput:
+        """The pooler over each request whose prompt is all computed; float32 results on the host."""
+        pooled: list[Any] = [None] * len(req_ids)
+        result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids], pooler_output=pooled)
+        idx = np.nonzero(done)[0]
+        if not len(idx):
+            return result
+        if (start[idx] != 0).any():
+            # chunked prefill and prefix caching are off for pooling models: a prompt is one step
+            raise RuntimeError("a pooling request reached the pooler without its whole prompt in the step")
+        b = self.batch
+        states = [b.rows[req_ids[i]] for i in idx.tolist()]
+        params = [st.pooling_params for st in states]
+        tokens = None
+        if any(p.requires_token_ids for p in params):
+            tokens = [torch.from_numpy(b.token_ids[rows[i], : nsched[i]].copy()) for i in idx.tolist()]
+        md = PoolingMetadata(starts=cu[idx].tolist(), lengths=nsched[idx].tolist(), pooling_params=params,
+                             prompt_token_ids=tokens)
+        outputs = self.model.pooler(hidden, md)
+        for i, out in zip(idx.tolist(), outputs):
+            pooled[i] = out.detach().to("cpu", torch.float32)
+        return result
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -310,14 +367,20 @@ class ModelRunner:
                 is_all_decode=bool((nsched == 1).all()),
             )
             md = self.attn_backend.prepare(md)
+            extra = {}
+            if self.uses_token_type_ids:
+                extra = self._extra_inputs(torch.from_numpy(b.token_type_ids[token_rows, positions]).to(dev, non_blocking=True))
             hidden = self.model(
                 torch.from_numpy(input_ids).to(dev, non_blocking=True),
                 torch.from_numpy(positions).to(dev, non_blocking=True),
                 md,
+                **extra,
             )
         # Only requests whose known tokens are all computed after this step sample.
         samples = seq_lens >= b.num_tokens[rows]
         b.num_computed[rows] = seq_lens
+        if self.runner_type == "pooling":
+            return self._pool(hidden, req_ids, rows, cu, start, nsched, samples)
         sample_idx = np.nonzero(samples)[0]
         sampled: list[list[int]] = [[] for _ in req_ids]
         result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)

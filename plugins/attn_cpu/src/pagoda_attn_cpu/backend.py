@@ -74,6 +74,9 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         reasons = [r for r in super().reasons_unsupported(spec) if not r.startswith("device type")]
         if spec.device_type != "cpu":
             reasons.append(f"device type {spec.device_type!r} is not 'cpu'")
+        if not spec.causal:
+            # the kernel masks causally; torch_paged serves encoder-only models
+            reasons.append("bidirectional (causal=False) attention is not implemented by the C++ kernel")
         if not reasons:
             failure = build_failure(spec.dtype, spec.head_dim)  # compiles on first use; cached per machine afterwards
             if failure is not None:

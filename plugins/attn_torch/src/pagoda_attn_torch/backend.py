@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from pagoda.attention.interface import AttentionBackend, AttentionMetadata, AttentionSpec
-from pagoda_attn_torch.compute import attend_batched, attend_looped, write_kv
+from pagoda_attn_torch.compute import attend_batched, attend_dense, attend_looped, write_kv
 from pagoda_attn_torch.plan import StepPlan, build_plan
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -49,6 +49,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
             reasons.append(f"sliding_window={spec.sliding_window} must be positive")
         if spec.logits_soft_cap is not None and spec.logits_soft_cap <= 0:
             reasons.append(f"logits_soft_cap={spec.logits_soft_cap} must be positive")
+        if not spec.causal and spec.sliding_window is not None:
+            reasons.append("a sliding window with bidirectional (causal=False) attention is not implemented")
         return reasons
 
     @classmethod
@@ -56,7 +58,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
         return (16, 32, 64)
 
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
-        plan = build_plan(metadata, self.spec.block_size)
+        plan = build_plan(metadata, self.spec.block_size, causal=self.spec.causal)
         metadata.extra = {**(metadata.extra or {}), PLAN_KEY: plan}
         return metadata
 
@@ -73,9 +75,11 @@ class TorchPagedAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan = self._plan_of(metadata)
         self._check_cache(kv_cache, key)
+        num_tokens, num_heads, head_dim = query.shape
+        if not plan.causal:
+            return self._forward_bidirectional(query, key, value, kv_cache, plan, scale, logits_soft_cap)
         write_kv(key, value, kv_cache, plan)
 
-        num_tokens, num_heads, head_dim = query.shape
         groups = plan.batched
         if len(groups) == 1 and groups[0].result_index is None and not plan.looped:
             # Every row is one decode, in order: the batched result is the output.
@@ -94,6 +98,26 @@ class TorchPagedAttentionBackend(AttentionBackend):
             out[seq.row_start : seq.row_end] = attend_looped(
                 query, key, value, kv_cache, seq, index, plan, scale, sliding_window, logits_soft_cap
             )
+        return out
+
+    @staticmethod
+    def _forward_bidirectional(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                               plan: StepPlan, scale: float, logits_soft_cap: float | None) -> torch.Tensor:
+        if plan.looped:
+            # only a sequence on top of cached tokens reads the cache back
+            write_kv(key, value, kv_cache, plan)
+        # else nothing is written: a bidirectional sequence is computed whole in its step and never
+        # extended, so no later step reads its K/V
+        num_tokens, num_heads, head_dim = query.shape
+        out = query.new_empty(num_tokens, num_heads, head_dim)
+        if plan.num_real_tokens < num_tokens:
+            out[plan.num_real_tokens :].zero_()
+        for run in plan.dense:
+            out[run.row_start : run.row_start + run.num_seqs * run.seq_len] = attend_dense(
+                query, key, value, kv_cache, run, scale, logits_soft_cap)
+        for index, seq in enumerate(plan.looped):
+            out[seq.row_start : seq.row_end] = attend_looped(
+                query, key, value, kv_cache, seq, index, plan, scale, None, logits_soft_cap)
         return out
 
     @staticmethod

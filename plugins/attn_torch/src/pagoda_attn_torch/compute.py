@@ -8,7 +8,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from pagoda_attn_torch.plan import BatchedGroup, LoopedSequence, StepPlan
+from pagoda_attn_torch.plan import BatchedGroup, DenseRun, LoopedSequence, StepPlan
 
 # dtype -> additive mask broadcastable to [batch, heads, queries, keys]; built lazily, cached per step.
 MaskFor = Callable[[torch.dtype], torch.Tensor]
@@ -88,11 +88,31 @@ def attend_looped(
     return out[0].transpose(0, 1)
 
 
+def attend_dense(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    run: DenseRun,
+    scale: float,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:
+    """Bidirectional attention over whole sequences of one length -> [num_seqs * seq_len, heads, head_dim]."""
+    n, length = run.num_seqs, run.seq_len
+    rows = slice(run.row_start, run.row_start + n * length)
+    # through the cache dtype, as if read back from the cache (a no-op when the dtypes agree)
+    keys = key[rows].to(kv_cache.dtype).view(n, length, key.shape[1], key.shape[2]).transpose(1, 2)
+    values = value[rows].to(kv_cache.dtype).view(n, length, value.shape[1], value.shape[2]).transpose(1, 2)
+    queries = query[rows].view(n, length, query.shape[1], query.shape[2]).transpose(1, 2)
+    out = _attend(queries, keys, values, None, scale, logits_soft_cap, causal=False)
+    return out.transpose(1, 2).reshape(n * length, query.shape[1], query.shape[2])
+
+
 def _attend(
     queries: torch.Tensor,  # [b, heads, q, head_dim]
     keys: torch.Tensor,  # [b, kv_heads, k, head_dim]
     values: torch.Tensor,
-    mask_for: MaskFor,
+    mask_for: MaskFor | None,  # None (and not causal): every query sees every key
     scale: float,
     logits_soft_cap: float | None,
     causal: bool,
@@ -106,7 +126,7 @@ def _attend(
             queries,
             keys,
             values,
-            attn_mask=None if causal else mask_for(queries.dtype),
+            attn_mask=None if causal or mask_for is None else mask_for(queries.dtype),
             is_causal=causal,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
@@ -118,7 +138,7 @@ def _attend_soft_capped(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    mask_for: MaskFor,
+    mask_for: MaskFor | None,
     scale: float,
     cap: float,
     causal: bool,
@@ -135,7 +155,7 @@ def _attend_soft_capped(
     if causal:
         allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril_()
         scores.masked_fill_(~allowed, float("-inf"))
-    else:
+    elif mask_for is not None:
         scores += mask_for(torch.float32).view(b, 1, 1, q_len, k_len)
     probs = torch.softmax(scores, dim=-1).view(b, num_kv_heads, group * q_len, k_len)
     out = torch.matmul(probs, values.float())

@@ -76,10 +76,12 @@ class LoopedSequence:
     # [ceil(seq_len / block_size)] int64 cache blocks holding the sequence.
     block_ids: torch.Tensor
     masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    # False: every new token sees all seq_len tokens (bidirectional attention)
+    causal: bool = True
 
     def is_plain_causal(self, sliding_window: int | None) -> bool:
         """True when the new tokens attend only to each other, causally, with no window."""
-        return self.context_len == 0 and sliding_window is None
+        return self.causal and self.context_len == 0 and sliding_window is None
 
     def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """Additive [new tokens, seq_len] mask."""
@@ -87,9 +89,26 @@ class LoopedSequence:
         cached = self.masks.get(key)
         if cached is None:
             positions = torch.arange(self.context_len, self.seq_len, device=self.block_ids.device)
+            if not self.causal:
+                # every query "stands at" the last position: all keys of the sequence are visible
+                positions = torch.full_like(positions, self.seq_len - 1)
             cached = _additive_mask(positions, self.seq_len, sliding_window).to(dtype)
             self.masks[key] = cached
         return cached
+
+
+@dataclass
+class DenseRun:
+    """Bidirectional attention: consecutive whole sequences (nothing cached before) of one length.
+
+    Their rows are contiguous in the flat batch, so q/k/v are viewed as
+    [num_seqs, seq_len, heads, head_dim] without a gather, and attention
+    needs no mask: every token sees every token of its own sequence.
+    """
+
+    row_start: int
+    num_seqs: int
+    seq_len: int
 
 
 @dataclass
@@ -102,6 +121,10 @@ class StepPlan:
     write_slots: torch.Tensor
     batched: list[BatchedGroup]
     looped: list[LoopedSequence]
+    # bidirectional steps only: whole sequences attended without reading the cache
+    dense: list[DenseRun] = field(default_factory=list)
+    # bidirectional: a key is visible to every query of its sequence (masks built from seq_len)
+    causal: bool = True
     # Per-step scratch reused by every layer (fresh large buffers cost page faults on CPU).
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -128,7 +151,7 @@ def _host(tensor: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
     return tensor if tensor is not None else fallback.cpu()
 
 
-def build_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
+def build_plan(metadata: AttentionMetadata, block_size: int, causal: bool = True) -> StepPlan:
     device = metadata.block_tables.device
     query_start = _host(metadata.query_start_loc_cpu, metadata.query_start_loc).to(torch.int64)
     seq_lens = _host(metadata.seq_lens_cpu, metadata.seq_lens).to(torch.int64)
@@ -149,6 +172,9 @@ def build_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
         )
 
     write_rows, write_slots = _plan_writes(metadata.slot_mapping[: metadata.num_tokens])
+    if not causal:
+        return _plan_bidirectional(metadata, block_size, query_start, query_lens, context_lens, seq_lens,
+                                   num_real_tokens, write_rows, write_slots)
 
     short = (query_lens <= BATCHED_QUERY_LIMIT) & (query_lens > 0)
     batched_ids = torch.nonzero(short).flatten()
@@ -189,6 +215,50 @@ def build_plan(metadata: AttentionMetadata, block_size: int) -> StepPlan:
         write_slots=write_slots,
         batched=batched,
         looped=looped,
+    )
+
+
+def _plan_bidirectional(
+    metadata: AttentionMetadata,
+    block_size: int,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_real_tokens: int,
+    write_rows: torch.Tensor | None,
+    write_slots: torch.Tensor,
+) -> StepPlan:
+    """Whole sequences go into dense runs; a sequence on top of cached tokens is looped under a full mask."""
+    dense: list[DenseRun] = []
+    looped: list[LoopedSequence] = []
+    for i, (q_len, ctx) in enumerate(zip(query_lens.tolist(), context_lens.tolist())):
+        if q_len == 0:
+            continue
+        if ctx == 0:
+            last = dense[-1] if dense else None
+            if last is not None and last.seq_len == q_len and last.row_start + last.num_seqs * q_len == int(query_start[i]):
+                last.num_seqs += 1
+            else:
+                dense.append(DenseRun(int(query_start[i]), 1, q_len))
+            continue
+        looped.append(LoopedSequence(
+            row_start=int(query_start[i]),
+            row_end=int(query_start[i + 1]),
+            context_len=ctx,
+            seq_len=int(seq_lens[i]),
+            block_ids=metadata.block_tables[i, : _cdiv(int(seq_lens[i]), block_size)].to(torch.int64),
+            causal=False,
+        ))
+    return StepPlan(
+        num_tokens=metadata.num_tokens,
+        num_real_tokens=num_real_tokens,
+        write_rows=write_rows,
+        write_slots=write_slots,
+        batched=[],
+        looped=looped,
+        dense=dense,
+        causal=False,
     )
 
 

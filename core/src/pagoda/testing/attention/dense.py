@@ -50,7 +50,8 @@ class DenseTestBackend(AttentionBackend):
                 scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
             q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)[:, None]
             k_pos = torch.arange(seq_len, device=query.device)[None, :]
-            allowed = k_pos <= q_pos
+            # bidirectional (spec.causal False): every new token sees the whole sequence
+            allowed = k_pos <= q_pos if self.spec.causal else torch.ones_like(k_pos <= q_pos)
             if sliding_window is not None:
                 allowed &= k_pos > q_pos - sliding_window
             scores = scores.masked_fill(~allowed, float("-inf"))
