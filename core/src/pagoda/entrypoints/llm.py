@@ -9,7 +9,15 @@ from pagoda.beam_search import BeamSearchOutput, EarlyStopping, request_output_t
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.chat_utils import is_conversation_list, render_chat_prompt
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from pagoda.pooling_params import POOLING_TASKS, PoolingParams
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 # Show a progress bar only for batches long enough to be worth watching.
@@ -59,6 +67,11 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one or one per prompt")
         return params
 
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What the model serves: ("generate",), or its pooling tasks (embed, classify, score, token_embed, ...)."""
+        return self.llm_engine.supported_tasks
+
     def generate(
         self,
         prompts: Any,
@@ -66,6 +79,10 @@ class LLM:
         use_tqdm: bool = True,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        if "generate" not in self.supported_tasks:
+            raise ValueError(
+                f"LLM.generate needs a generative model; this one runs with the pooling runner (tasks: "
+                f"{', '.join(self.supported_tasks)}). Use LLM.embed / classify / score / reward / encode.")
         items = self._normalize(prompts)
         params = self._params_list(sampling_params, len(items))
         if priority is not None and len(priority) != len(items):
@@ -140,8 +157,196 @@ class LLM:
         tokenizer = self.get_tokenizer()
         return [request_output_to_beam_search_output(o, tokenizer) for o in self._run_engine(ids, use_tqdm)]
 
-    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    # -- pooling models (vLLM's offline pooling API) ------------------------------------------------
+    def encode(
+        self,
+        prompts: Any,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        pooling_task: str | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Run prompts through the pooler of task ``pooling_task`` (embed, classify, score, token_embed,
+        token_classify; "encode" = the model's per-token task); one ``PoolingRequestOutput`` each, in order."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported by pagoda yet")
+        self._require_pooling("LLM.encode")
+        items = self._normalize(prompts)
+        params = self._pooling_params_list(pooling_params, len(items))
+        task = pooling_task
+        if task is None:
+            tasks = {p.task for p in params}
+            if len(tasks) != 1 or None in tasks:
+                raise ValueError("LLM.encode needs pooling_task (one of "
+                                 f"{', '.join(self.supported_tasks)}), or PoolingParams that set task")
+            task = tasks.pop()
+        if task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task={task!r} is not one of {', '.join(POOLING_TASKS)}")
+        limit = truncate_prompt_tokens
+        if tokenization_kwargs:
+            unknown = set(tokenization_kwargs) - {"truncation", "max_length"}
+            if unknown:
+                raise ValueError(f"tokenization_kwargs {sorted(unknown)} are not supported (only truncation, max_length)")
+            if tokenization_kwargs.get("truncation") and limit is None:
+                limit = tokenization_kwargs.get("max_length", -1)
+        ready = []
+        for p in params:
+            p = p.clone()
+            if p.task is not None and p.task != task:
+                raise ValueError(f"PoolingParams.task={p.task!r} disagrees with pooling_task={task!r}")
+            p.task = task  # type: ignore[assignment]
+            if limit is not None:
+                p.truncate_prompt_tokens = limit
+                p.__post_init__()
+            ready.append(p)
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(items, ready):
+                rid = str(self._request_counter)
+                self._request_counter += 1
+                self.llm_engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.llm_engine.abort_request(rid)
+            raise
+        return self._run_engine(ids, use_tqdm)  # type: ignore[return-value]
+
+    def embed(
+        self,
+        prompts: Any,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: Any = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (normalized unless ``PoolingParams(normalize=False)``)."""
+        self._require_task("LLM.embed", "embed")
+        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                              lora_request=lora_request, pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def classify(
+        self,
+        prompts: Any,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: Any = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (softmax, or sigmoid for one label; raw logits with use_activation=False)."""
+        self._require_task("LLM.classify", "classify")
+        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                              lora_request=lora_request, pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in outputs]
+
+    def reward(
+        self,
+        prompts: Any,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: Any = None,
+    ) -> list[PoolingRequestOutput]:
+        """Per-token outputs of a reward model (``convert="reward"``, or a token classifier): [tokens, ...] each."""
+        self._require_task("LLM.reward", "token_classify")
+        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           lora_request=lora_request, pooling_task="token_classify")
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,
+    ) -> list[ScoringRequestOutput]:
+        """Scores of (data_1, data_2) pairs, paired 1:1, 1:N or N:N as vLLM pairs them.
+
+        A cross-encoder (a one-label classifier: the ``score`` task) reads each pair as one input,
+        the tokenizer's pair encoding with its token type ids; an embedding model scores by the cosine
+        similarity of the two embeddings.
+        """
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported by pagoda yet")
+        tasks = self.supported_tasks
+        if "score" not in tasks and "embed" not in tasks:
+            raise ValueError("LLM.score needs a cross-encoder (a one-label classifier: the 'score' task) or an embedding "
+                             f"model; this model supports {', '.join(tasks)}")
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if not first or not second:
+            raise ValueError("LLM.score needs at least one text on each side")
+        if len(first) == 1:
+            first = first * len(second)
+        elif len(first) != len(second):
+            raise ValueError(f"input lengths must be 1:1, 1:N or N:N; got {len(first)} and {len(second)}")
+        if "score" in tasks:
+            tokenizer = self.get_tokenizer()
+            prompts = []
+            for a, b in zip(first, second):
+                if truncate_prompt_tokens is None:
+                    enc = tokenizer(a, text_pair=b)
+                else:
+                    limit = self.llm_engine.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+                    enc = tokenizer(a, text_pair=b, truncation=True, max_length=limit)
+                prompt: dict[str, Any] = {"prompt_token_ids": list(enc["input_ids"])}
+                if enc.get("token_type_ids") is not None:
+                    prompt["token_type_ids"] = list(enc["token_type_ids"])
+                prompts.append(prompt)
+            outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="score")
+            return [ScoringRequestOutput.from_base(o) for o in outputs]
+        if pooling_params is not None and pooling_params.use_activation is not None:
+            raise ValueError("use_activation applies to cross-encoder scores; this model scores by cosine similarity")
+        texts = list(dict.fromkeys(first + second))
+        embedded = self.embed(texts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                              pooling_params=pooling_params)
+        by_text = dict(zip(texts, embedded))
+        import torch
+
+        scores = []
+        for a, b in zip(first, second):
+            ea, eb = by_text[a], by_text[b]
+            cosine = torch.nn.functional.cosine_similarity(torch.tensor(ea.outputs.embedding),
+                                                           torch.tensor(eb.outputs.embedding), dim=0)
+            scores.append(ScoringRequestOutput.from_base(PoolingRequestOutput(
+                f"{ea.request_id}_{eb.request_id}", PoolingOutput(cosine.reshape(1)),
+                list(ea.prompt_token_ids) + list(eb.prompt_token_ids), 0, True)))
+        return scores
+
+    def _require_pooling(self, method: str) -> None:
+        if "generate" in self.supported_tasks:
+            raise ValueError(f"{method} needs a pooling model; this model generates text (runner 'generate'). Load it "
+                             "with runner='pooling' (and convert='embed' / 'classify' / 'reward') to pool a decoder.")
+
+    def _require_task(self, method: str, task: str) -> None:
+        self._require_pooling(method)
+        if task not in self.supported_tasks:
+            raise ValueError(f"{method} needs the {task!r} task; this model supports {', '.join(self.supported_tasks)}")
+
+    def _pooling_params_list(self, params: Any, n: int) -> list[PoolingParams]:
+        if params is None:
+            return [PoolingParams() for _ in range(n)]
+        if isinstance(params, PoolingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} pooling params for {n} prompts; pass one or one per prompt")
+        if not all(isinstance(p, PoolingParams) for p in params):
+            raise TypeError("pooling_params must be PoolingParams")
+        return params
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[Any]:
+        results: dict[str, Any] = {}
         bar = None
         if use_tqdm and len(ids) >= _TQDM_MIN_PROMPTS:
             from tqdm.auto import tqdm
@@ -155,9 +360,14 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         if bar is not None:
-                            out_tokens += sum(len(o.token_ids) for o in out.outputs)
                             elapsed = bar.format_dict["elapsed"] or 1e-9
-                            bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
+                            if isinstance(out, RequestOutput):
+                                out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                                bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s", refresh=False)
+                            else:
+                                # a pooling request reads its prompt and writes no tokens
+                                out_tokens += len(out.prompt_token_ids)
+                                bar.set_postfix_str(f"input {out_tokens / elapsed:.1f} tok/s", refresh=False)
                             bar.update(1)
                 if not self.llm_engine.has_unfinished_requests() and len(results) < len(ids):
                     missing = wanted - set(results)
