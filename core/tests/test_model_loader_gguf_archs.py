@@ -201,3 +201,32 @@ def test_unmapped_tensor_is_named(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ModelLoadError, match="blk.0.ffn_gate_exps.weight has no known Hugging Face name"):
         iter_weights(resolve_model_path(path))
+
+
+# --- end to end: pagoda.LLM on the GGUF file against transformers' greedy generate ----------------
+
+def _served(architecture: str) -> bool:
+    """Whether an installed pagoda plugin (not the transformers fallback) implements ``architecture``."""
+    from pagoda import ModelRegistry
+
+    return architecture in ModelRegistry.get_supported_archs()
+
+
+# The class each file is served as; where transformers cannot load the file (see CASES) the model the
+# file was written from is the reference, its weights equal to the loaded ones (float32 rounding of
+# Gemma's 1 + w aside).
+E2E = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "qwen2moe", "qwen3moe",
+       "gptneox", "phi2"]
+
+
+@pytest.mark.parametrize("arch", E2E)
+def test_llm_on_gguf_matches_transformers(tmp_path: Path, arch: str) -> None:
+    from pagoda.testing.model_parity import check_parity
+
+    hf_model, path, _ = build_case(tmp_path, arch)
+    # An architecture no installed plugin implements (GPT-2 until its family lands) still runs the
+    # GGUF loader end to end, through the transformers fallback.
+    llm_kwargs = {} if _served(type(hf_model).__name__) else {"model_impl": "transformers"}
+    reference = transformers_model(path) if CASES[arch][2] else hf_model
+    report = check_parity(reference, tmp_path, model_path=path, llm_kwargs=llm_kwargs)
+    assert report.num_cached_tokens > 0

@@ -143,6 +143,7 @@ def check_parity(
     llm_kwargs: dict[str, Any] | None = None,
     logprob_atol: float = LOGPROB_ATOL,
     shared_prefix_last: bool = True,
+    model_path: Path | None = None,
 ) -> ParityReport:
     """Serve ``hf_model``'s weights through ``pagoda.LLM`` and compare with transformers; raises AssertionError.
 
@@ -150,6 +151,8 @@ def check_parity(
     are sent after the rest (``shared_prefix_last``); the check then asserts that they hit the prefix cache.
     ``llm_kwargs`` reach ``LLM`` (e.g. ``attention_backend``, ``model_impl``) over the defaults here:
     float32, chunked prefill under ``max_num_batched_tokens``, prefix caching on.
+    ``model_path`` serves that checkpoint instead of saving ``hf_model`` (e.g. a GGUF file holding its
+    weights: ``pagoda.testing.gguf_writer``); ``hf_model`` stays the reference.
     """
     from pagoda import LLM, SamplingParams
 
@@ -160,7 +163,7 @@ def check_parity(
     elif shared_prefix_last and len(prompts) < 11:
         raise ValueError("with shared_prefix_last the last 3 prompts are sent separately: pass 11 or more")
     longest = max(len(p) for p in prompts) + new_tokens
-    model_dir = save_tiny_model(hf_model, tmp_path / "parity-model")
+    model_dir = model_path if model_path is not None else save_tiny_model(hf_model, tmp_path / "parity-model")
     kwargs: dict[str, Any] = dict(
         skip_tokenizer_init=True,
         dtype="float32",
