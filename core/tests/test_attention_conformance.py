@@ -29,6 +29,7 @@ def test_cases_cover_the_contract() -> None:
     assert {torch.float32, torch.bfloat16, torch.float16} <= {c.dtype for c in CONFORMANCE_CASES}
     assert any(c.sliding_window for c in CONFORMANCE_CASES) and any(c.logits_soft_cap for c in CONFORMANCE_CASES)
     assert any(c.padding_rows for c in CONFORMANCE_CASES)
+    assert {c.dtype for c in CONFORMANCE_CASES if c.alibi} == {torch.float32, torch.bfloat16}
     assert {c.shape.block_size for c in CONFORMANCE_CASES} == {8, 16}
 
 
@@ -58,6 +59,39 @@ class GarbagePadding(DenseTestBackend):
         return out
 
 
+class IgnoresAlibi(DenseTestBackend):
+    name = "ignores-alibi"
+
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None,  # type: ignore[no-untyped-def]
+                alibi_slopes=None):
+        return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+
+
+class AlibiSignFlipped(DenseTestBackend):
+    """slope * (q_pos - k_pos): favours distant keys instead of near ones."""
+
+    name = "alibi-sign-flipped"
+
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None,  # type: ignore[no-untyped-def]
+                alibi_slopes=None):
+        return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap,
+                               None if alibi_slopes is None else -alibi_slopes)
+
+
+class AlibiPerKvHead(DenseTestBackend):
+    """Takes the slope of the query head's KV head (wrong under GQA: slopes are per query head)."""
+
+    name = "alibi-per-kv-head"
+
+    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None,  # type: ignore[no-untyped-def]
+                alibi_slopes=None):
+        if alibi_slopes is not None:
+            group = query.shape[1] // key.shape[1]
+            alibi_slopes = alibi_slopes[::group].repeat_interleave(group)
+        return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap,
+                               alibi_slopes)
+
+
 class NoHalfPrecision(DenseTestBackend):
     name = "fp32-only"
 
@@ -78,6 +112,9 @@ def _case(case_id: str) -> ConformanceCase:
         (WritesSkippedSlots, "padding-rows-decode", "sequence|KV cache"),
         (WritesSkippedSlots, "slot-minus-one-inside-a-sequence", "slot of -1"),
         (GarbagePadding, "padding-rows-mixed", "padding rows"),
+        (IgnoresAlibi, "alibi-mixed", "sequence"),
+        (AlibiSignFlipped, "alibi-decode", "sequence"),
+        (AlibiPerKvHead, "alibi-chunked", "sequence"),
     ],
 )
 def test_a_broken_backend_fails_its_case(backend: type[DenseTestBackend], case_id: str, message: str) -> None:

@@ -18,6 +18,7 @@ from pagoda.testing.attention import (
     Batch,
     ConformanceCase,
     Shape,
+    UnsupportedCaseError,
     check_cache,
     make_batch,
     reference_attention,
@@ -46,9 +47,15 @@ def run_and_check(
     return check_backend(make_backend(shape, dtype), batch, shape, dtype, sliding_window, logits_soft_cap)
 
 
-@pytest.mark.parametrize("case", CONFORMANCE_CASES, ids=str)
+@pytest.mark.parametrize("case", [c for c in CONFORMANCE_CASES if not c.alibi], ids=str)
 def test_conformance(case: ConformanceCase) -> None:
     run_case(case, CpuPagedAttentionBackend)
+
+
+@pytest.mark.parametrize("case", [c for c in CONFORMANCE_CASES if c.alibi], ids=str)
+def test_alibi_is_refused_so_the_selector_picks_another_backend(case: ConformanceCase) -> None:
+    with pytest.raises(UnsupportedCaseError, match="ALiBi"):
+        run_case(case, CpuPagedAttentionBackend)
 
 
 def test_registered_as_a_cpu_attention_backend() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagoda.attention import AttentionMetadata, AttentionSpec
-from pagoda.testing.attention import CONFORMANCE_CASES, ConformanceCase, run_case
+from pagoda.testing.attention import CONFORMANCE_CASES, ConformanceCase, UnsupportedCaseError, run_case
 from pagoda_attn_triton import plugin
 from pagoda_attn_triton.backend import TritonPagedAttentionBackend
 from pagoda_kernels import reshape_and_cache_torch
@@ -48,13 +48,20 @@ _KNOWN_DIVERGENCES = {"padding-rows-mixed", "padding-rows-decode", "only-padding
 @pytest.mark.usefixtures("runnable")
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=_PADDING_INSIDE_NUM_TOKENS) if c.id in _KNOWN_DIVERGENCES else c for c in CONFORMANCE_CASES],
+    [pytest.param(c, marks=_PADDING_INSIDE_NUM_TOKENS) if c.id in _KNOWN_DIVERGENCES else c
+     for c in CONFORMANCE_CASES if not c.alibi],
     ids=str,
 )
 def test_conformance(case: ConformanceCase) -> None:
     """The cases every backend runs (pagoda.testing.attention); on a CPU-only machine through
     Triton's interpreter, with the spec still saying CUDA."""
     run_case(case, TritonPagedAttentionBackend, device=DEVICE, device_type="cuda")
+
+
+def test_alibi_is_refused_so_the_selector_picks_another_backend() -> None:
+    for case in (c for c in CONFORMANCE_CASES if c.alibi):
+        with pytest.raises(UnsupportedCaseError, match="ALiBi"):
+            run_case(case, TritonPagedAttentionBackend, device="cpu", device_type="cuda")
 
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,

@@ -35,6 +35,10 @@ class AttentionSpec:
     # False: bidirectional (encoder-only models): every token of a sequence attends to all of its
     # tokens, later ones included. Such a sequence is computed in one step (no chunked prefill).
     causal: bool = True
+    # ALiBi: one slope per query head; attention adds slope * (key_pos - query_pos) to each
+    # head's scaled (and soft-capped) logits. None: no positional bias. The slopes themselves
+    # reach ``forward`` as a tensor; here they tell a backend whether it must serve ALiBi.
+    alibi_slopes: tuple[float, ...] | None = None
 
 
 @dataclass
@@ -116,6 +120,7 @@ class AttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write the new K/V into ``kv_cache`` at ``slot_mapping``, then attend.
 
@@ -124,5 +129,9 @@ class AttentionBackend:
         attends to cached and new tokens at positions <= p (and > p - window
         with a sliding window). With ``spec.causal`` False every token attends
         to all ``seq_len`` tokens of its sequence.
+
+        ``alibi_slopes`` ([num_heads] float32, passed only when ``spec.alibi_slopes`` is set):
+        head h's logit of a query at position p for a key at position j gets
+        ``alibi_slopes[h] * (j - p)`` added after the scale and any soft cap.
         """
         raise NotImplementedError

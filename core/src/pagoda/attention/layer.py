@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -26,6 +28,7 @@ class Attention(nn.Module):
         logits_soft_cap: float | None = None,
         layer_idx: int = 0,
         causal: bool = True,
+        alibi_slopes: Sequence[float] | torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -37,8 +40,22 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         # False: bidirectional attention (encoder-only models); the backend reads it from its AttentionSpec
         self.causal = causal
+        # ALiBi (pagoda.layers.get_alibi_slopes, scaled as the model needs): [num_heads] float32, a
+        # buffer so it follows the model's device (and is never saved)
+        self.alibi_slopes: torch.Tensor | None
+        if alibi_slopes is None:
+            self.alibi_slopes = None
+        else:
+            slopes = torch.as_tensor(alibi_slopes, dtype=torch.float32).flatten()
+            if slopes.numel() != num_heads:
+                raise ValueError(f"ALiBi needs one slope per head: {slopes.numel()} slopes for {num_heads} heads")
+            self.register_buffer("alibi_slopes", slopes.clone(), persistent=False)
         self.backend: AttentionBackend | None = None
         self.kv_cache: torch.Tensor | None = None
+
+    def alibi_slopes_tuple(self) -> tuple[float, ...] | None:
+        """The slopes as ``AttentionSpec.alibi_slopes`` carries them."""
+        return None if self.alibi_slopes is None else tuple(float(s) for s in self.alibi_slopes.tolist())
 
     def bind(self, backend: AttentionBackend, kv_cache: torch.Tensor) -> None:
         self.backend = backend
@@ -55,6 +72,8 @@ class Attention(nn.Module):
         if self.backend is None or self.kv_cache is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache bound; the model runner binds it")
         t = query.shape[0]
+        # passed only when set, so a backend written before ALiBi keeps its signature
+        extra = {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
         out = self.backend.forward(
             query.view(t, self.num_heads, self.head_dim),
             key.view(t, self.num_kv_heads, self.head_dim),
@@ -64,5 +83,6 @@ class Attention(nn.Module):
             self.scale,
             self.sliding_window,
             self.logits_soft_cap,
+            **extra,
         )
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,6 +1,7 @@
 """Layers that model-family plugins share, whose compute a platform may specialise."""
 
 from pagoda.layers.activation import Activation, GeluAndMul, SiluAndMul, gated_activation
+from pagoda.layers.alibi import get_alibi_slopes
 from pagoda.layers.embedding import Embedding
 from pagoda.layers.head_norm import PerHeadLayerNorm
 from pagoda.layers.linear import Linear, LinearKernel, prepare_linear_layers
@@ -32,6 +33,7 @@ __all__ = [
     "fused_experts",
     "fused_topk",
     "gated_activation",
+    "get_alibi_slopes",
     "prepare_linear_layers",
     "rope_config_from_hf",
 ]

@@ -46,6 +46,7 @@ class PagedKVHarness:
                     device_type=self.device.type,
                     block_size=block_size,
                     sliding_window=layer.sliding_window,
+                    alibi_slopes=layer.alibi_slopes_tuple(),
                 )
                 shape = DenseTestBackend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
                 layer.bind(DenseTestBackend(spec), torch.zeros(shape, dtype=dtype, device=self.device))

@@ -175,6 +175,7 @@ class ModelRunner:
             sliding_window=layer.sliding_window,
             logits_soft_cap=layer.logits_soft_cap,
             causal=layer.causal,
+            alibi_slopes=layer.alibi_slopes_tuple(),
         )
 
     def init_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:

@@ -77,6 +77,9 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         if not spec.causal:
             # the kernel masks causally; torch_paged serves encoder-only models
             reasons.append("bidirectional (causal=False) attention is not implemented by the C++ kernel")
+        if spec.alibi_slopes is not None:
+            # the kernel's online softmax takes no per-head positional bias; torch_paged serves ALiBi models
+            reasons.append("ALiBi (alibi_slopes) is not implemented by the C++ kernel")
         if not reasons:
             failure = build_failure(spec.dtype, spec.head_dim)  # compiles on first use; cached per machine afterwards
             if failure is not None:

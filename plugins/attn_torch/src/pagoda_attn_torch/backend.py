@@ -51,6 +51,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
             reasons.append(f"logits_soft_cap={spec.logits_soft_cap} must be positive")
         if not spec.causal and spec.sliding_window is not None:
             reasons.append("a sliding window with bidirectional (causal=False) attention is not implemented")
+        if spec.alibi_slopes is not None and len(spec.alibi_slopes) != spec.num_heads:
+            reasons.append(f"{len(spec.alibi_slopes)} ALiBi slopes for {spec.num_heads} heads (one per head)")
         return reasons
 
     @classmethod
@@ -72,37 +74,41 @@ class TorchPagedAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = self._plan_of(metadata)
         self._check_cache(kv_cache, key)
         num_tokens, num_heads, head_dim = query.shape
         if not plan.causal:
-            return self._forward_bidirectional(query, key, value, kv_cache, plan, scale, logits_soft_cap)
+            return self._forward_bidirectional(query, key, value, kv_cache, plan, scale, logits_soft_cap, alibi_slopes)
         write_kv(key, value, kv_cache, plan)
 
         groups = plan.batched
         if len(groups) == 1 and groups[0].result_index is None and not plan.looped:
             # Every row is one decode, in order: the batched result is the output.
-            out = attend_batched(query, kv_cache, groups[0], 0, plan, scale, sliding_window, logits_soft_cap)
+            out = attend_batched(query, kv_cache, groups[0], 0, plan, scale, sliding_window, logits_soft_cap,
+                                 alibi_slopes)
             return out.reshape(num_tokens, num_heads, head_dim)
 
         out = query.new_empty(num_tokens, num_heads, head_dim)
         if plan.num_real_tokens < num_tokens:
             out[plan.num_real_tokens :].zero_()
         for index, group in enumerate(groups):
-            padded = attend_batched(query, kv_cache, group, index, plan, scale, sliding_window, logits_soft_cap)
+            padded = attend_batched(query, kv_cache, group, index, plan, scale, sliding_window, logits_soft_cap,
+                                    alibi_slopes)
             assert group.result_index is not None and group.output_rows is not None  # only the in-order case lacks them
             real = padded.reshape(-1, num_heads, head_dim).index_select(0, group.result_index)
             out.index_copy_(0, group.output_rows, real)
         for index, seq in enumerate(plan.looped):
             out[seq.row_start : seq.row_end] = attend_looped(
-                query, key, value, kv_cache, seq, index, plan, scale, sliding_window, logits_soft_cap
+                query, key, value, kv_cache, seq, index, plan, scale, sliding_window, logits_soft_cap, alibi_slopes
             )
         return out
 
     @staticmethod
     def _forward_bidirectional(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                               plan: StepPlan, scale: float, logits_soft_cap: float | None) -> torch.Tensor:
+                               plan: StepPlan, scale: float, logits_soft_cap: float | None,
+                               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         if plan.looped:
             # only a sequence on top of cached tokens reads the cache back
             write_kv(key, value, kv_cache, plan)
@@ -114,10 +120,10 @@ class TorchPagedAttentionBackend(AttentionBackend):
             out[plan.num_real_tokens :].zero_()
         for run in plan.dense:
             out[run.row_start : run.row_start + run.num_seqs * run.seq_len] = attend_dense(
-                query, key, value, kv_cache, run, scale, logits_soft_cap)
+                query, key, value, kv_cache, run, scale, logits_soft_cap, alibi_slopes)
         for index, seq in enumerate(plan.looped):
             out[seq.row_start : seq.row_end] = attend_looped(
-                query, key, value, kv_cache, seq, index, plan, scale, None, logits_soft_cap)
+                query, key, value, kv_cache, seq, index, plan, scale, None, logits_soft_cap, alibi_slopes)
         return out
 
     @staticmethod

@@ -36,6 +36,7 @@ def attend_batched(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for the batched group -> [num_seqs, max_query_len, num_heads, head_dim]."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -50,7 +51,9 @@ def attend_batched(
 
     rows = query if group.query_rows is None else query.index_select(0, group.query_rows)
     queries = rows.view(n, max_q, -1, head_dim).transpose(1, 2)  # [n, heads, max_q, head_dim]
-    out = _attend(queries, keys, values, partial(group.mask, sliding_window), scale, logits_soft_cap, causal=False)
+    bias = None if alibi_slopes is None else _alibi_bias(alibi_slopes, group.relative_positions())
+    out = _attend(queries, keys, values, partial(group.mask, sliding_window), scale, logits_soft_cap, causal=False,
+                  bias=bias)
     return out.transpose(1, 2)
 
 
@@ -65,6 +68,7 @@ def attend_looped(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for one long prefill -> [new tokens, num_heads, head_dim]."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -84,7 +88,9 @@ def attend_looped(
     queries = query[rows].transpose(0, 1).unsqueeze(0)
     keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
 
-    out = _attend(queries, keys, values, partial(seq.mask, sliding_window), scale, logits_soft_cap, causal=causal)
+    bias = None if alibi_slopes is None else _alibi_bias(alibi_slopes, seq.relative_positions())
+    out = _attend(queries, keys, values, partial(seq.mask, sliding_window), scale, logits_soft_cap, causal=causal,
+                  bias=bias)
     return out[0].transpose(0, 1)
 
 
@@ -96,6 +102,7 @@ def attend_dense(
     run: DenseRun,
     scale: float,
     logits_soft_cap: float | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bidirectional attention over whole sequences of one length -> [num_seqs * seq_len, heads, head_dim]."""
     n, length = run.num_seqs, run.seq_len
@@ -104,7 +111,11 @@ def attend_dense(
     keys = key[rows].to(kv_cache.dtype).view(n, length, key.shape[1], key.shape[2]).transpose(1, 2)
     values = value[rows].to(kv_cache.dtype).view(n, length, value.shape[1], value.shape[2]).transpose(1, 2)
     queries = query[rows].view(n, length, query.shape[1], query.shape[2]).transpose(1, 2)
-    out = _attend(queries, keys, values, None, scale, logits_soft_cap, causal=False)
+    bias = None
+    if alibi_slopes is not None:
+        positions = torch.arange(length, device=query.device)
+        bias = _alibi_bias(alibi_slopes, (positions - positions.unsqueeze(-1)).float()[None, None])
+    out = _attend(queries, keys, values, None, scale, logits_soft_cap, causal=False, bias=bias)
     return out.transpose(1, 2).reshape(n * length, query.shape[1], query.shape[2])
 
 
@@ -116,42 +127,69 @@ def _attend(
     scale: float,
     logits_soft_cap: float | None,
     causal: bool,
+    bias: torch.Tensor | None = None,  # float32 [b, heads, q, k] added to the logits (ALiBi)
 ) -> torch.Tensor:
     num_heads, num_kv_heads = queries.shape[1], keys.shape[1]
-    if logits_soft_cap is None:
+    # SDPA takes a bias only as an attn_mask in the query dtype: ALiBi goes through it in
+    # float32 alone (a bf16 bias of -30 would be off by 0.1).
+    if logits_soft_cap is None and (bias is None or queries.dtype == torch.float32):
         # SDPA's CPU kernels accumulate half types in float32, so softmax stays float32.
         values = values.to(queries.dtype)
         keys = keys.to(queries.dtype)
+        mask = None if causal or mask_for is None else mask_for(queries.dtype)
+        if bias is not None:
+            if causal:
+                mask = _causal_mask(queries.shape[2], keys.shape[2], queries.device)
+            mask = bias if mask is None else bias + mask
+            causal = False
         return F.scaled_dot_product_attention(
             queries,
             keys,
             values,
-            attn_mask=None if causal or mask_for is None else mask_for(queries.dtype),
+            attn_mask=mask,
             is_causal=causal,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
-    return _attend_soft_capped(queries, keys, values, mask_for, scale, logits_soft_cap, causal)
+    return _attend_explicit(queries, keys, values, mask_for, scale, logits_soft_cap, causal, bias)
 
 
-def _attend_soft_capped(
+def _alibi_bias(slopes: torch.Tensor, relative: torch.Tensor) -> torch.Tensor:
+    """[heads] slopes x [b, 1, q, k] key_pos - query_pos -> [b, heads, q, k] float32."""
+    return slopes.float().view(1, -1, 1, 1) * relative
+
+
+def _causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """[q, k] float32: 0 where key <= query (the queries are the last q of k positions), -inf elsewhere."""
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril_(k_len - q_len)
+    return torch.zeros(q_len, k_len, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def _attend_explicit(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     mask_for: MaskFor | None,
     scale: float,
-    cap: float,
+    cap: float | None,
     causal: bool,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Explicit float32 attention, for what SDPA cannot express (the logits soft-cap)."""
+    """Explicit float32 attention, for what SDPA cannot express (the logits soft-cap; ALiBi in half types)."""
     b, num_heads, q_len, head_dim = queries.shape
     num_kv_heads, k_len = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
     # Query heads h*group..(h+1)*group-1 share KV head h: fold them into the row dimension.
     q = queries.float().reshape(b, num_kv_heads, group * q_len, head_dim)
     scores = torch.matmul(q, keys.float().transpose(-1, -2))
-    scores.mul_(scale / cap).tanh_().mul_(cap)
+    if cap is not None:
+        scores.mul_(scale / cap).tanh_().mul_(cap)
+    else:
+        scores.mul_(scale)
     scores = scores.view(b, num_kv_heads, group, q_len, k_len)
+    if bias is not None:
+        # query head h = kv_head * group + g: the same fold as the scores'
+        scores += bias.view(bias.shape[0], num_kv_heads, group, q_len, k_len)
     if causal:
         allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril_()
         scores.masked_fill_(~allowed, float("-inf"))

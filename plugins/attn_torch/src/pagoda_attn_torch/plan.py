@@ -54,6 +54,7 @@ class BatchedGroup:
     output_rows: torch.Tensor | None
     # Additive masks [num_seqs, 1, max_query_len, padded_kv_len] per (window, dtype), built lazily.
     masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    _relative: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
         key = (sliding_window, dtype)
@@ -63,6 +64,13 @@ class BatchedGroup:
             cached = built.unsqueeze(1).to(dtype)
             self.masks[key] = cached
         return cached
+
+    def relative_positions(self) -> torch.Tensor:
+        """[num_seqs, 1, max_query_len, padded_kv_len] float32 key_pos - query_pos (ALiBi), built once per step."""
+        if self._relative is None:
+            keys = torch.arange(self.padded_kv_len, device=self.positions.device)
+            self._relative = (keys - self.positions.unsqueeze(-1)).unsqueeze(1).float()
+        return self._relative
 
 
 @dataclass
@@ -78,6 +86,16 @@ class LoopedSequence:
     masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
     # False: every new token sees all seq_len tokens (bidirectional attention)
     causal: bool = True
+    _relative: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def relative_positions(self) -> torch.Tensor:
+        """[1, 1, new tokens, seq_len] float32 key_pos - query_pos (ALiBi), built once per step."""
+        if self._relative is None:
+            device = self.block_ids.device
+            queries = torch.arange(self.context_len, self.seq_len, device=device)
+            keys = torch.arange(self.seq_len, device=device)
+            self._relative = (keys - queries.unsqueeze(-1)).float()[None, None]
+        return self._relative
 
     def is_plain_causal(self, sliding_window: int | None) -> bool:
         """True when the new tokens attend only to each other, causally, with no window."""

@@ -44,6 +44,9 @@ class TritonPagedAttentionBackend(AttentionBackend):
             reasons.append(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
         if spec.head_dim > MAX_HEAD_DIM:
             reasons.append(f"head_dim {spec.head_dim} is larger than {MAX_HEAD_DIM}")
+        if spec.alibi_slopes is not None:
+            # the kernels add no per-head positional bias; torch_paged serves ALiBi models
+            reasons.append("ALiBi (alibi_slopes) is not implemented by the Triton kernels")
         return reasons
 
     @classmethod

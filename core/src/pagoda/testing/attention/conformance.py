@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from pagoda.attention.interface import AttentionBackend, AttentionMetadata
+from pagoda.layers.alibi import get_alibi_slopes
 from pagoda.testing.attention.batch import CHUNKED, DECODE, MIXED, PREFILL, Batch, Shape, make_batch, spec_for
 from pagoda.testing.attention.reference import (
     assert_within_tolerance,
@@ -50,9 +51,14 @@ class ConformanceCase:
     query_scale: float = 1.0
     padding_rows: int = 0
     kind: CaseKind = "step"
+    # ALiBi with get_alibi_slopes(num_heads): the spec carries the slopes, forward gets them
+    alibi: bool = False
 
     def __str__(self) -> str:
         return self.id
+
+    def alibi_slopes(self) -> torch.Tensor | None:
+        return get_alibi_slopes(self.shape.num_heads) if self.alibi else None
 
 
 class UnsupportedCaseError(AssertionError):
@@ -87,6 +93,16 @@ def _cases() -> list[ConformanceCase]:
                 C(f"{dname}-{'softcap' if cap else 'plain'}", tuple(MIXED + CHUNKED[:2]),
                   Shape(num_heads=9, num_kv_heads=3, head_dim=64), dtype, seed=10, logits_soft_cap=cap)
             )
+    # ALiBi: per query head (GQA groups share K/V, not slopes), a non-power-of-two head count,
+    # combined with a window and a soft cap, and in bfloat16
+    cases += [C(f"alibi-{n}", tuple(lens), seed=14, alibi=True) for n, lens in (*named, ("chunked", CHUNKED))]
+    cases += [
+        C("alibi-heads-6-1-mixed", tuple(MIXED), Shape(num_heads=6, num_kv_heads=1, head_dim=32), seed=15, alibi=True),
+        C("alibi-softcap-window", tuple(MIXED), Shape(block_size=8), seed=16, sliding_window=10, logits_soft_cap=3.0,
+          query_scale=4.0, alibi=True),
+        C("alibi-bf16", tuple(MIXED + CHUNKED[:2]), Shape(num_heads=8, num_kv_heads=2, head_dim=64), torch.bfloat16,
+          seed=17, alibi=True),
+    ]
     cases += [
         C(f"padding-rows-{n}", tuple(lens), Shape(block_size=8), seed=11, padding_rows=3)
         for n, lens in (("mixed", MIXED), ("decode", DECODE))
@@ -120,9 +136,11 @@ def run_case(
     with ``skip_unsupported=True``.
     """
     device = torch.device(device)
+    slopes = case.alibi_slopes()
     spec = spec_for(
         case.shape, case.dtype, device_type or device.type,
         sliding_window=case.sliding_window, logits_soft_cap=case.logits_soft_cap,
+        alibi_slopes=None if slopes is None else tuple(slopes.tolist()),
     )
     reasons = backend_cls.reasons_unsupported(spec)
     if reasons:
@@ -149,7 +167,8 @@ def _run_step(case: ConformanceCase, backend: AttentionBackend, device: torch.de
         assert (batch.metadata.slot_mapping[-case.padding_rows :] == -1).all()
     if case.lens and all(q == 1 for _, q in case.lens):
         assert batch.metadata.is_all_decode
-    run_and_check(backend, batch, case.shape, case.dtype, case.sliding_window, case.logits_soft_cap, device)
+    run_and_check(backend, batch, case.shape, case.dtype, case.sliding_window, case.logits_soft_cap, device,
+                  case.alibi_slopes())
 
 
 def _run_strided_query(case: ConformanceCase, backend: AttentionBackend, device: torch.device) -> None:

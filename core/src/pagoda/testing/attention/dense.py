@@ -26,6 +26,7 @@ class DenseTestBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         block_size = kv_cache.shape[2]
@@ -50,6 +51,8 @@ class DenseTestBackend(AttentionBackend):
                 scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
             q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)[:, None]
             k_pos = torch.arange(seq_len, device=query.device)[None, :]
+            if alibi_slopes is not None:
+                scores = scores + alibi_slopes.float().view(-1, 1, 1) * (k_pos - q_pos).float()
             # bidirectional (spec.causal False): every new token sees the whole sequence
             allowed = k_pos <= q_pos if self.spec.causal else torch.ones_like(k_pos <= q_pos)
             if sliding_window is not None:

@@ -21,8 +21,12 @@ def reference_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense float64 attention of one sequence's new tokens over its whole K/V."""
+    """Dense float64 attention of one sequence's new tokens over its whole K/V.
+
+    ``alibi_slopes``: head h's logits get ``alibi_slopes[h] * (key_pos - query_pos)`` after the soft cap.
+    """
     q = seq.query.double()  # [q, h, d]
     group = q.shape[1] // seq.keys.shape[1]
     k = seq.keys.double().repeat_interleave(group, dim=1)  # [s, h, d]
@@ -32,6 +36,8 @@ def reference_attention(
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     positions = torch.arange(seq.context_len, seq.seq_len).unsqueeze(1)
     keys = torch.arange(seq.seq_len).unsqueeze(0)
+    if alibi_slopes is not None:
+        scores = scores + alibi_slopes.double().view(-1, 1, 1) * (keys - positions).double()
     allowed = keys <= positions
     if sliding_window is not None:
         allowed &= keys > positions - sliding_window
@@ -76,6 +82,7 @@ def check_output(
     dtype: torch.dtype,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> None:
     """Every sequence's rows of ``out`` against the dense reference; padding rows must be zero."""
     assert out.shape == batch.query.shape, f"output shape {tuple(out.shape)} != query shape {tuple(batch.query.shape)}"
@@ -83,7 +90,7 @@ def check_output(
     out = out.cpu()
     row = 0
     for i, seq in enumerate(batch.sequences):
-        expected = reference_attention(seq, scale, sliding_window, logits_soft_cap)
+        expected = reference_attention(seq, scale, sliding_window, logits_soft_cap, alibi_slopes)
         got = out[row : row + seq.query_len].double()
         assert_within_tolerance(got, expected, dtype, f"sequence {i} ({seq.context_len} cached + {seq.query_len} new)")
         row += seq.query_len
@@ -109,10 +116,12 @@ def run_and_check(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     device: torch.device | str | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One step through ``backend``: every sequence's output against the dense reference,
     padding rows zero, and the new K/V at their slots with nothing else in the cache touched.
 
+    ``alibi_slopes``: [num_heads] float32 ALiBi slopes, passed to ``forward`` only when set.
     ``device``: where the step's tensors go (default: stay on the host). The batch's
     cache is replaced by the one the backend wrote, so later checks see it.
     """
@@ -125,7 +134,9 @@ def run_and_check(
         batch.kv_cache = batch.kv_cache.to(device)
     metadata = backend.prepare(metadata)
     scale = shape.head_dim**-0.5
-    out = backend.forward(query, key, value, batch.kv_cache, metadata, scale, sliding_window, logits_soft_cap)
-    check_output(out, batch, scale, dtype, sliding_window, logits_soft_cap)
+    # only when set: a backend written before ALiBi keeps its forward signature
+    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes.to(query.device)}
+    out = backend.forward(query, key, value, batch.kv_cache, metadata, scale, sliding_window, logits_soft_cap, **extra)
+    check_output(out, batch, scale, dtype, sliding_window, logits_soft_cap, alibi_slopes)
     check_cache(batch, shape)
     return out
