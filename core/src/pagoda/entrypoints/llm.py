@@ -17,6 +17,7 @@ from pagoda.outputs import (
     RequestOutput,
     ScoringRequestOutput,
 )
+from pagoda.plugins.io_processors import get_io_processor
 from pagoda.pooling_params import POOLING_TASKS, PoolingParams
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -36,6 +37,8 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._request_counter = 0
+        # the IO processor plugin that encode({"data": ...}) goes through (io_processor_plugin, or the model config's)
+        self.io_processor = get_io_processor(self.llm_engine.config, self.engine_args.io_processor_plugin)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -170,10 +173,15 @@ class LLM:
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Run prompts through the pooler of task ``pooling_task`` (embed, classify, score, token_embed,
-        token_classify; "encode" = the model's per-token task); one ``PoolingRequestOutput`` each, in order."""
+        token_classify; "encode" = the model's per-token task); one ``PoolingRequestOutput`` each, in order.
+
+        A dict with ``"data"`` is a request for the IO processor plugin: one ``PoolingRequestOutput``
+        whose ``outputs`` is the plugin's output (vLLM's behaviour)."""
         if lora_request is not None:
             raise ValueError("LoRA adapters are not supported by pagoda yet")
         self._require_pooling("LLM.encode")
+        if isinstance(prompts, dict) and "data" in prompts:
+            return [self._encode_with_io_processor(prompts, pooling_params, pooling_task, use_tqdm)]
         items = self._normalize(prompts)
         params = self._pooling_params_list(pooling_params, len(items))
         task = pooling_task
@@ -214,6 +222,22 @@ class LLM:
                 self.llm_engine.abort_request(rid)
             raise
         return self._run_engine(ids, use_tqdm)  # type: ignore[return-value]
+
+    def _encode_with_io_processor(self, request: dict[str, Any], pooling_params: Any, pooling_task: str | None,
+                                  use_tqdm: bool) -> PoolingRequestOutput:
+        """parse_request -> pre_process -> encode each prompt -> post_process, as vLLM's LLM.encode."""
+        processor = self.io_processor
+        if processor is None:
+            raise ValueError("LLM.encode got a request with 'data', which is for an IO processor plugin, and this LLM "
+                             "runs none: pass io_processor_plugin=NAME (see `pagoda plugins list`)")
+        request_id = f"io-{self._request_counter}"
+        prompts = processor.pre_process(processor.parse_request(request), request_id=request_id)
+        params = processor.validate_or_generate_params(pooling_params)
+        first = params if isinstance(params, PoolingParams) else next(iter(params), PoolingParams())
+        # the plugin's task, else the caller's, else the model's own (the engine's rule)
+        task = first.task or pooling_task or self.llm_engine.processor.pooling_task(first)
+        outputs = self.encode(prompts, params, use_tqdm=use_tqdm, pooling_task=task)
+        return PoolingRequestOutput("", processor.post_process(outputs, request_id=request_id), [], 0, True)
 
     def embed(
         self,
