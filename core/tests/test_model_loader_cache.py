@@ -18,7 +18,7 @@ from gguf.quants import quantize
 from pagoda.disk_cache import CACHE_ROOT_ENV, DISABLE_ENV, cache_root
 from pagoda.model_loader import gguf_weights as gguf_weights_module
 from pagoda.model_loader import iter_weights, load_hf_config, load_model_config, load_tokenizer, resolve_model_path
-from pagoda.model_loader.convert_cache import ConvertCache
+from pagoda.model_loader.convert_cache import FORMAT_VERSION, ConvertCache
 from pagoda.model_loader.hf_config import CachedHFConfig
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 96
@@ -174,7 +174,9 @@ def test_damaged_cache_file_is_ignored_and_rebuilt(cache_dir: Path, model_file: 
     elif damage == "empty":
         path.write_bytes(b"")
     else:  # a well-formed file made from something else
-        path.write_bytes(data.replace(b'"pagoda_format":"1"', b'"pagoda_format":"0"'))
+        current = f'"pagoda_format":"{FORMAT_VERSION}"'.encode()
+        assert current in data
+        path.write_bytes(data.replace(current, b'"pagoda_format":"0"'))
     count_dequantize.clear()
     assert_same(load(model_file), want)
     assert len(count_dequantize) == 1

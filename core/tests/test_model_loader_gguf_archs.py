@@ -230,3 +230,21 @@ def test_llm_on_gguf_matches_transformers(tmp_path: Path, arch: str) -> None:
     reference = transformers_model(path) if CASES[arch][2] else hf_model
     report = check_parity(reference, tmp_path, model_path=path, llm_kwargs=llm_kwargs)
     assert report.num_cached_tokens > 0
+
+
+def test_longrope_factors_are_refused_by_name(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    from pagoda.model_loader import ModelLoadError
+
+    path = tmp_path / "phi3-128k.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_head_count(4)
+    writer.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="LongRoPE factors"):
+        iter_weights(resolve_model_path(path))

@@ -42,7 +42,8 @@ from pagoda.model_loader import safetensors_stream
 logger = logging.getLogger(__name__)
 
 # Bump when what an entry holds changes meaning: older entries are then ignored and rebuilt.
-FORMAT_VERSION = 1
+# 2: configs of non-llama GGUF files are pagoda's (keys transformers drops, e.g. Qwen3's head size).
+FORMAT_VERSION = 2
 # An entry directory with no source.json is a crashed writer's; removed once this old.
 _ORPHAN_AGE_S = 3600.0
 

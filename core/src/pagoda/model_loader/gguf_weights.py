@@ -63,6 +63,12 @@ def plan_conversions(gguf_file: GGUFFile, arch: GGUFArchitecture) -> list[Conver
     conversions: list[Conversion] = []
     for tensor in gguf_file.tensors:
         role = tensor_role(arch.name, tensor.name)
+        if role is not None and role.kind in (MODEL_TENSOR.ROPE_FACTORS_LONG, MODEL_TENSOR.ROPE_FACTORS_SHORT):
+            # transformers drops them and runs without LongRoPE; pagoda does not rebuild rope_scaling
+            raise ModelLoadError(
+                f"GGUF file {path} stores LongRoPE factors ({tensor.name}); pagoda does not rebuild a LongRoPE "
+                "config from a GGUF file: load the Hugging Face checkpoint instead"
+            )
         if role is None or (
             role.kind not in arch.names and role.kind not in fused_kinds
             and role.kind not in arch.ignored and role.kind not in arch.split_qkv
