@@ -248,3 +248,19 @@ def test_longrope_factors_are_refused_by_name(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ModelLoadError, match="LongRoPE factors"):
         iter_weights(resolve_model_path(path))
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_name_table_spells_what_gguf_tensor_mapping_knows(arch: str) -> None:
+    """Every HF name pagoda gives a GGUF tensor is one the gguf package maps back to that tensor."""
+    import gguf
+    from gguf.constants import TENSOR_NAMES
+
+    from pagoda.model_loader.gguf_names import ARCHITECTURES
+
+    table = ARCHITECTURES[arch]
+    name_map = gguf.get_tensor_name_map(table.arch, 2)
+    for kind, module in table.names.items():
+        spelled = TENSOR_NAMES[kind]
+        hf = f"{table.layer_prefix}.1.{module}" if "{bid}" in spelled else module
+        assert name_map.get_name(hf) == spelled.format(bid=1), (kind, hf)
