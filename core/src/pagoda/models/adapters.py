@@ -33,7 +33,7 @@ class _NoLMHead(nn.Module):
         raise RuntimeError("a pooling model has no LM head: it computes no logits")
 
 
-def _pooler_for(convert: str, model: nn.Module, cfg: Any, pooler_config: PoolerConfig) -> DispatchPooler:
+def _pooler_for(convert: str, model: Any, cfg: Any, pooler_config: PoolerConfig) -> DispatchPooler:
     if convert == "embed":
         return embedding_pooler(pooler_config, "LAST")
     if convert == "classify":
@@ -53,7 +53,7 @@ def as_pooling_model(cls: type, convert: str) -> type:
 
     def __init__(self: Any, hf_config: Any, dtype: torch.dtype, pooler_config: PoolerConfig | None = None,
                  **kwargs: Any) -> None:
-        cls.__init__(self, hf_config, dtype, **kwargs)
+        cls.__init__(self, hf_config, dtype, **kwargs)  # type: ignore[misc]
         cfg = config_for(hf_config)
         head = getattr(self, "lm_head", None)
         embed = getattr(getattr(self, "model", None), "embed_tokens", None)
@@ -82,7 +82,7 @@ def as_pooling_model(cls: type, convert: str) -> type:
             yield name, tensor
 
     def load_weights(self: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = cls.load_weights(self, _checkpoint_names(self, weights))
+        loaded: set[str] = cls.load_weights(self, _checkpoint_names(self, weights))  # type: ignore[attr-defined]
         return loaded
 
     suffix = {"embed": "ForEmbedding", "classify": "ForSequenceClassification", "reward": "ForReward"}[convert]

@@ -28,13 +28,13 @@ class PoolerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    pooling_type: PoolingType | None = Field(None, description="CLS, MEAN, LAST, ALL or STEP; None = the model's.")
-    normalize: bool | None = Field(None, description="Default of PoolingParams.normalize (embeddings).")
-    dimensions: int | None = Field(None, gt=0, description="Default of PoolingParams.dimensions (matryoshka models).")
-    use_activation: bool | None = Field(None, description="Default of PoolingParams.use_activation (classification).")
-    logit_bias: float | None = Field(None, description="Subtracted from classification logits before the activation.")
-    step_tag_id: int | None = Field(None, description="STEP pooling: keep the positions whose token is this id.")
-    returned_token_ids: list[int] | None = Field(None, description="STEP / ALL pooling: keep these output columns.")
+    pooling_type: PoolingType | None = Field(default=None, description="CLS, MEAN, LAST, ALL or STEP; None = the model's.")
+    normalize: bool | None = Field(default=None, description="Default of PoolingParams.normalize (embeddings).")
+    dimensions: int | None = Field(default=None, gt=0, description="Default of PoolingParams.dimensions (matryoshka models).")
+    use_activation: bool | None = Field(default=None, description="Default of PoolingParams.use_activation (classification).")
+    logit_bias: float | None = Field(default=None, description="Subtracted from classification logits before the activation.")
+    step_tag_id: int | None = Field(default=None, description="STEP pooling: keep the positions whose token is this id.")
+    returned_token_ids: list[int] | None = Field(default=None, description="STEP / ALL pooling: keep these output columns.")
 
     @model_validator(mode="before")
     @classmethod
@@ -120,7 +120,7 @@ def load_sentence_transformers_config(model_dir: Path) -> SentenceTransformersCo
                 raise ValueError(f"{pooling_file}: pagoda pools with exactly one of {sorted(_ST_MODES)}, the file "
                                  f"sets {modes or 'none'}")
             pooling_type = _ST_MODES[modes[0]]
-        pooler = PoolerConfig(pooling_type=pooling_type, normalize=_ST_NORMALIZE in types or None)
+        pooler = PoolerConfig(pooling_type=pooling_type, normalize=_ST_NORMALIZE in types or None)  # type: ignore[arg-type]
     max_seq_length: int | None = None
     do_lower_case = False
     bert_file = model_dir / "sentence_bert_config.json"

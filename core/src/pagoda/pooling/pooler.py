@@ -204,7 +204,8 @@ class ClassifierPooler(Pooler):
         return {"classify", "score"} if self.num_labels == 1 else {"classify"}
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = (self.classifier(x) if self.classifier is not None else x).float()
+        classifier: Classifier | None = self.classifier  # type: ignore[assignment]  # a plain attribute
+        logits = (classifier(x) if classifier is not None else x).float()
         if self.config.logit_bias is not None:
             logits = logits - self.config.logit_bias
         return logits
