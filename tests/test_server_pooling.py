@@ -340,3 +340,44 @@ def test_minilm_rerank_puts_the_answer_first(minilm: Any) -> None:
     results = r.json()["results"]
     assert [x["document"]["text"] for x in results[:2]] == [docs[0], docs[4]]  # Paris, then Berlin
     assert len(results) == 3 and results[0]["relevance_score"] > results[1]["relevance_score"] > results[2]["relevance_score"]
+
+
+def test_run_batch_answers_pooling_lines_as_the_server_does(tiny: Any, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    server, _, _, path = tiny("embed")
+    lines = {
+        "emb": ("/v1/embeddings", {"input": ["w5 w6", "w7"]}),
+        "score": ("/score", {"text_1": QUERY, "text_2": DOCS[:2]}),
+        "rerank": ("/v1/rerank", {"query": QUERY, "documents": DOCS}),
+        "classify": ("/classify", {"input": "w5"}),
+        "cmpl": ("/v1/completions", {"prompt": "w5", "max_tokens": 2}),
+        "bad": ("/v1/embeddings", {"input": []}),
+    }
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": url, "body": body}) + "\n"
+                           for k, (url, body) in lines.items()))
+    dst = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli.main", "run-batch", "-i", str(src), "-o",
+                           str(dst), "--model", str(path), "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {o["custom_id"]: o for o in map(json.loads, dst.read_text().splitlines())}
+    for key in ("emb", "score", "rerank"):
+        url, body = lines[key]
+        over_http = _post(server, url, body).json()
+        got = out[key]["response"]["body"]
+        assert out[key]["response"]["status_code"] == 200 and out[key]["error"] is None
+        assert got.get("usage") == over_http.get("usage")
+        if key == "emb":
+            np.testing.assert_allclose([d["embedding"] for d in got["data"]],
+                                       [d["embedding"] for d in over_http["data"]], atol=1e-6)
+        elif key == "score":
+            np.testing.assert_allclose([d["score"] for d in got["data"]], [d["score"] for d in over_http["data"]],
+                                       atol=1e-6)
+        else:
+            assert [r["index"] for r in got["results"]] == [r["index"] for r in over_http["results"]]
+    for key in ("classify", "cmpl"):
+        assert out[key]["response"]["status_code"] == 404 and out[key]["error"]["code"] == "model_not_supported"
+    assert out["bad"]["response"]["status_code"] == 400
