@@ -264,3 +264,18 @@ def test_name_table_spells_what_gguf_tensor_mapping_knows(arch: str) -> None:
         spelled = TENSOR_NAMES[kind]
         hf = f"{table.layer_prefix}.1.{module}" if "{bid}" in spelled else module
         assert name_map.get_name(hf) == spelled.format(bid=1), (kind, hf)
+
+
+def test_llm_chat_uses_the_files_template_and_eos(tmp_path: Path) -> None:
+    """LLM.chat on a GGUF file: the prompt is the file's chat template through the file's tokenizer."""
+    from pagoda import LLM, SamplingParams
+
+    _, path, spec = build_case(tmp_path, "qwen2")
+    reference = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    messages = [{"role": "user", "content": "Hello there"}]
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, num_kv_blocks=32, block_size=16)
+    (output,) = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0))
+    expected = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert list(output.prompt_token_ids) == list(expected)
+    assert llm.get_tokenizer().eos_token_id == spec.eos_token_id
