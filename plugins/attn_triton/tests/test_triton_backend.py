@@ -159,3 +159,16 @@ def test_plugin_registers_the_backend() -> None:
     (spec,) = plugin.pagoda_register_attention_backends()
     assert spec.name == "triton_paged" and spec.device_types == ("cuda",)
     assert spec.load() is TritonPagedAttentionBackend
+
+
+def test_bidirectional_attention_is_refused() -> None:
+    from dataclasses import replace
+
+    spec = replace(_SPEC_FOR_REFUSALS, causal=False)
+    assert any("bidirectional" in r for r in TritonPagedAttentionBackend.reasons_unsupported(spec))
+    assert not any("bidirectional" in r for r in TritonPagedAttentionBackend.reasons_unsupported(_SPEC_FOR_REFUSALS))
+
+
+_SPEC_FOR_REFUSALS = AttentionSpec(
+    num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, device_type="cuda", block_size=16
+)

@@ -47,6 +47,9 @@ class TritonPagedAttentionBackend(AttentionBackend):
         if spec.alibi_slopes is not None:
             # the kernels add no per-head positional bias; torch_paged serves ALiBi models
             reasons.append("ALiBi (alibi_slopes) is not implemented by the Triton kernels")
+        if not spec.causal:
+            # the kernels mask causally; torch_paged serves encoder-only (pooling) models
+            reasons.append("bidirectional (causal=False) attention is not implemented by the Triton kernels")
         return reasons
 
     @classmethod
