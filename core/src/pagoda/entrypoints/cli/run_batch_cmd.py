@@ -17,6 +17,8 @@ def run_batch(
     output_file: str = typer.Option(..., "-o", "--output-file",
                                     help="Local JSONL file to write, one result per input line, in input order."),
     chat_template: str | None = typer.Option(None, "--chat-template", help="Chat template file or inline Jinja."),
+    trust_request_chat_template: bool = typer.Option(
+        False, "--trust-request-chat-template", help="Accept a request line's own chat_template (arbitrary Jinja)."),
     *,
     engine_args: EngineArgs,
 ) -> None:
@@ -28,6 +30,7 @@ def run_batch(
     from pagoda.entrypoints.openai.server_args import ServerArgs
     from pagoda.entrypoints.openai.serving_common import ServingContext
     from pagoda.model_loader import ModelLoadError
+    from pagoda.plugins import PluginError
     from pagoda.plugins.io_processors import get_io_processor
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
@@ -44,6 +47,12 @@ def run_batch(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     try:
+        io_processor = get_io_processor(engine.config, engine.model_config.io_processor_plugin)
+    except PluginError as exc:
+        engine.shutdown()
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    try:
         ctx = ServingContext(
             engine=engine,
             served_model_names=served_names(engine_args, server_args),
@@ -51,9 +60,10 @@ def run_batch(
             max_logprobs=engine.model_config.max_logprobs,
             max_n=server_args.max_n,
             chat_template=template,
+            trust_request_chat_template=trust_request_chat_template,
             default_sampling=default_sampling(engine),
             supported_tasks=supported_tasks(engine),
-            io_processor=get_io_processor(engine.config, engine.model_config.io_processor_plugin),
+            io_processor=io_processor,
         )
         # twice the scheduler's batch keeps it full without holding the whole file in flight
         summary = run_batch_file(ctx, input_file, output_file, max_in_flight=2 * engine_args.max_num_seqs)

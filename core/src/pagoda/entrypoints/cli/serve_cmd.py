@@ -31,6 +31,12 @@ def serve(
     served_model_name: list[str] | None = typer.Option(None, "--served-model-name",
                                                        help="Model name(s) the API answers to; repeatable."),
     chat_template: str | None = typer.Option(None, "--chat-template", help="Chat template file or inline Jinja."),
+    trust_request_chat_template: bool = typer.Option(
+        False, "--trust-request-chat-template",
+        help="Accept chat_template in requests (arbitrary Jinja run on the server); refused with 400 otherwise."),
+    chat_template_render_timeout: float = typer.Option(
+        5.0, "--chat-template-render-timeout",
+        help="Seconds a chat template may take to render before the request fails (0 = unbounded)."),
     allowed_origins: str = typer.Option('["*"]', "--allowed-origins", help="CORS allowed origins (JSON list)."),
     allow_credentials: bool = typer.Option(False, "--allow-credentials", help="CORS: allow credentials."),
     allowed_methods: str = typer.Option('["*"]', "--allowed-methods", help="CORS allowed methods (JSON list)."),
@@ -57,7 +63,8 @@ def serve(
         load_chat_template(chat_template)
         server_args = ServerArgs(
             host=host, port=port, api_key=api_key, served_model_name=served_model_name or None,
-            chat_template=chat_template,
+            chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
+            chat_template_render_timeout=chat_template_render_timeout,
             allowed_origins=_json_list(allowed_origins, "--allowed-origins"), allow_credentials=allow_credentials,
             allowed_methods=_json_list(allowed_methods, "--allowed-methods"),
             allowed_headers=_json_list(allowed_headers, "--allowed-headers"),
@@ -69,10 +76,11 @@ def serve(
     if served_model_name:
         engine_args = engine_args.model_copy(update={"served_model_name": served_model_name[0]})
     from pagoda.model_loader import ModelLoadError
+    from pagoda.plugins import PluginError
 
     try:
         run_server(engine_args, server_args)
-    except ModelLoadError as exc:  # an OSError too (not found): not the socket's fault
+    except (ModelLoadError, PluginError) as exc:  # an OSError too (not found): not the socket's fault
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
     except OSError as exc:

@@ -41,7 +41,7 @@ from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.entrypoints.openai.serving_pooling import require_generate
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagoda.metrics.prometheus import PrometheusStatLogger
-from pagoda.plugins.io_processors import get_io_processor
+from pagoda.plugins.io_processors import IOProcessor, get_io_processor
 from pagoda.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,9 @@ def default_sampling(engine: AsyncLLM) -> dict[str, Any]:
     return sampling
 
 
-def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str]) -> FastAPI:
+def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
+              io_processor: IOProcessor[Any, Any] | None = None) -> FastAPI:
+    """The app; ``io_processor`` (``get_io_processor``) serves /pooling requests that carry ``data``."""
     app = FastAPI(title="pagoda OpenAI-compatible server", version=__version__)
     ctx = ServingContext(
         engine=engine,
@@ -97,9 +99,11 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str])
         max_logprobs=engine.model_config.max_logprobs,
         max_n=server_args.max_n,
         chat_template=load_chat_template(server_args.chat_template),
+        trust_request_chat_template=server_args.trust_request_chat_template,
+        chat_template_render_timeout=server_args.chat_template_render_timeout,
         default_sampling=default_sampling(engine),
         supported_tasks=supported_tasks(engine),
-        io_processor=get_io_processor(engine.config, engine.model_config.io_processor_plugin),
+        io_processor=io_processor,
     )
     app.state.ctx = ctx
     metrics = PrometheusStatLogger(ctx.model_name)
@@ -230,11 +234,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str], sock: socket.socket,
-                on_ready: Callable[[str], Awaitable[None] | None] | None = None) -> None:
+                on_ready: Callable[[str], Awaitable[None] | None] | None = None,
+                io_processor: IOProcessor[Any, Any] | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then let in-flight requests finish for at most ``shutdown_timeout`` seconds."""
     import uvicorn
 
-    app = build_app(engine, server_args, model_names)
+    app = build_app(engine, server_args, model_names, io_processor)
     config = uvicorn.Config(app, log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_log_requests,
                             timeout_graceful_shutdown=max(1, int(server_args.shutdown_timeout)) if server_args.shutdown_timeout else None)
     server = uvicorn.Server(config)
@@ -263,6 +268,13 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     started = time.perf_counter()
     sock = bind_socket(server_args.host, server_args.port)
     engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        # before serving: a processor nobody provides stops the start (PluginError)
+        io_processor = get_io_processor(engine.config, engine.model_config.io_processor_plugin)
+    except BaseException:
+        engine.shutdown()
+        sock.close()
+        raise
     names = served_names(engine_args, server_args)
     logger.info("model loaded in %.1f s", time.perf_counter() - started)
 
@@ -272,7 +284,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     # uvicorn installs its own SIGINT/SIGTERM handlers (graceful drain); restore ours afterwards
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        asyncio.run(serve(engine, server_args, names, sock, on_ready))
+        asyncio.run(serve(engine, server_args, names, sock, on_ready, io_processor))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
