@@ -381,3 +381,60 @@ def test_run_batch_answers_pooling_lines_as_the_server_does(tiny: Any, tmp_path:
     for key in ("classify", "cmpl"):
         assert out[key]["response"]["status_code"] == 404 and out[key]["error"]["code"] == "model_not_supported"
     assert out["bad"]["response"]["status_code"] == 400
+
+
+# -- IO processor failures, in process ------------------------------------------------------------------------
+
+
+def _failing_processor(step: str) -> Any:
+    """A real IOProcessor subclass whose ``step`` fails on purpose (none: it works)."""
+    from pagoda.plugins.io_processors import IOProcessor, IOProcessorResponse
+
+    class Failing(IOProcessor[str, list[int]]):
+        def parse_request(self, request: Any) -> str:
+            if step == "parse":
+                raise ValueError("data must be a sentence")
+            return str(request.data)
+
+        def pre_process(self, prompt: str, request_id: str | None = None, **kwargs: Any) -> list[str]:
+            return [prompt, prompt + " w9"]
+
+        def validate_or_generate_params(self, params: Any = None) -> Any:
+            return {"task": "embed"} if step == "params" else super().validate_or_generate_params(params)
+
+        def post_process(self, model_output: Any, request_id: str | None = None, **kwargs: Any) -> list[int]:
+            if step == "post":
+                raise RuntimeError("boom")
+            return [len(o.prompt_token_ids) for o in model_output]
+
+        def output_to_response(self, plugin_output: list[int]) -> IOProcessorResponse:
+            return IOProcessorResponse(data=plugin_output)
+
+    return Failing
+
+
+def test_io_processor_failures_are_openai_errors(tiny: Any) -> None:
+    from fastapi.testclient import TestClient
+
+    from pagoda import EngineArgs
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.entrypoints.openai.api_server import build_app
+    from pagoda.entrypoints.openai.server_args import ServerArgs
+
+    _, _, _, path = tiny("embed")
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(path), dtype="float32"))
+    try:
+        for step, status in (("none", 200), ("parse", 400), ("params", 500), ("post", 500)):
+            app = build_app(engine, ServerArgs(), ["tiny"], _failing_processor(step)(engine.config))
+            with TestClient(app) as client:
+                r = client.post("/pooling", json={"data": "w5 w6"})
+                assert r.status_code == status, (step, r.text)
+                if status == 200:
+                    assert r.json()["data"] == [4, 5]  # [CLS] w5 w6 [SEP], and one word more
+                else:
+                    assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+                    assert {"parse": "data must be a sentence", "params": "not PoolingParams", "post": "boom"}[step] \
+                        in r.json()["error"]["message"]
+                assert client.post("/v1/embeddings", json={"input": "w5"}).status_code == 200
+    finally:
+        engine.shutdown()

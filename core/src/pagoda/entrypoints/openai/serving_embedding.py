@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import Request
@@ -91,16 +93,13 @@ async def create_io_processor_pooling(ctx: ServingContext, req: IOProcessorReque
                        "with --io-processor-plugin NAME (see `pagoda plugins list`), or send 'input' or 'messages'.",
                        400, "data")
     request_id = req.request_id or new_id("pool")
-    try:
+    with _plugin_errors("refused the request", 400):
         validated = processor.parse_request(req)
         prompts = _as_prompt_list(await processor.pre_process_async(validated, request_id=request_id))
-    except APIError:
-        raise
-    except (ValueError, TypeError) as exc:
-        raise APIError(f"the IO processor refused the request: {exc}", 400, "data") from None
     if not prompts:
         raise APIError("the IO processor made no prompt of this request", 400, "data")
-    params = processor.validate_or_generate_params()
+    with _plugin_errors("could not choose the pooling params", 500):
+        params = processor.validate_or_generate_params()
     if not isinstance(params, PoolingParams):
         raise APIError(f"the IO processor's validate_or_generate_params returned {type(params).__name__}, not "
                        "PoolingParams", 500)
@@ -108,14 +107,26 @@ async def create_io_processor_pooling(ctx: ServingContext, req: IOProcessorReque
         params = params.clone()
         params.task = default_pooling_task(ctx)  # type: ignore[assignment]
     outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, req.priority)
-    try:
+    with _plugin_errors("could not build the response", 500):
         plugin_output = await processor.post_process_async(indexed(outputs), request_id=request_id)
         response = processor.output_to_response(plugin_output)
+        if response.request_id is None:
+            response.request_id = request_id
+        return response.model_dump(mode="json")
+
+
+@contextmanager
+def _plugin_errors(what: str, status: int) -> Iterator[None]:
+    """A plugin's failure as an OpenAI-style error: its ValueError / TypeError with ``status`` (bad data on the way
+    in is the client's 400), anything else a 500; never an unformatted server error."""
+    try:
+        yield
+    except APIError:
+        raise
     except (ValueError, TypeError) as exc:
-        raise APIError(f"the IO processor could not build the response: {exc}", 400, "data") from None
-    if response.request_id is None:
-        response.request_id = request_id
-    return response.model_dump(mode="json")
+        raise APIError(f"the IO processor {what}: {exc}", status, "data" if status < 500 else None) from None
+    except Exception as exc:  # noqa: BLE001 - third-party code: reported, never raised through the server
+        raise APIError(f"the IO processor {what}: {type(exc).__name__}: {exc}", 500) from None
 
 
 async def create_classify(ctx: ServingContext, req: ClassificationRequest, raw_request: Request) -> dict[str, Any]:
