@@ -21,6 +21,7 @@ from pagoda.testing.model_parity import build_tiny_model
 
 _SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
 _GQA = dict(_SIZES, num_key_value_heads=2)
+_FALCON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
 
 
 def _gpt2_tokenizer() -> GGUFTokenizer:
@@ -56,6 +57,8 @@ CASES: dict[str, tuple[Callable[[], GGUFTokenizer], Callable[[int], Any], bool]]
     ),
     "gptneox": (_gpt2_tokenizer, lambda v: tf.GPTNeoXConfig(vocab_size=v, rotary_pct=0.5, **_SIZES), False),
     "phi2": (_gpt2_tokenizer, lambda v: tf.PhiConfig(vocab_size=v, partial_rotary_factor=0.5, **_SIZES), False),
+    # Falcon 7B's layout (multi-query, one norm): the only one transformers reads right
+    "falcon": (_gpt2_tokenizer, lambda v: tf.FalconConfig(vocab_size=v, **_FALCON), True),
 }
 # Values transformers would lose from the file: pagoda must still match the original model.
 EXTRA_CASES: dict[str, Callable[[int], Any]] = {
@@ -67,7 +70,16 @@ EXTRA_CASES: dict[str, Callable[[int], Any]] = {
         shared_expert_intermediate_size=64, **_GQA),
     "gemma2": lambda v: tf.Gemma2Config(
         vocab_size=v, head_dim=16, sliding_window=16, attn_logit_softcapping=20.0, final_logit_softcapping=10.0, **_GQA),
+    # Falcon 40B's layout: grouped KV heads, two norms (transformers reads it as multi-query and fails)
+    "falcon": lambda v: tf.FalconConfig(vocab_size=v, new_decoder_architecture=True, num_kv_heads=2, **_FALCON),
 }
+# Falcon's layout, which transformers drops: multi-head (one group per head) and Falcon 40B's.
+FALCON_LAYOUTS = {
+    "multi_head": dict(multi_query=False),
+    "grouped_two_norms": dict(new_decoder_architecture=True, num_kv_heads=2),
+}
+# Keys pagoda reads from the file where transformers keeps the class default (equal up to float32).
+READ_BEYOND_TRANSFORMERS = {"falcon": ("layer_norm_epsilon",)}
 # Config keys that describe the run, not the model.
 _VOLATILE = {"_name_or_path", "_model_name_or_path", "dtype", "transformers_version", "architectures"}
 
@@ -117,7 +129,11 @@ def test_config_and_weights_match_transformers(tmp_path: Path, arch: str) -> Non
     if not CASES[arch][2]:
         return
     reference_config = tf.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    assert config_values(config) == config_values(reference_config)
+    ours_values, reference_values = config_values(config), config_values(reference_config)
+    for key in READ_BEYOND_TRANSFORMERS.get(arch, ()):
+        # the file's value (float32) where transformers keeps the class default
+        assert ours_values.pop(key) == pytest.approx(reference_values.pop(key), rel=1e-6), key
+    assert ours_values == reference_values
     reference_state = transformers_model(path).state_dict()
     for name, tensor in ours.items():
         assert torch.equal(tensor, reference_state[name]), name
@@ -129,7 +145,8 @@ def test_config_keeps_what_transformers_drops(tmp_path: Path, arch: str) -> None
     config = load_hf_config(resolve_model_path(path))
     original = hf_model.config
     for key in ("head_dim", "moe_intermediate_size", "shared_expert_intermediate_size", "n_positions",
-                "attn_logit_softcapping", "final_logit_softcapping", "use_parallel_residual"):
+                "attn_logit_softcapping", "final_logit_softcapping", "use_parallel_residual",
+                "new_decoder_architecture", "num_kv_heads", "multi_query"):
         if hasattr(original, key):
             assert getattr(config, key) == getattr(original, key), key
     rope = getattr(original, "rope_parameters", None) or {}
@@ -216,7 +233,7 @@ def _served(architecture: str) -> bool:
 # file was written from is the reference, its weights equal to the loaded ones (float32 rounding of
 # Gemma's 1 + w aside).
 E2E = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "qwen2moe", "qwen3moe",
-       "gptneox", "phi2"]
+       "gptneox", "phi2", "falcon"]
 
 
 @pytest.mark.parametrize("arch", E2E)
@@ -279,3 +296,16 @@ def test_llm_chat_uses_the_files_template_and_eos(tmp_path: Path) -> None:
     expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
     assert list(output.prompt_token_ids) == list(expected)
     assert llm.get_tokenizer().eos_token_id == spec.eos_token_id
+
+
+@pytest.mark.parametrize("layout", list(FALCON_LAYOUTS))
+def test_falcon_layouts_end_to_end(tmp_path: Path, layout: str) -> None:
+    """The Falcon layouts transformers cannot read from GGUF: pagoda against the model the file came from."""
+    from pagoda.testing.model_parity import check_parity
+
+    hf_model, path, _ = build_case(
+        tmp_path, "falcon", lambda v: tf.FalconConfig(vocab_size=v, **_FALCON, **FALCON_LAYOUTS[layout]))
+    config = load_hf_config(resolve_model_path(path))
+    for key in ("new_decoder_architecture", "multi_query", "num_kv_heads"):
+        assert getattr(config, key) == getattr(hf_model.config, key), key
+    check_parity(hf_model, tmp_path, model_path=path)

@@ -35,6 +35,7 @@ EXTRA_KEYS: dict[str, dict[str, str]] = {
     "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
     "gemma2": {"attn_logit_softcapping": "attn_logit_softcapping", "final_logit_softcapping": "final_logit_softcapping"},
     "gpt2": {"context_length": "n_positions"},
+    "falcon": {"attention.layer_norm_epsilon": "layer_norm_epsilon", "feed_forward_length": "ffn_hidden_size"},
     "gemma": {
         "context_length": "max_position_embeddings",
         "block_count": "num_hidden_layers",
@@ -77,7 +78,8 @@ ROTARY_FRACTION_KEYS = {
 }
 # The architectures this module builds configs for; any other goes through transformers.
 FAST_CONFIG_ARCHITECTURES = frozenset(
-    {"llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "gptneox", "phi2"}
+    {"llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma", "gemma2", "phi3", "gpt2", "stablelm", "gptneox", "phi2",
+     "falcon"}
 )
 
 
@@ -97,8 +99,8 @@ def gguf_config_dict(path: Path) -> dict[str, object] | None:
     tensor_names = {t.name for t in gguf_file.tensors}
 
     config: dict[str, object] = {
-        # llama.cpp writes the output matrix only when it is not the embedding's
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        # llama.cpp writes the output matrix only when it is not the embedding's (transformers: Falcon always ties)
+        "tie_word_embeddings": "output.weight" not in tensor_names or architecture == "falcon",
     }
     if architecture == "stablelm":
         # as transformers: the file states these only through which tensors it has
@@ -106,26 +108,29 @@ def gguf_config_dict(path: Path) -> dict[str, object] | None:
         config["use_parallel_residual"] = not any("ffn_norm" in n for n in tensor_names)
     defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture, {}))
     config.update(defaults)
-    arch_keys = dict(cast("dict[str, Any]", GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING.get(architecture) or {}))
-    arch_keys.update(EXTRA_KEYS.get(architecture, {}))
-    tables = {
-        architecture: arch_keys,
-        "general": cast("dict[str, Any]", GGUF_CONFIG_MAPPING["general"]),
-        "tokenizer": cast("dict[str, Any]", GGUF_CONFIG_MAPPING["tokenizer"]),
+    # GGUF key (after its prefix) -> the config keys it sets: transformers' own, then pagoda's extra
+    keys: dict[str, dict[str, list[Any]]] = {
+        prefix: {rest: [hf_key] for rest, hf_key in cast("dict[str, Any]", table).items()}
+        for prefix, table in (
+            (architecture, GGUF_CONFIG_MAPPING.get(model_type) or GGUF_CONFIG_MAPPING.get(architecture) or {}),
+            ("general", GGUF_CONFIG_MAPPING["general"]),
+            ("tokenizer", GGUF_CONFIG_MAPPING["tokenizer"]),
+        )
     }
+    for rest, hf_key in EXTRA_KEYS.get(architecture, {}).items():
+        keys[architecture].setdefault(rest, []).append(hf_key)
     for key, value in metadata.items():
         prefix, _, rest = key.partition(".")
-        renames = tables.get(prefix)
-        if renames is None or rest not in renames:
-            continue
-        hf_key = renames[rest]
-        if hf_key is None or hf_key == -1 or isinstance(value, SkippedStrings):
+        hf_keys = keys.get(prefix, {}).get(rest, [])
+        if isinstance(value, SkippedStrings):
             continue
         if isinstance(value, str) and architecture in value:
             value = value.replace(architecture, model_type)  # as transformers: "qwen2moe" -> "qwen2_moe"
-        config[hf_key] = value
-    if architecture == "gpt2" and "n_positions" in config:
-        config["n_ctx"] = config["n_positions"]
+        for hf_key in hf_keys:
+            if hf_key is not None and hf_key != -1:
+                config[hf_key] = value
+    if architecture == "falcon":
+        _falcon_layout(config, metadata, tensor_names)
     rotary_width = metadata.get(f"{architecture}.rope.dimension_count")
     if architecture in ROTARY_FRACTION_KEYS and isinstance(rotary_width, int):
         hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
@@ -137,6 +142,26 @@ def gguf_config_dict(path: Path) -> dict[str, object] | None:
         if isinstance(tokens, SkippedStrings):
             config["vocab_size"] = tokens.count
     return config
+
+
+def _falcon_layout(config: dict[str, object], metadata: dict[str, object], tensor_names: set[str]) -> None:
+    """Falcon's attention layout, which the file states through its KV head count and tensors.
+
+    transformers reads neither (its table sends head_count_kv to a key FalconConfig ignores), so a
+    Falcon 40B file loads there as a 7B-style multi-query model.
+    """
+    kv_heads = metadata.get("falcon.attention.head_count_kv")
+    heads = metadata.get("falcon.attention.head_count")
+    config["bias"] = any(name.endswith("attn_qkv.bias") for name in tensor_names)
+    if any(".attn_norm_2." in name for name in tensor_names):
+        config["new_decoder_architecture"] = True
+        if isinstance(kv_heads, int):
+            config["num_kv_heads"] = kv_heads
+    elif isinstance(kv_heads, int) and kv_heads != 1:
+        if kv_heads == heads:
+            config["multi_query"] = False  # multi-head Falcon: one group per head
+        else:  # grouped KV heads with one norm (Falcon 2 11B)
+            config.update(new_decoder_architecture=True, num_kv_heads=kv_heads, num_ln_in_parallel_attn=1)
 
 
 def load_gguf_config(path: Path) -> PretrainedConfig | None:

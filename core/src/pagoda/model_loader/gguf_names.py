@@ -16,7 +16,7 @@ the convert cache); the tests check these tables against that map instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal
 
@@ -59,6 +59,10 @@ class GGUFArchitecture:
     transposed: frozenset[MODEL_TENSOR] = frozenset()
     # llama.cpp regroups GPT-NeoX's per-head [q, k, v] rows into all q, all k, all v.
     regroup_neox_qkv: bool = False
+    # ... and Falcon's per-KV-group [q..., k, v] rows the same way.
+    regroup_falcon_qkv: bool = False
+    # Names that replace ``names`` when the file has a tensor of the given kind (Falcon 40B's two norms).
+    variant: tuple[MODEL_TENSOR, MappingProxyType[MODEL_TENSOR, str]] | None = None
     # A GGUF kind that is one HF parameter split in three (old Phi-2 files' fused qkv -> q, k, v).
     split_qkv: MappingProxyType[MODEL_TENSOR, tuple[str, str, str]] = field(
         default_factory=lambda: MappingProxyType({})
@@ -108,6 +112,8 @@ def _arch(
     transposed: frozenset[MODEL_TENSOR] = frozenset(),
     regroup_neox_qkv: bool = False,
     split_qkv: dict[MODEL_TENSOR, tuple[str, str, str]] | None = None,
+    regroup_falcon_qkv: bool = False,
+    variant: tuple[MODEL_TENSOR, dict[MODEL_TENSOR, str]] | None = None,
 ) -> GGUFArchitecture:
     # Keep only the kinds llama.cpp defines for this architecture: a name table shared by several
     # architectures must not accept another one's tensors.
@@ -124,6 +130,8 @@ def _arch(
         transposed=transposed,
         regroup_neox_qkv=regroup_neox_qkv,
         split_qkv=MappingProxyType(split_qkv or {}),
+        regroup_falcon_qkv=regroup_falcon_qkv,
+        variant=None if variant is None else (variant[0], MappingProxyType(variant[1])),
     )
 
 
@@ -137,6 +145,17 @@ _GEMMA2_NAMES = _LLAMA_NAMES | {
     T.ATTN_POST_NORM: "post_attention_layernorm",
     T.FFN_PRE_NORM: "pre_feedforward_layernorm",  # spelled ffn_norm, as FFN_NORM is elsewhere
     T.FFN_POST_NORM: "post_feedforward_layernorm",
+}
+
+_FALCON_NAMES: dict[MODEL_TENSOR, str] = {
+    T.TOKEN_EMBD: "transformer.word_embeddings",
+    T.OUTPUT_NORM: "transformer.ln_f",
+    T.OUTPUT: "lm_head",
+    T.ATTN_NORM: "input_layernorm",
+    T.ATTN_QKV: "self_attention.query_key_value",
+    T.ATTN_OUT: "self_attention.dense",
+    T.FFN_UP: "mlp.dense_h_to_4h",
+    T.FFN_DOWN: "mlp.dense_4h_to_h",
 }
 
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
@@ -190,6 +209,14 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
             },
             layer_prefix="gpt_neox.layers",
             regroup_neox_qkv=True,
+        ),
+        _arch(
+            MODEL_ARCH.FALCON,
+            _FALCON_NAMES,
+            layer_prefix="transformer.h",
+            regroup_falcon_qkv=True,
+            # new_decoder_architecture (Falcon 40B): llama.cpp's attn_norm is ln_mlp, attn_norm_2 ln_attn
+            variant=(T.ATTN_NORM_2, _without(_FALCON_NAMES, T.ATTN_NORM) | {T.ATTN_NORM: "ln_mlp", T.ATTN_NORM_2: "ln_attn"}),
         ),
         _arch(
             MODEL_ARCH.PHI2,
@@ -250,6 +277,13 @@ def tensor_role(architecture: str, gguf_name: str) -> TensorRole | None:
     if entry is None or entry[1] != (block is not None):
         return None
     return TensorRole(kind=entry[0], block=block, suffix=suffix)
+
+
+def names_for(arch: GGUFArchitecture, kinds: set[MODEL_TENSOR]) -> GGUFArchitecture:
+    """``arch`` with its variant names when the file has the variant's marker tensor."""
+    if arch.variant is None or arch.variant[0] not in kinds:
+        return arch
+    return replace(arch, names=arch.variant[1], variant=None)
 
 
 def hf_parameter(arch: GGUFArchitecture, role: TensorRole, module: str) -> str:

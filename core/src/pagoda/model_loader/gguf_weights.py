@@ -23,7 +23,14 @@ from gguf.quants import dequantize
 from pagoda.model_loader.convert_cache import CACHEABLE_DTYPES, ConvertCache
 from pagoda.model_loader.errors import ModelLoadError
 from pagoda.model_loader.gguf_file import GGUFFile, GGUFTensorInfo, open_gguf
-from pagoda.model_loader.gguf_names import ARCHITECTURES, GGUFArchitecture, TensorRole, hf_parameter, tensor_role
+from pagoda.model_loader.gguf_names import (
+    ARCHITECTURES,
+    GGUFArchitecture,
+    TensorRole,
+    hf_parameter,
+    names_for,
+    tensor_role,
+)
 
 Q = GGMLQuantizationType
 
@@ -58,6 +65,8 @@ class Conversion:
 def plan_conversions(gguf_file: GGUFFile, arch: GGUFArchitecture) -> list[Conversion]:
     """Every HF tensor the file yields, in file order; ModelLoadError naming the first tensor with no HF name."""
     path = gguf_file.path
+    present = {role.kind for t in gguf_file.tensors if (role := tensor_role(arch.name, t.name)) is not None}
+    arch = names_for(arch, present)
     fused_kinds = {kind: fused for fused in arch.fused for kind in fused.kinds}
     groups: dict[tuple[int | None, str, str], list[tuple[MODEL_TENSOR, GGUFTensorInfo]]] = {}
     conversions: list[Conversion] = []
@@ -136,6 +145,26 @@ def reverse_neox_qkv(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
         raise ModelLoadError(f"cannot regroup the fused QKV: {rows} rows do not split into 3 x {num_heads} heads")
     head_dim = rows // 3 // num_heads
     return weight.reshape(3, num_heads, head_dim, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
+
+
+def reverse_falcon_qkv(weight: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Falcon QKV order: all q, all k, all v -> per KV group [q..., k, v] (HF's).
+
+    One KV group (Falcon 7B's multi-query) is the identity; as many groups as heads is the
+    per-head [q, k, v] of multi-head Falcon.
+    """
+    rows = weight.shape[0]
+    if num_heads % num_kv_heads or rows % (num_heads + 2 * num_kv_heads):
+        raise ModelLoadError(f"cannot regroup Falcon's fused QKV: {rows} rows, {num_heads} heads, {num_kv_heads} KV heads")
+    head_dim = rows // (num_heads + 2 * num_kv_heads)
+    rest = weight.shape[1:]
+    q, k, v = weight.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
+    groups = [
+        q.reshape(num_kv_heads, num_heads // num_kv_heads, head_dim, *rest),
+        k.reshape(num_kv_heads, 1, head_dim, *rest),
+        v.reshape(num_kv_heads, 1, head_dim, *rest),
+    ]
+    return torch.cat(groups, dim=1).reshape(weight.shape)
 
 
 def tensor_to_torch(gguf_file: GGUFFile, tensor: GGUFTensorInfo) -> torch.Tensor:
@@ -227,6 +256,8 @@ def _dequantized_tensors(
             weight = reverse_qk_permute(weight, num_kv_heads)
         elif arch.regroup_neox_qkv and kind == MODEL_TENSOR.ATTN_QKV:
             weight = reverse_neox_qkv(weight, num_heads)
+        elif arch.regroup_falcon_qkv and kind == MODEL_TENSOR.ATTN_QKV:
+            weight = reverse_falcon_qkv(weight, num_heads, num_kv_heads)
         elif arch.norm_offset and conversion.role.suffix == "weight" and kind in _NORM_KINDS:
             # as transformers does: subtract in float32 (the stored values are 1 + w)
             weight = weight.float() - 1

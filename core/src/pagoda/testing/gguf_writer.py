@@ -165,6 +165,23 @@ def _neox_qkv(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.concatenate([grouped[:, i].reshape(num_heads * head_dim, *weight.shape[1:]) for i in range(3)])
 
 
+def _falcon_kv_heads(config: Any) -> int:
+    if config.new_decoder_architecture:
+        return int(config.num_kv_heads)
+    return 1 if config.multi_query else int(config.num_attention_heads)
+
+
+def _falcon_qkv(weight: np.ndarray, num_heads: int, num_kv_heads: int) -> np.ndarray:
+    """llama.cpp's ``FalconModel``: per-KV-group [q..., k, v] rows regrouped as all q, all k, all v."""
+    head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
+    rest = weight.shape[1:]
+    grouped = weight.reshape(num_kv_heads, num_heads // num_kv_heads + 2, head_dim, *rest)
+    q = grouped[:, :-2].reshape(num_heads * head_dim, *rest)
+    k = grouped[:, -2].reshape(num_kv_heads * head_dim, *rest)
+    v = grouped[:, -1].reshape(num_kv_heads * head_dim, *rest)
+    return np.concatenate([q, k, v])
+
+
 def gguf_tensors(hf_model: Any, architecture: str) -> Iterator[tuple[str, np.ndarray]]:
     """``(gguf_name, float32 array)`` for every tensor llama.cpp's converter would write for ``hf_model``."""
     import gguf
@@ -207,6 +224,8 @@ def gguf_tensors(hf_model: Any, architecture: str) -> Iterator[tuple[str, np.nda
             weight = np.ascontiguousarray(weight.T)  # Conv1D [in, out] -> [out, in]
         elif architecture == "gptneox" and ".attn_qkv." in gguf_name:
             weight = _neox_qkv(weight, num_heads)
+        elif architecture == "falcon" and ".attn_qkv." in gguf_name:
+            weight = _falcon_qkv(weight, num_heads, _falcon_kv_heads(config))
         yield gguf_name, weight
         if architecture == "gpt2" and gguf_name == "token_embd.weight" and "lm_head.weight" not in state:
             yield "output.weight", weight
@@ -243,9 +262,11 @@ def write_hparams(writer: Any, config: Any, architecture: str) -> None:
     writer.add_block_count(int(_get(config, "num_hidden_layers", "n_layer")))
     writer.add_context_length(int(_get(config, "max_position_embeddings", "n_positions", "n_ctx")))
     writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(int(_get(config, "intermediate_size", "n_inner") or 4 * hidden))
+    writer.add_feed_forward_length(int(_get(config, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * hidden))
     writer.add_head_count(heads)
-    if architecture != "gpt2":
+    if architecture == "falcon":
+        writer.add_head_count_kv(_falcon_kv_heads(config))
+    elif architecture != "gpt2":
         writer.add_head_count_kv(int(_get(config, "num_key_value_heads") or heads))
     rms_eps = _get(config, "rms_norm_eps")
     if rms_eps is not None:
