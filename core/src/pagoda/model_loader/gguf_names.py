@@ -11,7 +11,8 @@ makes that a loader has to undo (``GGUFArchitecture`` flags).
 transformers finds the same names by instantiating the model on the meta
 device and asking ``gguf.tensor_mapping`` for each of its parameters, which
 needs the model's modeling module imported (seconds, at every start without
-the convert cache); the tests check these tables against that map instead.
+the convert cache). The tests check these tables against ``gguf.tensor_mapping``
+and against the weights transformers loads from the same file instead.
 """
 
 from __future__ import annotations
