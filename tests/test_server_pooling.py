@@ -58,7 +58,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory, start_server: Any) -> Any:
         if kind not in made:
             path = tmp_path_factory.mktemp(f"bert-{kind}")
             model = save_bert(path, kind)
-            server = start_server([str(path), "--dtype", "float32", "--served-model-name", f"tiny-{kind}"])
+            # trusted: one test sends its own chat_template (refused by default, as vLLM)
+            server = start_server([str(path), "--dtype", "float32", "--served-model-name", f"tiny-{kind}",
+                                   "--trust-request-chat-template"])
             made[kind] = (server, model, AutoTokenizer.from_pretrained(str(path)), path)
         return made[kind]
 

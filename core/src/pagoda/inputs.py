@@ -28,6 +28,9 @@ def parse_prompt(prompt: Any) -> tuple[str | None, list[int] | None, str | None]
     if isinstance(prompt, str):
         return prompt, None, None
     if isinstance(prompt, dict):
+        if prompt.get("multi_modal_data") is not None:
+            # dropping it would answer about a prompt the user did not send
+            raise ValueError("multi_modal_data is not supported: pagoda serves text-only models")
         salt = prompt.get("cache_salt")
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]

@@ -82,6 +82,16 @@ class Processor:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={max_logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={max_logprobs}")
+        # out-of-vocabulary ids would fail inside the engine step, where one request's error is everyone's
+        vocab = self.vocab_size
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if not 0 <= t < vocab)
+            if bad:
+                raise ValueError(f"logit_bias has token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids is not None:
+            bad = sorted({t for t in params.allowed_token_ids if not 0 <= t < vocab})
+            if bad:
+                raise ValueError(f"allowed_token_ids has token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def process(
         self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float, priority: int

@@ -7,6 +7,7 @@ content format); other part types are refused with the type named.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,7 +39,12 @@ def content_to_text(content: Any, where: str = "content") -> str | None:
 
 
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Messages as plain dicts with string content (other keys, e.g. tool_calls, are kept)."""
+    """Messages as plain dicts with string content, as vLLM hands them to templates.
+
+    Missing or null content becomes "" (an assistant message that only calls tools has
+    none, and templates concatenate it); tool-call ``arguments`` sent as a JSON string
+    are parsed into an object (transformers' convention for tool-use templates).
+    """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
     out: list[dict[str, Any]] = []
@@ -48,8 +54,30 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] needs a string 'role'")
         d = dict(message)
-        d["content"] = content_to_text(message.get("content"), f"messages[{i}].content")
+        d["content"] = content_to_text(message.get("content"), f"messages[{i}].content") or ""
+        if d.get("tool_calls") is not None:
+            d["tool_calls"] = _tool_calls_for_template(d["tool_calls"], f"messages[{i}].tool_calls")
         out.append(d)
+    return out
+
+
+def _tool_calls_for_template(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(tool_calls, Sequence) or isinstance(tool_calls, (str, bytes)):
+        raise ValueError(f"{where} must be a list of tool calls")
+    out: list[dict[str, Any]] = []
+    for j, call in enumerate(tool_calls):
+        if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+            raise ValueError(f"{where}[{j}] must be a {{'type': 'function', 'function': {{'name', 'arguments'}}}} dict")
+        function = dict(call["function"])
+        arguments = function.get("arguments")
+        if not arguments:
+            function["arguments"] = {}
+        elif isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}[{j}].function.arguments is not valid JSON: {exc}") from None
+        out.append({**call, "function": function})
     return out
 
 

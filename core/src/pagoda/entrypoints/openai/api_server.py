@@ -35,7 +35,7 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from pagoda.entrypoints.openai.server_args import ServerArgs
-from pagoda.entrypoints.openai.serving_chat import chat_prompt, create_chat_completion
+from pagoda.entrypoints.openai.serving_chat import chat_prompt_async, create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServingContext
 from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.entrypoints.openai.serving_pooling import require_generate
@@ -177,7 +177,7 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
         ctx.check_model(req.model)
         tok = ctx.need_tokenizer()
         if is_chat:
-            _, ids = chat_prompt(ctx, req)
+            _, ids = await chat_prompt_async(ctx, req)
         else:
             ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
         body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}

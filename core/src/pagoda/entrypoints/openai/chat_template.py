@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.entrypoints.chat_utils import render_chat_prompt
+from pagoda.entrypoints.deadline import DeadlineExceeded, call_with_deadline
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import ChatMessage
 
@@ -52,8 +53,18 @@ def render_chat(
     continue_final_message: bool,
     tools: list[dict[str, Any]] | None = None,
     documents: list[dict[str, str]] | None = None,
+    trust_request_template: bool = False,
+    timeout: float | None = None,
 ) -> str:
-    """``render_chat_prompt`` (shared with ``LLM.chat``) with its errors as 400s naming the field."""
+    """``render_chat_prompt`` (shared with ``LLM.chat``) with its errors as 400s naming the field.
+
+    A request's own template is refused unless ``trust_request_template`` (vLLM's
+    ``--trust-request-chat-template``); any template is stopped after ``timeout`` seconds.
+    """
+    if request_template is not None and not trust_request_template:
+        raise APIError("Chat template is passed with request, but --trust-request-chat-template is not set: a "
+                       "request's own chat_template is refused (it is arbitrary Jinja run on the server)", 400,
+                       "chat_template")
     if tokenizer is None:
         raise APIError("the server runs without a tokenizer (skip_tokenizer_init): chat is unavailable", 400, "messages")
     template = request_template or server_template
@@ -61,8 +72,9 @@ def render_chat(
         raise APIError("the model has no chat template: pass chat_template in the request or start the server with "
                        "--chat-template", 400, "chat_template")
     kwargs = dict(template_kwargs or {})
+    param = "chat_template" if request_template else ("chat_template_kwargs" if kwargs else "messages")
     try:
-        return render_chat_prompt(
+        return call_with_deadline(lambda: render_chat_prompt(
             tokenizer,
             message_dicts(messages),
             chat_template=template,
@@ -71,10 +83,12 @@ def render_chat(
             tools=tools,
             chat_template_kwargs=kwargs,
             documents=documents,
-        )
+        ), timeout)
+    except DeadlineExceeded:
+        raise APIError(f"the chat template took longer than the server's limit of {timeout:g} s to render "
+                       "(--chat-template-render-timeout)", 400, param) from None
     except Exception as exc:  # noqa: BLE001 - a template error is the request's fault, not the server's
         message = str(exc)
         if "chat_template_kwargs may not set" in message:
             raise APIError(message, 400, "chat_template_kwargs") from None
-        param = "chat_template" if request_template else ("chat_template_kwargs" if kwargs else "messages")
         raise APIError(f"the chat template could not be applied: {type(exc).__name__}: {exc}", 400, param) from None

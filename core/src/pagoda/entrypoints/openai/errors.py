@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -11,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
 
 # OpenAI's error type for each status the server sends.
 _ERROR_TYPES: dict[int, str] = {
@@ -92,9 +96,41 @@ def parse_json_body(raw: bytes, content_type: str | None) -> Any:
             f"unsupported content type {content_type or '(none)'!r}: send the body as application/json", 415, None
         )
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(f"the request body is not valid JSON: {exc}", 400, None) from None
+    # json.loads accepts a lone surrogate escape ("\\ud800"), a string no tokenizer or UTF-8 encoder takes
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise APIError(f"the request body holds a lone UTF-16 surrogate escape at {where or 'the top level'}: "
+                           "it is not a Unicode character", 400, where or None)
+    return data
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string holding an unpaired surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _lone_surrogate(k, path) if isinstance(k, str) else None
+            found = found if found is not None else _lone_surrogate(v, f"{path}.{k}" if path else str(k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _lone_surrogate(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -105,6 +141,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(exc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # a bug still answers in the API's shape (starlette's default is a plain-text body)
+        logger.exception("unhandled error while serving a request")
+        return error_response(APIError(f"internal server error: {type(exc).__name__}", 500))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

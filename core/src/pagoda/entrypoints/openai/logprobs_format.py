@@ -80,3 +80,17 @@ def chat_logprobs(token_text: TokenText, token_ids: list[int], entries: list[dic
             ],
         })
     return {"content": content}
+
+
+def prompt_logprobs_json(token_text: TokenText, entries: list[dict[int, Any] | None] | None) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [
+        None if entry is None else {
+            str(t): {"logprob": safe_logprob(lp.logprob), "rank": lp.rank,
+                     "decoded_token": token_text(t, lp.decoded_token)}
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]

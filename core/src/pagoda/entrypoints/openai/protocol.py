@@ -61,6 +61,14 @@ class _SamplingFields(_Body):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
+    @model_validator(mode="after")
+    def _length_penalty_needs_beam_search(self) -> Any:
+        # vLLM applies it only in beam search, which these endpoints do not offer: accepting it would ignore it
+        if self.length_penalty != 1.0:
+            raise ValueError("length_penalty only applies to beam search, which this endpoint does not run "
+                             "(use LLM.beam_search offline)")
+        return self
+
 
 PromptInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
@@ -133,6 +141,38 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs the last message to be an assistant message")
+        if self.stream and self.prompt_logprobs:
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice_matches_tools(self) -> Any:
+        """vLLM's checks: a tool_choice other than "none" needs tools, and a named one must be among them."""
+        for i, tool in enumerate(self.tools or []):
+            function = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str) or not function["name"]:
+                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                 "'parameters': ...}}}}")
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return self
+        if isinstance(choice, str) and choice not in ("auto", "required"):
+            raise ValueError(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function")
+        if self.tools is None:
+            raise ValueError("tool_choice other than 'none' needs tools: When using `tool_choice`, `tools` must be set")
+        if choice == "required" and not self.tools:
+            # OpenAI's and vLLM's reading: nothing is required of an empty tool list
+            self.tool_choice = "none"
+            return self
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
+                raise ValueError('a named tool_choice is {"type": "function", "function": {"name": "my_function"}}')
+            names = [t["function"]["name"] for t in self.tools]
+            if name not in names:
+                raise ValueError(f"tool_choice names the function {name!r}, which is not in tools {names}")
         return self
 
 

@@ -18,6 +18,10 @@ class ServerArgs(BaseModel):
     api_key: str | None = Field(None, description="Require 'Authorization: Bearer KEY' on /v1/* (or PAGODA_API_KEY).")
     served_model_name: list[str] | None = Field(None, description="Names the API answers to; the first is reported.")
     chat_template: str | None = Field(None, description="Chat template file or inline Jinja for every request.")
+    trust_request_chat_template: bool = Field(
+        False, description="Accept a request's own chat_template (arbitrary Jinja run on the server's CPU), as vLLM.")
+    chat_template_render_timeout: float = Field(
+        5.0, ge=0, description="Seconds a chat template may take to render before the request fails (0 = unbounded).")
     allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins.")
     allow_credentials: bool = Field(False, description="CORS: allow credentials.")
     allowed_methods: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed methods.")

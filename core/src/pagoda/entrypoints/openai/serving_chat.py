@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.entrypoints.openai.chat_template import render_chat
 from pagoda.entrypoints.openai.errors import APIError
-from pagoda.entrypoints.openai.logprobs_format import TokenText, chat_logprobs
+from pagoda.entrypoints.openai.logprobs_format import TokenText, chat_logprobs, prompt_logprobs_json
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.serving_common import (
     ServingContext,
@@ -29,28 +30,54 @@ from pagoda.entrypoints.openai.serving_common import (
 )
 
 
-def chat_prompt(ctx: ServingContext, req: Any) -> tuple[str, list[int]]:
-    """Render and tokenize the conversation (shared with /tokenize)."""
-    tok = ctx.need_tokenizer()
-    text = render_chat(
-        tok, req.messages,
+def _render(ctx: ServingContext, req: Any) -> str:
+    return render_chat(
+        ctx.need_tokenizer(), req.messages,
         request_template=req.chat_template, server_template=ctx.chat_template,
         template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, tools=req.tools,
         documents=getattr(req, "documents", None),
+        trust_request_template=ctx.trust_request_chat_template, timeout=ctx.chat_template_render_timeout,
     )
+
+
+def chat_prompt(ctx: ServingContext, req: Any) -> tuple[str, list[int]]:
+    """Render and tokenize the conversation on the calling thread (the render is still bounded by the timeout)."""
+    text = _render(ctx, req)
     # the template already wrote the special tokens it wants
-    return text, tok(text, add_special_tokens=req.add_special_tokens).input_ids
+    return text, ctx.need_tokenizer()(text, add_special_tokens=req.add_special_tokens).input_ids
+
+
+async def chat_prompt_async(ctx: ServingContext, req: Any) -> tuple[str, list[int]]:
+    """``chat_prompt`` with the template rendered in a worker thread, so a slow template never holds the event
+    loop; tokenizing stays on the loop's thread (the Rust tokenizer is not shared across threads)."""
+    text = await asyncio.to_thread(_render, ctx, req)
+    return text, ctx.need_tokenizer()(text, add_special_tokens=req.add_special_tokens).input_ids
+
+
+def check_tool_choice(req: ChatCompletionRequest) -> None:
+    """Tool calls are not produced yet: refuse what would need them instead of answering in plain text."""
+    # as vLLM: tools without a tool_choice mean "auto"
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+    if choice == "none":
+        return
+    if choice == "auto":
+        raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set, which '
+                       'this server does not offer yet: send tool_choice "none" to have the template see the tools',
+                       400, "tool_choice")
+    raise APIError(f"tool_choice {choice!r} must be enforced through structured outputs, which this server does not "
+                   "support yet", 400, "tool_choice")
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
     ctx.check_model(req.model)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     check_limits(ctx, req, num_logprobs)
+    check_tool_choice(req)
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise APIError("response_format other than text needs structured output, which this server does not support yet",
                        400, "response_format")
-    text, ids = chat_prompt(ctx, req)
+    text, ids = await chat_prompt_async(ctx, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_prompt_length(ctx, len(ids), requested,
                                      "max_completion_tokens" if req.max_completion_tokens is not None else "messages")
@@ -89,7 +116,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     body = {
         "id": request_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
         "choices": choices, "usage": usage(len(ids), completion_tokens), "system_fingerprint": None,
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs_json(token_text, ro.prompt_logprobs) if req.prompt_logprobs is not None
+        else None,
     }
     return JSONResponse(body)
 

@@ -36,6 +36,10 @@ class ServingContext:
     max_logprobs: int
     max_n: int
     chat_template: str | None = None
+    # a request's own chat_template is arbitrary Jinja: refused unless the operator trusts clients (vLLM's flag)
+    trust_request_chat_template: bool = False
+    # seconds any chat template may render (0 = unbounded)
+    chat_template_render_timeout: float = 5.0
     created: int = field(default_factory=lambda: int(time.time()))
     # SamplingParams field -> value for fields a request leaves unset (the model's generation config)
     default_sampling: dict[str, Any] = field(default_factory=dict)
@@ -159,8 +163,8 @@ def _param_of(message: str) -> str | None:
 
 
 def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
-    """A ValueError from the engine's input checks is the client's fault."""
-    return APIError(str(exc), 400, param)
+    """A ValueError from the engine's input checks is the client's fault (the field it names, else ``param``)."""
+    return APIError(str(exc), 400, _param_of(str(exc)) or param)
 
 
 def start_streams(ctx: ServingContext, prompts: list[dict[str, Any]], params: SamplingParams, request_id: str,
