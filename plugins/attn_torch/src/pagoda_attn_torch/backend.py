@@ -115,6 +115,9 @@ class TorchPagedAttentionBackend(AttentionBackend):
         # else nothing is written: a bidirectional sequence is computed whole in its step and never
         # extended, so no later step reads its K/V
         num_tokens, num_heads, head_dim = query.shape
+        if not plan.looped and len(plan.dense) == 1 and plan.dense[0].num_seqs * plan.dense[0].seq_len == num_tokens:
+            # one run covers the batch (equal-length prompts): its result is the output, no copy
+            return attend_dense(query, key, value, kv_cache, plan.dense[0], scale, logits_soft_cap)
         out = query.new_empty(num_tokens, num_heads, head_dim)
         if plan.num_real_tokens < num_tokens:
             out[plan.num_real_tokens :].zero_()
