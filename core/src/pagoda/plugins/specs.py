@@ -46,7 +46,9 @@ class ModelSpec:
 
     architecture: str
     cls: str
-    # "generate" for decoders; "embed", "classify", ... for pooling models.
+    # "generate": a decoder whose logits are sampled; "pooling": a model whose class sets
+    # ``is_pooling_model`` and carries a ``pooler`` (pagoda.pooling), e.g. an encoder. Read by
+    # pagoda.pooling.resolve to pick the runner (vLLM's runner="auto").
     runner: str = "generate"
 
     def load(self) -> type:
