@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from pagoda import AsyncLLM, EngineArgs, LLM, PoolingParams, PoolingRequestOutput, SamplingParams
+from pagoda import LLM, AsyncLLM, EngineArgs, PoolingParams, PoolingRequestOutput, SamplingParams
 
 
 def _tiny_bert(path: Path) -> Path:
