@@ -153,3 +153,20 @@ def test_bad_pooler_config_is_an_error() -> None:
         EngineArgs(pooler_config={"enable_chunked_processing": True})
     with pytest.raises(ValueError, match="extra"):
         EngineArgs(pooler_config={"no_such_field": 1})
+
+
+def test_step_pooling_and_encode_task(tmp_path: Path) -> None:
+    model_dir = _tiny(transformers.BertConfig, transformers.BertForSequenceClassification, tmp_path / "bert",
+                      num_labels=4)
+    model = transformers.BertForSequenceClassification.from_pretrained(model_dir).eval()
+    ids = [2, 9, 50, 11, 50, 12, 13, 50, 4]
+    with torch.no_grad():
+        per_token = model.classifier(model.bert(input_ids=torch.tensor([ids])).last_hidden_state[0])
+    tag = torch.tensor(ids) == 50
+    llm = LLM(model=str(model_dir), dtype="float32", skip_tokenizer_init=True, attention_backend="torch_paged",
+              pooler_config={"pooling_type": "STEP", "step_tag_id": 50, "returned_token_ids": [1, 3]})
+    assert llm.supported_tasks == ("token_classify",)  # STEP pools per token: no classify
+    out = llm.reward([{"prompt_token_ids": ids}])[0].outputs.data
+    torch.testing.assert_close(out, per_token[tag][:, [1, 3]].softmax(-1), atol=1e-5, rtol=0)
+    raw = llm.encode([{"prompt_token_ids": ids}], PoolingParams(use_activation=False), pooling_task="encode")
+    torch.testing.assert_close(raw[0].outputs.data, per_token[tag][:, [1, 3]], atol=1e-4, rtol=0)
