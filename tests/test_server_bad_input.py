@@ -113,7 +113,7 @@ def test_lone_surrogate_is_a_400_json_error(server: Any, path: str) -> None:
 ])
 def test_tool_choice_that_cannot_be_honoured_is_a_400(server: Any, body: dict[str, Any], needle: str) -> None:
     err = _error(_post(server, "/v1/chat/completions", body))
-    assert needle in err["message"], err
+    assert needle in err["message"] and err["param"] in ("tools", "tools[0]", "tool_choice"), err
     _still_serving(server)
 
 
@@ -165,14 +165,14 @@ def test_chat_prompt_logprobs_are_returned(server: Any) -> None:
         assert {1, 2} <= {v["rank"] for v in entry.values()}, entry
     assert _post(server, "/v1/chat/completions", _chat()).json()["prompt_logprobs"] is None
     err = _error(_post(server, "/v1/chat/completions", _chat(prompt_logprobs=1, stream=True)))
-    assert "stream" in err["message"]
+    assert "stream" in err["message"] and err["param"] == "prompt_logprobs", err
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_length_penalty_outside_beam_search_is_refused(server: Any, path: str) -> None:
     body = _chat(length_penalty=0.5) if "chat" in path else {"prompt": "x", "max_tokens": 2, "length_penalty": 2.0}
     err = _error(_post(server, path, body))
-    assert "length_penalty" in err["message"] and "beam search" in err["message"], err
+    assert err["param"] == "length_penalty" and "beam search" in err["message"], err
     ok = _chat(length_penalty=1.0) if "chat" in path else {"prompt": "x", "max_tokens": 2, "length_penalty": 1.0}
     assert _post(server, path, ok).status_code == 200
 

@@ -78,6 +78,10 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = _loc_to_param(tuple(first.get("loc", ())))
+    if param is None:
+        # a whole-body check names its field on the error it raises (protocol.FieldError)
+        ctx: Any = first.get("ctx") or {}
+        param = getattr(ctx.get("error") if isinstance(ctx, dict) else None, "param", None)
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "extra_forbidden":
         msg = f"unknown field {param!r}: it is not a parameter of this endpoint"

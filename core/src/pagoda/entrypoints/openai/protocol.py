@@ -11,6 +11,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 
+class FieldError(ValueError):
+    """A check across fields that still blames one: the error body's ``param``."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
@@ -65,8 +73,8 @@ class _SamplingFields(_Body):
     def _length_penalty_needs_beam_search(self) -> Any:
         # vLLM applies it only in beam search, which these endpoints do not offer: accepting it would ignore it
         if self.length_penalty != 1.0:
-            raise ValueError("length_penalty only applies to beam search, which this endpoint does not run "
-                             "(use LLM.beam_search offline)")
+            raise FieldError("length_penalty only applies to beam search, which this endpoint does not run "
+                             "(use LLM.beam_search offline)", "length_penalty")
         return self
 
 
@@ -142,7 +150,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs the last message to be an assistant message")
         if self.stream and self.prompt_logprobs:
-            raise ValueError("prompt_logprobs are not available when stream is true")
+            raise FieldError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         return self
 
     @model_validator(mode="after")
@@ -152,15 +160,17 @@ class ChatCompletionRequest(_SamplingFields):
             function = tool.get("function")
             if tool.get("type", "function") != "function" or not isinstance(function, dict) \
                     or not isinstance(function.get("name"), str) or not function["name"]:
-                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
-                                 "'parameters': ...}}}}")
+                raise FieldError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
+                                 "'parameters': ...}}}}", f"tools[{i}]")
         choice = self.tool_choice
         if choice is None or choice == "none":
             return self
         if isinstance(choice, str) and choice not in ("auto", "required"):
-            raise ValueError(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function")
+            raise FieldError(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function",
+                             "tool_choice")
         if self.tools is None:
-            raise ValueError("tool_choice other than 'none' needs tools: When using `tool_choice`, `tools` must be set")
+            raise FieldError("tool_choice other than 'none' needs tools: When using `tool_choice`, `tools` must be set",
+                             "tools")
         if choice == "required" and not self.tools:
             # OpenAI's and vLLM's reading: nothing is required of an empty tool list
             self.tool_choice = "none"
@@ -169,10 +179,12 @@ class ChatCompletionRequest(_SamplingFields):
             function = choice.get("function")
             name = function.get("name") if isinstance(function, dict) else None
             if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
-                raise ValueError('a named tool_choice is {"type": "function", "function": {"name": "my_function"}}')
+                raise FieldError('a named tool_choice is {"type": "function", "function": {"name": "my_function"}}',
+                                 "tool_choice")
             names = [t["function"]["name"] for t in self.tools]
             if name not in names:
-                raise ValueError(f"tool_choice names the function {name!r}, which is not in tools {names}")
+                raise FieldError(f"tool_choice names the function {name!r}, which is not in tools {names}",
+                                 "tool_choice")
         return self
 
 
