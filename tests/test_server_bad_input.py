@@ -240,3 +240,22 @@ def test_render_deadline_unit() -> None:
     assert time.monotonic() - started < 2.0
     assert call_with_deadline(lambda: json.dumps({"a": 1}), 0.3) == '{"a": 1}'
     time.sleep(0.5)  # a stop that fired late would surface here
+
+
+def test_an_unexpected_error_is_still_a_json_body() -> None:
+    """The safety net under every route: a bug answers 500 in OpenAI's shape, not starlette's plain text."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagoda.entrypoints.openai.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    r = TestClient(app, raise_server_exceptions=False).get("/boom")
+    err = _error(r, 500)
+    assert err["type"] == "InternalServerError" and "RuntimeError" in err["message"]
