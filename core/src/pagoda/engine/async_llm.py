@@ -72,20 +72,22 @@ class RequestOutputCollector:
 
     def __init__(self, kind: RequestOutputKind) -> None:
         self.kind = kind
-        self.output: RequestOutput | Exception | None = None
+        # a pooling request's output is a PoolingRequestOutput (FINAL_ONLY: replaced, never merged)
+        self.output: RequestOutput | PoolingRequestOutput | Exception | None = None
         self.ready = asyncio.Event()
 
-    def put(self, item: RequestOutput | Exception) -> None:
+    def put(self, item: RequestOutput | PoolingRequestOutput | Exception) -> None:
         if isinstance(item, Exception) or self.output is None or isinstance(self.output, Exception):
             if not isinstance(self.output, Exception):
                 self.output = item
-        elif self.kind == RequestOutputKind.DELTA:
+        elif self.kind == RequestOutputKind.DELTA and isinstance(self.output, RequestOutput) \
+                and isinstance(item, RequestOutput):
             _merge_delta(self.output, item)
         else:
             self.output = item
         self.ready.set()
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> Any:
         await self.ready.wait()
         item = self.output
         self.output = None
@@ -105,10 +107,10 @@ class RequestStream:
         self.collector = collector
         self.finished = False
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    def __aiter__(self) -> AsyncIterator[Any]:
         return self._iterate()
 
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self) -> AsyncIterator[Any]:
         try:
             while not self.finished:
                 out = await self.collector.get()

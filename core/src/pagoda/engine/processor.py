@@ -94,7 +94,7 @@ class Processor:
                 raise ValueError(f"allowed_token_ids has token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def process(
-        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float, priority: int
+        self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, arrival_time: float, priority: int
     ) -> tuple[ParentState, list[Request]]:
         """-> (the output processor's state for the request, one core request per sequence)."""
         if isinstance(params, PoolingParams):

@@ -369,7 +369,7 @@ class ModelRunner:
             )
             md = self.attn_backend.prepare(md)
             extra = {}
-            if self.uses_token_type_ids:
+            if b.token_type_ids is not None:
                 extra = self._extra_inputs(torch.from_numpy(b.token_type_ids[token_rows, positions]).to(dev, non_blocking=True))
             hidden = self.model(
                 torch.from_numpy(input_ids).to(dev, non_blocking=True),
@@ -382,11 +382,13 @@ class ModelRunner:
         b.num_computed[rows] = seq_lens
         if self.runner_type == "pooling":
             return self._pool(hidden, req_ids, rows, cu, start, nsched, samples)
+        sampler = self.sampler
+        assert sampler is not None  # a generative model always has one
         sample_idx = np.nonzero(samples)[0]
         sampled: list[list[int]] = [[] for _ in req_ids]
         result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
         if wants_prompt_logprobs:
-            result.prompt_logprobs = self.sampler.prompt_logprobs(self.model, hidden, req_ids, rows, start, nsched, cu)
+            result.prompt_logprobs = sampler.prompt_logprobs(self.model, hidden, req_ids, rows, start, nsched, cu)
         if len(sample_idx):
             logits_rows = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev)
             logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
@@ -394,7 +396,7 @@ class ModelRunner:
             if beam_k.any():
                 is_beam = beam_k > 0
                 beam_idx = sample_idx[is_beam]
-                result.beam_candidates = self.sampler.beam_candidates(
+                result.beam_candidates = sampler.beam_candidates(
                     logits[torch.from_numpy(np.nonzero(is_beam)[0]).to(dev)], [req_ids[i] for i in beam_idx], rows[beam_idx]
                 )
                 keep = np.nonzero(~is_beam)[0]
@@ -402,7 +404,7 @@ class ModelRunner:
                 logits = logits[torch.from_numpy(keep).to(dev)]
         if len(sample_idx):
             sample_rows = rows[sample_idx]
-            tokens = self.sampler.sample(logits, sample_rows, [req_ids[i] for i in sample_idx], result)
+            tokens = sampler.sample(logits, sample_rows, [req_ids[i] for i in sample_idx], result)
             # The runner keeps its own copy of each request's tokens for the next step's inputs.
             b.token_ids[sample_rows, b.num_tokens[sample_rows]] = tokens
             b.num_tokens[sample_rows] += 1
