@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import tempfile
 import time
@@ -106,6 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+        os.environ["PAGODA_CPU_THREADS"] = str(args.threads)  # the CPU platform sets torch's count from it
 
     model_dir = tempfile.mkdtemp(prefix="moe-bench-")
     cfg = build_model(model_dir, args.hidden, args.layers)
