@@ -22,19 +22,21 @@ def _echo_architectures() -> None:
     from pagoda.models.registry import FALLBACK_DISTRIBUTION, ModelRegistry
 
     typer.echo("\narchitectures:")
-    for arch, family, implementation in ModelRegistry.architectures():
-        typer.echo(f"  {arch:<34} {family:<30} {implementation}")
+    rows = ModelRegistry.architectures()
+    width = max([len("(any other)"), *(len(arch) for arch, _, _ in rows)])
+    for arch, family, implementation in rows:
+        typer.echo(f"  {arch:<{width}} {family:<30} {implementation}")
     fallback = ModelRegistry.fallback()
     if fallback is None:
         typer.echo(
-            f"  {'(any other)':<34} {'-':<30} refused: no transformers fallback installed "
+            f"  {'(any other)':<{width}} {'-':<30} refused: no transformers fallback installed "
             f"(pip install {FALLBACK_DISTRIBUTION})"
         )
         return
     info = _manager().provider_of("model_fallbacks", fallback.name)
     family = (info.distribution or info.name) if info is not None else "in-process plugin"
     what = f": {fallback.description}" if fallback.description else ""
-    typer.echo(f"  {'(any other)':<34} {family:<30} transformers fallback{what}")
+    typer.echo(f"  {'(any other)':<{width}} {family:<30} transformers fallback{what}")
     typer.echo("  (ask about one architecture: pagoda plugins list --architecture NAME [--model-impl ...])")
 
 
