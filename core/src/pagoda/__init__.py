@@ -15,6 +15,8 @@ _LAZY: dict[str, str] = {
     "LLM": "pagoda.entrypoints.llm",
     "SamplingParams": "pagoda.sampling_params",
     "BeamSearchParams": "pagoda.sampling_params",
+    "StructuredOutputsParams": "pagoda.structured_output.params",
+    "GuidedDecodingParams": "pagoda.structured_output.params",
     "RequestOutputKind": "pagoda.sampling_params",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",

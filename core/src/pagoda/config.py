@@ -144,6 +144,12 @@ def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = 
     )
 
 
+class StructuredOutputsConfig(_Config):
+    """vLLM's ``StructuredOutputsConfig`` (``--structured-outputs-config '{"backend": "xgrammar"}'``)."""
+
+    backend: str = Field("auto", description="Structured outputs backend: a plugin's name in the pagoda.structured_output_backends group (xgrammar), or 'auto' = xgrammar if installed, else the only one installed.")
+
+
 class EngineConfig(_Config):
     """Everything an engine (and each of its worker processes) needs; picklable."""
 
@@ -153,6 +159,7 @@ class EngineConfig(_Config):
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     load_config: LoadConfig
+    structured_outputs_config: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
     # Decided once in the main process and replayed in workers.
     plugins: list[str] | None = None
     registered_models: dict[str, str] = Field(default_factory=dict)
@@ -244,6 +251,15 @@ class EngineArgs(_Config):
     attention_backend: str | None = _field_of(DeviceConfig, "attention_backend")
     load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = _field_of(LoadConfig, "load_format")
     download_dir: str | None = _field_of(LoadConfig, "download_dir")
+    # A whole section (as in vLLM), not flattened: --structured-outputs-config takes JSON.
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = Field(None, description=StructuredOutputsConfig.__doc__)
+
+    @field_validator("structured_outputs_config", mode="after")
+    @classmethod
+    def _structured_outputs_config_object(cls, value: Any) -> StructuredOutputsConfig:
+        if value is None:
+            return StructuredOutputsConfig()
+        return StructuredOutputsConfig(**value) if isinstance(value, dict) else value
 
     @model_validator(mode="before")
     @classmethod
@@ -261,10 +277,11 @@ class EngineArgs(_Config):
             key: section(**{k: values[k] for k in section.model_fields})
             for key, section in _SECTIONS.items()
         }
-        return EngineConfig(**sections)
+        structured = self._structured_outputs_config_object(self.structured_outputs_config)
+        return EngineConfig(**sections, structured_outputs_config=structured)
 
 
-assert set(EngineArgs.model_fields) == set(_engine_arg_fields()), "EngineArgs drifted from the config sections"
+assert set(EngineArgs.model_fields) - {"structured_outputs_config"} == set(_engine_arg_fields()), "EngineArgs drifted from the config sections"
 
 
 class AsyncEngineArgs(EngineArgs):

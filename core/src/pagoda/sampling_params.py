@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pagoda.structured_output.params import GuidedDecodingParams, StructuredOutputsParams
+
 # Below this temperature a request is greedy (argmax), as in vLLM.
 _SAMPLING_EPS = 1e-5
 # OpenAI clamps logit bias to this range; vLLM does the same.
@@ -80,6 +82,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None
+    # A constraint on the output (JSON schema, regex, choice, grammar...), compiled by a backend plugin.
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older name; mapped onto structured_outputs.
+    guided_decoding: GuidedDecodingParams | None = None
 
     # Derived state (vLLM keeps the same private names).
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -130,6 +136,13 @@ class SamplingParams:
                 }
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"logit_bias must map token ids (int) to floats, got {self.logit_bias!r}.") from exc
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("set structured_outputs or guided_decoding (its older name), not both.")
+            self.structured_outputs = self.guided_decoding.to_structured_outputs()
+            self.guided_decoding = None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
             self.output_kind = RequestOutputKind(self.output_kind)
 

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from pagoda.beam_search.group import BeamGroup
 from pagoda.config import EngineConfig, resolve_model
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.metrics.stats import SchedulerStats
+from pagoda.model_loader import load_tokenizer
 from pagoda.models.registry import ModelRegistry
 from pagoda.platforms import Platform, resolve_platform, set_current_platform
 from pagoda.plugins import get_plugin_manager, load_plugins
 from pagoda.scheduler.output import EngineCoreOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.structured_output.manager import StructuredOutputManager
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -125,8 +128,22 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill,
             policy=sc.scheduling_policy,
+            structured_output_manager=self._structured_output_manager(config),
         )
         self._reported_preemptions = 0
+
+    def _structured_output_manager(self, config: EngineConfig) -> StructuredOutputManager | None:
+        """A generative model with a tokenizer gets one; the backend and tokenizer load on the first constraint."""
+        model = config.model
+        if config.resolved.runner_type != "generate" or model.skip_tokenizer_init:
+            return None
+
+        def tokenizer() -> Any:
+            return load_tokenizer(config.resolved.source, model.tokenizer, model.tokenizer_revision,
+                                  config.load_config.download_dir, model.trust_remote_code)
+
+        vocab_size = int(config.resolved.text_config.vocab_size)
+        return StructuredOutputManager(tokenizer, vocab_size, config.structured_outputs_config.backend)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         """What the loaded model serves: ("generate",), or its pooler's tasks (vLLM's supported tasks)."""
@@ -150,7 +167,7 @@ class EngineCore:
             if so.finished_req_ids:
                 # let the runner forget finished requests even in an idle step
                 self.runner.execute_model(so)
-            return []
+            return self.scheduler.take_pending_outputs()
         out = self.runner.execute_model(so)
         return self.scheduler.update_from_output(so, out)
 

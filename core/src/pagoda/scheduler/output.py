@@ -59,6 +59,10 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # (src_block, dst_block) KV copies to do before the step (copy-on-write)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs: req_id -> row of ``grammar_bitmask`` (int32 [rows, ceil(vocab / 32)]) for each
+    # constrained request that samples this step; the runner masks its logits with that row.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -78,6 +78,8 @@ class Request:
         # that the runner has not been told about yet.
         self.beam_group: Any = None
         self.unsent_token_ids: list[int] = []
+        # Structured outputs: a RequestStructuredOutput (grammar future, then matcher), or None.
+        self.structured_output: Any = None
         # timestamps for metrics
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -32,6 +32,7 @@ from pagoda.scheduler.output import (
 )
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from pagoda.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,12 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        self.structured_output_manager = structured_output_manager
+        # Outputs of requests finished outside a step (a constraint that failed to compile).
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -67,6 +72,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        constraint = getattr(request.sampling_params, "structured_outputs", None)
+        if constraint is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("this engine has no structured outputs manager; structured_outputs is not supported")
+            # compiles in the background; the request waits in the queue until its grammar is ready
+            request.structured_output = self.structured_output_manager.init_request(constraint)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -202,6 +213,13 @@ class Scheduler:
                 if admissible is None or len(self.running) >= self.max_num_seqs:
                     break
                 req = admissible
+                grammar = req.structured_output
+                if grammar is not None and not grammar.is_ready:
+                    # admitted once compiled; the queue's order is kept (it waits at the head)
+                    break
+                if grammar is not None and grammar.error is not None:
+                    self._fail_constraint(req, grammar.error)
+                    continue
                 computed_ids: list[int] = []
                 num_computed = 0
                 # cached tokens have no logits, so a request still owing prompt logprobs computes them all
@@ -251,11 +269,57 @@ class Scheduler:
             block_copies=copies,
         )
         self._finished_ids = set()
+        self._fill_grammar_bitmask(out)
         # Advance now: the next schedule() may run before this step's output is
         # applied (pipelined engines) and must not hand out the same tokens again.
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return out
+
+    def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """One bitmask for the constrained requests that sample this step (their prompt is done)."""
+        manager = self.structured_output_manager
+        if manager is None:
+            return
+        ids: dict[str, int] = {}
+        matchers = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            if req.structured_output is None or req.beam_group is not None:
+                continue
+            if req.num_computed_tokens + n >= req.num_tokens:
+                ids[rid] = len(matchers)
+                matchers.append(req.structured_output.matcher)
+        if matchers:
+            out.structured_output_request_ids = ids
+            out.grammar_bitmask = manager.grammar_bitmask(matchers)
+
+    def _fail_constraint(self, req: Request, error: BaseException) -> None:
+        self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        self._free(req)
+        logger.warning("request %s: its structured output constraint did not compile: %s", req.request_id, error)
+        self._pending_outputs.append(EngineCoreOutput(req_id=req.request_id, new_token_ids=[],
+                                                      finish_reason=FINISH_REASONS[req.status],
+                                                      stop_reason=str(error)))
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests finished outside a step (reported with the next step's)."""
+        pending, self._pending_outputs = self._pending_outputs, []
+        return pending
+
+    def _advance_grammar(self, req: Request, token: int) -> bool:
+        """Advance the request's matcher; True when that finishes the request (completed or rejected)."""
+        matcher = req.structured_output.matcher
+        if not matcher.accept_tokens([token]):
+            # the bitmask allowed only tokens the matcher accepts: this is a backend bug, not the model's
+            logger.error("request %s: the grammar rejected sampled token %d", req.request_id, token)
+            req.status = RequestStatus.FINISHED_ERROR
+            return True
+        if matcher.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
 
     def _unschedule(self, rid: str, num_scheduled: dict[str, int], cached: CachedRequestData,
                     new_reqs: list[NewRequestData]) -> int:
@@ -291,7 +355,7 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self.take_pending_outputs()
         now = time.time()
         prompt_logprobs = runner_out.prompt_logprobs or {}
         pooled = runner_out.pooler_output
@@ -325,6 +389,8 @@ class Scheduler:
                 accepted.append(tok)
                 req.append_output_token_ids([tok])
                 if self._check_stop(req, tok):
+                    break
+                if req.structured_output is not None and self._advance_grammar(req, tok):
                     break
             out = EngineCoreOutput(req_id=rid, new_token_ids=accepted, num_cached_tokens=max(req.num_cached_tokens, 0))
             if req.first_token_time is None:
@@ -371,7 +437,7 @@ class Scheduler:
 
     # -- introspection ----------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._pending_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -25,6 +25,7 @@ from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
 from pagoda.pooling.pooler import PoolingMetadata
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.structured_output.manager import apply_token_bitmask
 from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.sampling import RunnerSampler
@@ -293,6 +294,20 @@ class ModelRunner:
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
 
+    @staticmethod
+    def _apply_grammar_bitmask(logits: torch.Tensor, sample_req_ids: list[str], so: SchedulerOutput) -> torch.Tensor:
+        """Mask the constrained rows' logits with the scheduler's bitmask (one op for the batch)."""
+        ids = so.structured_output_request_ids
+        pairs = [(i, ids[rid]) for i, rid in enumerate(sample_req_ids) if rid in ids]
+        if not pairs:
+            return logits
+        logits_rows = torch.tensor([i for i, _ in pairs], device=logits.device)
+        bitmask = so.grammar_bitmask[torch.tensor([j for _, j in pairs])]
+        # float32 so a half-precision model's -inf fill and the sampler's in-place edits agree
+        logits = logits.to(torch.float32)
+        apply_token_bitmask(logits, logits_rows, bitmask)
+        return logits
+
     @property
     def uses_token_type_ids(self) -> bool:
         """The model reads token type ids (BERT-style embeddings); the batch keeps them per row."""
@@ -404,6 +419,8 @@ class ModelRunner:
                 logits = logits[torch.from_numpy(keep).to(dev)]
         if len(sample_idx):
             sample_rows = rows[sample_idx]
+            if so.structured_output_request_ids:
+                logits = self._apply_grammar_bitmask(logits, [req_ids[i] for i in sample_idx], so)
             tokens = sampler.sample(logits, sample_rows, [req_ids[i] for i in sample_idx], result)
             # The runner keeps its own copy of each request's tokens for the next step's inputs.
             b.token_ids[sample_rows, b.num_tokens[sample_rows]] = tokens

@@ -1,0 +1,68 @@
+"""The interface a structured-output backend plugin implements (group ``pagoda.structured_output_backends``).
+
+A backend compiles a constraint into a grammar once (off the step loop; the
+manager caches it by the constraint) and makes a matcher per request. The
+bitmask is int32 [rows, ceil(vocab / 32)]: bit ``t % 32`` of word ``t // 32``
+set means token ``t`` is allowed (xgrammar's and llguidance's layout).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from pagoda.structured_output.params import StructuredOutputsParams
+
+
+class StructuredOutputError(ValueError):
+    """A constraint the backend cannot compile (bad schema, regex or grammar); the message names it."""
+
+
+class StructuredOutputMatcher(ABC):
+    """One request's position in its grammar."""
+
+    @abstractmethod
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance over ``token_ids``; False (and no advance past it) at the first token the grammar rejects."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]``."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The constraint is complete and allows nothing more (the request stops)."""
+
+
+class CompiledGrammar(ABC):
+    """A compiled constraint; shared (read-only) by every request with the same constraint."""
+
+    @abstractmethod
+    def new_matcher(self) -> StructuredOutputMatcher: ...
+
+
+class StructuredOutputBackend(ABC):
+    """Built once per engine with the engine's tokenizer and the model's vocabulary size."""
+
+    name: str = ""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+
+    @abstractmethod
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile (slow: may take seconds for a large schema); raises StructuredOutputError on a bad constraint."""
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Cheap check before the request enters the engine (the server's 400); compiling is the default."""
+        self.compile(params)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

@@ -1,0 +1,94 @@
+"""Compiles StructuredOutputsParams with xgrammar; one GrammarMatcher per request."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from pagoda.structured_output import (
+    CompiledGrammar,
+    StructuredOutputBackend,
+    StructuredOutputError,
+    StructuredOutputMatcher,
+    StructuredOutputsParams,
+)
+
+# How far back a matcher can roll (speculative tokens rejected); xgrammar keeps that much history.
+_MAX_ROLLBACK_TOKENS = 16
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose sentences are exactly ``choices`` (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class XgrammarMatcher(StructuredOutputMatcher):
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK_TOKENS)
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        for i, token in enumerate(token_ids):
+            if not self._matcher.accept_token(token):
+                # leave the matcher where it was before this call
+                if i:
+                    self._matcher.rollback(i)
+                return False
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class XgrammarGrammar(CompiledGrammar):
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.compiled = compiled
+
+    def new_matcher(self) -> StructuredOutputMatcher:
+        return XgrammarMatcher(self.compiled)
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        super().__init__(tokenizer, vocab_size)
+        # The model's vocabulary may be wider than the tokenizer's (padding rows): xgrammar masks those off.
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        kind = params.kind
+        any_whitespace = not params.disable_any_whitespace
+        try:
+            if kind == "json":
+                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+                compiled = self._compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
+            elif kind == "json_object":
+                compiled = self._compiler.compile_builtin_json_grammar()
+            elif kind == "regex":
+                assert params.regex is not None
+                compiled = self._compiler.compile_regex(params.regex)
+            elif kind == "choice":
+                assert params.choice is not None
+                compiled = self._compiler.compile_grammar(choice_grammar(params.choice))
+            elif kind == "grammar":
+                assert params.grammar is not None
+                compiled = self._compiler.compile_grammar(params.grammar)
+            else:
+                assert params.structural_tag is not None
+                compiled = self._compiler.compile_structural_tag(params.structural_tag)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise StructuredOutputError(f"invalid structured_outputs.{kind}: {exc}") from exc
+        return XgrammarGrammar(compiled)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(rows, self.vocab_size)
