@@ -19,6 +19,7 @@ from pagoda.engine.logits_processors import resolve_logits_processors
 from pagoda.engine.output_processor import ParentState, RequestState
 from pagoda.inputs import parse_prompt
 from pagoda.model_loader import load_tokenizer
+from pagoda.structured_output.manager import load_backend_class
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
 from pagoda.scheduler.request import Request
@@ -82,6 +83,9 @@ class Processor:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={max_logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > max_logprobs:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={max_logprobs}")
+        if params.structured_outputs is not None:
+            # a bad schema, regex or grammar is the caller's error (ValueError; the server's 400), not the engine's
+            load_backend_class(self.config.structured_outputs_config.backend).validate(params.structured_outputs)
         # out-of-vocabulary ids would fail inside the engine step, where one request's error is everyone's
         vocab = self.vocab_size
         if params.logit_bias:

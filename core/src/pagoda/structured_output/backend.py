@@ -60,9 +60,10 @@ class StructuredOutputBackend(ABC):
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Compile (slow: may take seconds for a large schema); raises StructuredOutputError on a bad constraint."""
 
-    def validate(self, params: StructuredOutputsParams) -> None:
-        """Cheap check before the request enters the engine (the server's 400); compiling is the default."""
-        self.compile(params)
+    @classmethod
+    @abstractmethod
+    def validate(cls, params: StructuredOutputsParams) -> None:
+        """Cheap check in the front end, without the tokenizer (the server's 400); raises StructuredOutputError."""
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

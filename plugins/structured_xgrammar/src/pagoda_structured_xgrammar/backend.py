@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -16,8 +17,13 @@ from pagoda.structured_output import (
     StructuredOutputsParams,
 )
 
-# How far back a matcher can roll (speculative tokens rejected); xgrammar keeps that much history.
-_MAX_ROLLBACK_TOKENS = 16
+
+# xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: "; the caller needs only the rest.
+_LOG_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
+
+
+def _message(exc: Exception) -> str:
+    return _LOG_PREFIX.sub("", str(exc).strip())
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -27,7 +33,7 @@ def choice_grammar(choices: list[str]) -> str:
 
 class XgrammarMatcher(StructuredOutputMatcher):
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK_TOKENS)
+        self._matcher = xgr.GrammarMatcher(compiled)  # keeps unlimited rollback history
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         for i, token in enumerate(token_ids):
@@ -87,8 +93,31 @@ class XgrammarBackend(StructuredOutputBackend):
                 assert params.structural_tag is not None
                 compiled = self._compiler.compile_structural_tag(params.structural_tag)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise StructuredOutputError(f"invalid structured_outputs.{kind}: {exc}") from exc
+            raise StructuredOutputError(f"invalid structured_outputs.{kind}: {_message(exc)}") from exc
         return XgrammarGrammar(compiled)
+
+    @classmethod
+    def validate(cls, params: StructuredOutputsParams) -> None:
+        # Parsing into a Grammar finds a bad schema, regex or EBNF; only compiling needs the vocabulary.
+        kind = params.kind
+        try:
+            if kind == "json":
+                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+                xgr.Grammar.from_json_schema(schema)
+            elif kind == "regex":
+                assert params.regex is not None
+                xgr.Grammar.from_regex(params.regex)
+            elif kind == "choice":
+                assert params.choice is not None
+                xgr.Grammar.from_ebnf(choice_grammar(params.choice))
+            elif kind == "grammar":
+                assert params.grammar is not None
+                xgr.Grammar.from_ebnf(params.grammar)
+            elif kind == "structural_tag":
+                assert params.structural_tag is not None
+                xgr.Grammar.from_structural_tag(params.structural_tag)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise StructuredOutputError(f"invalid structured_outputs.{kind}: {_message(exc)}") from exc
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
