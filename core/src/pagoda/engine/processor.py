@@ -19,10 +19,10 @@ from pagoda.engine.logits_processors import resolve_logits_processors
 from pagoda.engine.output_processor import ParentState, RequestState
 from pagoda.inputs import parse_prompt
 from pagoda.model_loader import load_tokenizer
-from pagoda.structured_output.manager import load_backend_class
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
 from pagoda.scheduler.request import Request
+from pagoda.structured_output.manager import load_backend_class
 
 
 def eos_and_stop_ids(tokenizer: Any, hf_config: Any, generation: Any = None) -> tuple[int | None, list[int]]:

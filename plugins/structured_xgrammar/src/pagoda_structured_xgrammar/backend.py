@@ -17,7 +17,6 @@ from pagoda.structured_output import (
     StructuredOutputsParams,
 )
 
-
 # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: "; the caller needs only the rest.
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")
 
