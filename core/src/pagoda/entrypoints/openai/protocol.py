@@ -62,6 +62,12 @@ class _SamplingFields(_Body):
     priority: StrictInt = 0
     request_id: StrictStr | None = None
     cache_salt: StrictStr | None = None
+    # structured outputs: vLLM's extra body (StructuredOutputsParams' fields) and its older guided_* fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: StrictStr | dict[str, Any] | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> Any:
@@ -88,6 +94,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: StrictInt | None = Field(16, ge=1)
     suffix: StrictStr | None = None
     add_special_tokens: StrictBool = True
+    response_format: dict[str, Any] | None = None
     return_tokens_as_token_ids: StrictBool = False
 
 

@@ -74,9 +74,6 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     check_limits(ctx, req, num_logprobs)
     check_tool_choice(req)
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise APIError("response_format other than text needs structured output, which this server does not support yet",
-                       400, "response_format")
     text, ids = await chat_prompt_async(ctx, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_prompt_length(ctx, len(ids), requested,

@@ -16,6 +16,7 @@ from fastapi import Request
 from pagoda.engine.async_llm import AsyncLLM, EngineGenerateError, RequestStream
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import _SamplingFields
+from pagoda.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
@@ -150,6 +151,7 @@ def build_sampling_params(
         allowed_token_ids=req.allowed_token_ids,
         logit_bias=req.logit_bias,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=structured_outputs_of(req),
     )
     try:
         return SamplingParams(**kwargs)
