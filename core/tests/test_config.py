@@ -117,7 +117,16 @@ def test_every_engine_arg_belongs_to_exactly_one_section() -> None:
         for name in section.model_fields
     ]
     assert len(section_fields) == len(set(section_fields))
-    assert set(section_fields) == set(EngineArgs.model_fields)
+    # structured_outputs_config is a whole section (as in vLLM), passed as is
+    assert set(section_fields) | {"structured_outputs_config"} == set(EngineArgs.model_fields)
+
+
+def test_structured_outputs_config_from_args_and_cli_json() -> None:
+    assert EngineArgs().create_engine_config().structured_outputs_config.backend == "auto"
+    config = EngineArgs(structured_outputs_config={"backend": "xgrammar"}).create_engine_config()
+    assert config.structured_outputs_config.backend == "xgrammar"
+    with pytest.raises(ValueError):
+        EngineArgs(structured_outputs_config={"backend": "xgrammar", "nope": 1})
 
 
 # -- CLI options derived from EngineArgs ----------------------------------------------------

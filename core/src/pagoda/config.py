@@ -252,7 +252,8 @@ class EngineArgs(_Config):
     load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = _field_of(LoadConfig, "load_format")
     download_dir: str | None = _field_of(LoadConfig, "download_dir")
     # A whole section (as in vLLM), not flattened: --structured-outputs-config takes JSON.
-    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = Field(None, description=StructuredOutputsConfig.__doc__)
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = Field(
+        default_factory=StructuredOutputsConfig, description=StructuredOutputsConfig.__doc__)
 
     @field_validator("structured_outputs_config", mode="after")
     @classmethod
