@@ -135,3 +135,17 @@ def test_apply_token_bitmask_matches_a_reference() -> None:
         expected[row, ~allowed[i]] = float("-inf")
     apply_token_bitmask(logits, torch.tensor([1, 3]), bitmask)
     assert torch.equal(logits, expected)
+
+
+def test_xgrammar_kernel_matches_core_masking() -> None:
+    from pagoda_structured_xgrammar import XgrammarBackend
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 100, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 4), dtype=torch.int32, generator=gen)
+    bitmask[2] = -1  # an unconstrained row stays as it is
+    expected = logits.clone()
+    apply_token_bitmask(expected, torch.arange(5), bitmask)
+    XgrammarBackend.apply_token_bitmask(logits, bitmask)
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[2]).all()

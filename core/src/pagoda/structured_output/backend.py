@@ -65,5 +65,16 @@ class StructuredOutputBackend(ABC):
     def validate(cls, params: StructuredOutputsParams) -> None:
         """Cheap check in the front end, without the tokenizer (the server's 400); raises StructuredOutputError."""
 
+    @staticmethod
+    def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Mask ``logits`` [B, V] in place with ``bitmask`` [B, words] (an all-ones row keeps its row).
+
+        Runs in the model runner, which has no backend instance; core's torch version by default, a
+        backend may bring its own kernel.
+        """
+        from pagoda.structured_output.manager import apply_token_bitmask
+
+        apply_token_bitmask(logits, torch.arange(logits.shape[0], device=logits.device), bitmask)
+
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

@@ -120,13 +120,17 @@ class StructuredOutputManager:
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """``logits[rows[i]]`` keeps only the tokens bit-set in ``bitmask[i]`` (one vectorized op, no vocab loop)."""
+    """``logits[rows[i]]`` keeps only the tokens bit-set in ``bitmask[i]`` (vectorized, no loop over the vocabulary)."""
     vocab = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1
-    allowed = bits.flatten(1)[:, :vocab].bool()
-    if allowed.shape[1] < vocab:
-        # A model's padded vocabulary beyond the tokenizer's: never allowed.
-        pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=logits.device)
-        allowed = torch.cat((allowed, pad), dim=1)
-    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+    disallowed = bits.flatten(1)[:, :vocab] == 0
+    if disallowed.shape[1] < vocab:
+        # A model's padded vocabulary beyond the bitmask's: never allowed.
+        pad = torch.ones(disallowed.shape[0], vocab - disallowed.shape[1], dtype=torch.bool, device=logits.device)
+        disallowed = torch.cat((disallowed, pad), dim=1)
+    if rows.numel() == logits.shape[0] and bool((rows == torch.arange(rows.numel(), device=rows.device)).all()):
+        # every row, in order: in place, without gathering the rows out and back
+        logits.masked_fill_(disallowed, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill_(disallowed, float("-inf"))

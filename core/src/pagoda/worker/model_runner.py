@@ -25,7 +25,8 @@ from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
 from pagoda.pooling.pooler import PoolingMetadata
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from pagoda.structured_output.manager import apply_token_bitmask
+from pagoda.structured_output.backend import StructuredOutputBackend
+from pagoda.structured_output.manager import load_backend_class
 from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.sampling import RunnerSampler
@@ -88,6 +89,8 @@ def _rss_peak_bytes() -> int:
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         self.config = config
+        # structured outputs: the backend class whose kernel masks logits (loaded on the first constrained step)
+        self._bitmask_backend: type[StructuredOutputBackend] | None = None
         self.platform = platform
         self.device = platform.device()
         # resolved with the config (pagoda.engine.core.prepare_engine_config)
@@ -294,18 +297,22 @@ class ModelRunner:
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
 
-    @staticmethod
-    def _apply_grammar_bitmask(logits: torch.Tensor, sample_req_ids: list[str], so: SchedulerOutput) -> torch.Tensor:
-        """Mask the constrained rows' logits with the scheduler's bitmask (one op for the batch)."""
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, sample_req_ids: list[str], so: SchedulerOutput) -> torch.Tensor:
+        """Mask the constrained rows' logits with the scheduler's bitmask, one op for the batch."""
         ids = so.structured_output_request_ids
-        pairs = [(i, ids[rid]) for i, rid in enumerate(sample_req_ids) if rid in ids]
-        if not pairs:
+        rows = [ids.get(rid, -1) for rid in sample_req_ids]
+        if max(rows) < 0:
             return logits
-        logits_rows = torch.tensor([i for i, _ in pairs], device=logits.device)
-        bitmask = so.grammar_bitmask[torch.tensor([j for _, j in pairs])]
+        if self._bitmask_backend is None:
+            # the class only (its kernel is a static method): the backend instance lives beside the scheduler
+            self._bitmask_backend = load_backend_class(self.config.structured_outputs_config.backend)
+        # a row per sampled request, all ones (everything allowed) for the unconstrained ones
+        bitmask = torch.full((len(rows), so.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
+        constrained = [i for i, r in enumerate(rows) if r >= 0]
+        bitmask[constrained] = so.grammar_bitmask[[rows[i] for i in constrained]]
         # float32 so a half-precision model's -inf fill and the sampler's in-place edits agree
         logits = logits.to(torch.float32)
-        apply_token_bitmask(logits, logits_rows, bitmask)
+        self._bitmask_backend.apply_token_bitmask(logits, bitmask.to(logits.device))
         return logits
 
     @property

@@ -118,5 +118,10 @@ class XgrammarBackend(StructuredOutputBackend):
         except (RuntimeError, ValueError, TypeError) as exc:
             raise StructuredOutputError(f"invalid structured_outputs.{kind}: {_message(exc)}") from exc
 
+    @staticmethod
+    def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        # xgrammar's kernel (C++ on CPU, triton/CUDA on GPUs): one pass, no [B, V] boolean temporary
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
