@@ -95,8 +95,8 @@ def main() -> None:
     med = statistics.median
     print(f"requests={n} vocab={vocab} threads={torch.get_num_threads()}")
     print(f"fill bitmask ({n} matchers): {med(fill) * 1e3:.3f} ms; apply to [{n}, {vocab}] logits: "
-          f"{med(apply_backend) * 1e3:.3f} ms ({type(manager.backend).__name__}'s kernel, the engine's path), "
-          f"{med(apply) * 1e3:.3f} ms (core's torch fallback)")
+          f"{med(apply_backend) * 1e3:.3f} ms ({type(manager.backend).__name__}.apply_token_bitmask, the engine's path), "
+          f"{med(apply) * 1e3:.3f} ms (core's torch version)")
     print(f"unconstrained decode step ({n} requests): {step_ms:.2f} ms")
     print(f"end to end, {n} requests x {steps} tokens: regex-constrained {constrained:.2f} s, unconstrained "
           f"{unconstrained:.2f} s ({(constrained / unconstrained - 1) * 100:+.1f}%)")

@@ -8,6 +8,7 @@ matchers on the accepted tokens.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,8 +37,9 @@ def available_backends() -> dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+@functools.cache
 def load_backend_class(name: str) -> type[StructuredOutputBackend]:
-    """The backend class by name; 'auto' = the only one installed, or xgrammar when several are."""
+    """The backend class by name (cached: scanning the entry points reads every installed distribution); 'auto' = the only one installed, or xgrammar when several are."""
     found = available_backends()
     if not found:
         raise StructuredOutputError(
