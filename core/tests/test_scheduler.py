@@ -213,3 +213,34 @@ def test_abort_by_group_id_frees_every_beam() -> None:
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == s.kv.num_usable_blocks
     assert s.beam_search.groups == {}
+
+
+def test_a_constrained_request_waits_for_its_grammar_without_holding_up_others() -> None:
+    from concurrent.futures import Future
+
+    from pagoda.structured_output.manager import RequestStructuredOutput
+    from pagoda.structured_output.params import StructuredOutputsParams
+
+    s = make_scheduler()
+    grammar: Future = Future()
+    constrained = req("c", 4)
+    constrained.structured_output = RequestStructuredOutput(StructuredOutputsParams(regex="a"), grammar)
+    s._compiling.append(constrained)  # as add_request does while the grammar compiles
+    s.requests["c"] = constrained
+    s.add_request(req("plain", 4, arrival=1.0))
+    so = s.schedule()
+    assert list(so.num_scheduled_tokens) == ["plain"]
+    # aborting a request that is still compiling
+    s.abort_requests(["c"])
+    assert "c" not in s.requests and not s._compiling
+    # a failed compile finishes the request with an error output, never in a step
+    failed: Future = Future()
+    failed.set_exception(ValueError("bad regex"))
+    broken = req("b", 4)
+    broken.structured_output = RequestStructuredOutput(StructuredOutputsParams(regex="a"), failed)
+    s._compiling.append(broken)
+    s.requests["b"] = broken
+    s.schedule()
+    outputs = s.take_pending_outputs()
+    assert [(o.req_id, o.finish_reason, o.stop_reason) for o in outputs] == [("b", "error", "bad regex")]
+    assert "b" not in s.requests

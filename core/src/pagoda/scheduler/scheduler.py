@@ -52,6 +52,9 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager
         # Outputs of requests finished outside a step (a constraint that failed to compile).
         self._pending_outputs: list[EngineCoreOutput] = []
+        # Constrained requests whose grammar is still compiling: they join the queue once it is ready, so
+        # they never hold up the requests behind them.
+        self._compiling: list[Request] = []
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -79,7 +82,10 @@ class Scheduler:
             # compiles in the background; the request waits in the queue until its grammar is ready
             request.structured_output = self.structured_output_manager.init_request(constraint)
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.structured_output is not None and not request.structured_output.is_ready:
+            self._compiling.append(request)
+        else:
+            self.waiting.add(request)
 
     def add_beam_search(self, group: BeamGroup, root: Request) -> None:
         """Start a beam search; ``root`` (the prompt) is its first beam."""
@@ -101,6 +107,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req in self._compiling:
+                self._compiling.remove(req)
             else:
                 self.waiting.remove(req)
             req.status = status
@@ -168,6 +176,11 @@ class Scheduler:
         cached = CachedRequestData()
         preempted = False
         now = time.time()
+        if self._compiling:
+            ready = [r for r in self._compiling if r.structured_output.is_ready]
+            for r in ready:
+                self._compiling.remove(r)
+                self.waiting.add(r)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -214,9 +227,6 @@ class Scheduler:
                     break
                 req = admissible
                 grammar = req.structured_output
-                if grammar is not None and not grammar.is_ready:
-                    # admitted once compiled; the queue's order is kept (it waits at the head)
-                    break
                 if grammar is not None and grammar.error is not None:
                     self._fail_constraint(req, grammar.error)
                     continue
