@@ -109,12 +109,17 @@ def test_bad_constraints_are_value_errors(llm: LLM) -> None:
 
 
 def test_preemption_keeps_outputs_valid() -> None:
-    # 24 blocks of 16 tokens for 8 requests of up to ~130 tokens: requests are preempted and recomputed
+    # 24 blocks of 16 tokens; the regex requests need ~7 blocks each (100 digits + EOS), so 8 requests
+    # cannot all run at once: some are preempted and recomputed, their matchers kept
     small = LLM(num_kv_blocks=24, block_size=16, max_model_len=192, max_num_seqs=8, enable_prefix_caching=False)
-    params = [_json_params(SCHEMAS[16], 1.0, seed=i) for i in range(8)]
-    outputs = small.generate([f"Order {i} as JSON:" for i in range(8)], params)
+    digits = StructuredOutputsParams(regex="[0-9]{100}")
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=110, structured_outputs=digits) for i in range(4)]
+    params += [_json_params(SCHEMAS[16], 1.0, seed=i) for i in range(4)]
+    outputs = small.generate([f"Order {i}:" for i in range(8)], params)
     assert small.llm_engine.engine_core.core.scheduler.num_preemptions > 0
-    for out in outputs:
+    for out in outputs[:4]:
+        assert out.outputs[0].finish_reason == "stop" and re.fullmatch("[0-9]{100}", out.outputs[0].text), out
+    for out in outputs[4:]:
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[16])
 
