@@ -150,6 +150,10 @@ class StructuredOutputsConfig(_Config):
     backend: str = Field("auto", description="Structured outputs backend: a plugin's name in the pagoda.structured_output_backends group (xgrammar), or 'auto' = xgrammar if installed, else the only one installed.")
 
 
+def _default_structured_outputs_config() -> StructuredOutputsConfig:
+    return StructuredOutputsConfig(backend="auto")
+
+
 class EngineConfig(_Config):
     """Everything an engine (and each of its worker processes) needs; picklable."""
 
@@ -159,7 +163,7 @@ class EngineConfig(_Config):
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     load_config: LoadConfig
-    structured_outputs_config: StructuredOutputsConfig = Field(default_factory=StructuredOutputsConfig)
+    structured_outputs_config: StructuredOutputsConfig = Field(default_factory=_default_structured_outputs_config)
     # Decided once in the main process and replayed in workers.
     plugins: list[str] | None = None
     registered_models: dict[str, str] = Field(default_factory=dict)
@@ -253,13 +257,13 @@ class EngineArgs(_Config):
     download_dir: str | None = _field_of(LoadConfig, "download_dir")
     # A whole section (as in vLLM), not flattened: --structured-outputs-config takes JSON.
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = Field(
-        default_factory=StructuredOutputsConfig, description=StructuredOutputsConfig.__doc__)
+        default_factory=_default_structured_outputs_config, description=StructuredOutputsConfig.__doc__)
 
     @field_validator("structured_outputs_config", mode="after")
     @classmethod
     def _structured_outputs_config_object(cls, value: Any) -> StructuredOutputsConfig:
         if value is None:
-            return StructuredOutputsConfig()
+            return _default_structured_outputs_config()
         return StructuredOutputsConfig(**value) if isinstance(value, dict) else value
 
     @model_validator(mode="before")

@@ -32,6 +32,7 @@ from pagoda.scheduler.output import (
 )
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from pagoda.structured_output.backend import StructuredOutputMatcher
 from pagoda.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -292,7 +293,7 @@ class Scheduler:
         if manager is None:
             return
         ids: dict[str, int] = {}
-        matchers = []
+        matchers: list[StructuredOutputMatcher] = []
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
             if req.structured_output is None or req.beam_group is not None:
