@@ -106,8 +106,8 @@ def test_lone_surrogate_is_a_400_json_error(server: Any, path: str) -> None:
     (_chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}), "get_time"),
     (_chat(tools=TOOLS, tool_choice="sometimes"), "sometimes"),
     (_chat(tools=[{"type": "function", "function": {"description": "no name"}}], tool_choice="none"), "tools[0]"),
-    (_chat(tools=TOOLS, tool_choice="required"), "structured outputs"),
-    (_chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}), "structured outputs"),
+    (_chat(tools=TOOLS, tool_choice="required"), "does not generate tool calls"),
+    (_chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}), "does not generate tool calls"),
     (_chat(tools=TOOLS, tool_choice="auto"), "--enable-auto-tool-choice"),
     (_chat(tools=TOOLS), "--enable-auto-tool-choice"),  # as vLLM: tools without tool_choice mean "auto"
 ])

@@ -32,10 +32,6 @@ class StructuredOutputMatcher(ABC):
         """Write the tokens allowed next into ``bitmask[row]``."""
 
     @abstractmethod
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens."""
-
-    @abstractmethod
     def is_terminated(self) -> bool:
         """The constraint is complete and allows nothing more (the request stops)."""
 

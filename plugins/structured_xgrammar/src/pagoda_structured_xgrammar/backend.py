@@ -46,9 +46,6 @@ class XgrammarMatcher(StructuredOutputMatcher):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
-    def rollback(self, num_tokens: int) -> None:
-        self._matcher.rollback(num_tokens)
-
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 

@@ -65,8 +65,8 @@ def check_tool_choice(req: ChatCompletionRequest) -> None:
         raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set, which '
                        'this server does not offer yet: send tool_choice "none" to have the template see the tools',
                        400, "tool_choice")
-    raise APIError(f"tool_choice {choice!r} must be enforced through structured outputs, which this server does not "
-                   "support yet", 400, "tool_choice")
+    raise APIError(f"tool_choice {choice!r} is not supported yet: this server does not generate tool calls; send "
+                   'tool_choice "none" to have the template see the tools', 400, "tool_choice")
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
