@@ -22,6 +22,7 @@ from pagoda.plugins.specs import (
     PlatformSpec,
     PluginInfo,
     QuantizationSpec,
+    StructuredOutputBackendSpec,
     import_object,
 )
 
@@ -69,6 +70,7 @@ __all__ = [
     "PluginManager",
     "PluginSelectionError",
     "QuantizationSpec",
+    "StructuredOutputBackendSpec",
     "check_api_version",
     "get_plugin_manager",
     "hookimpl",

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         ModelSpec,
         PlatformSpec,
         QuantizationSpec,
+        StructuredOutputBackendSpec,
     )
 
 PROJECT_NAME = "pagoda"
@@ -81,3 +82,9 @@ def pagoda_startup(config: Any) -> None:
 
     ``config`` is the engine config when an engine starts, else ``None``.
     """
+
+
+@hookspec
+def pagoda_register_structured_output_backends() -> list[StructuredOutputBackendSpec]:
+    """Structured-outputs backends (grammar compilers and matchers); plugin API 1.2."""
+    raise NotImplementedError

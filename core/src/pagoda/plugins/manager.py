@@ -28,14 +28,15 @@ from pagoda.plugins.specs import (
     PlatformSpec,
     PluginInfo,
     QuantizationSpec,
+    StructuredOutputBackendSpec,
 )
 
 logger = logging.getLogger(__name__)
 
 # MAJOR.MINOR. A plugin written for 1.x loads on any core 1.y with y >= x;
 # core adds hooks and hook arguments only additively within a major version.
-# 1.1: pagoda_register_model_fallbacks.
-API_VERSION = "1.1"
+# 1.1: pagoda_register_model_fallbacks. 1.2: pagoda_register_structured_output_backends.
+API_VERSION = "1.2"
 API_VERSION_ATTR = "PAGODA_PLUGIN_API_VERSION"
 PLUGINS_ENV = "PAGODA_PLUGINS"
 
@@ -47,6 +48,7 @@ ENTRY_POINT_GROUPS: dict[str, str] = {
     "attention_backend": "pagoda.attention_backends",
     "quantization": "pagoda.quantization",
     "io_processor": "pagoda.io_processors",
+    "structured_output_backend": "pagoda.structured_output_backends",
     "logits_processor": "pagoda.logits_processors",
     "general": "pagoda.general",
 }
@@ -59,6 +61,7 @@ _REGISTER_HOOKS: dict[str, tuple[type, str]] = {
     "pagoda_register_attention_backends": (AttentionBackendSpec, "name"),
     "pagoda_register_quantization_methods": (QuantizationSpec, "name"),
     "pagoda_register_io_processors": (IOProcessorSpec, "name"),
+    "pagoda_register_structured_output_backends": (StructuredOutputBackendSpec, "name"),
     "pagoda_register_logits_processors": (LogitsProcessorSpec, "name"),
 }
 
@@ -393,6 +396,9 @@ class PluginManager:
 
     def io_processors(self) -> dict[str, IOProcessorSpec]:
         return self._by_name("pagoda_register_io_processors", "name")
+
+    def structured_output_backends(self) -> dict[str, StructuredOutputBackendSpec]:
+        return self._by_name("pagoda_register_structured_output_backends", "name")
 
     def logits_processors(self) -> dict[str, LogitsProcessorSpec]:
         return self._by_name("pagoda_register_logits_processors", "name")

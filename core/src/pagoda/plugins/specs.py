@@ -100,6 +100,17 @@ class QuantizationSpec:
 
 
 @dataclass(frozen=True)
+class StructuredOutputBackendSpec:
+    """A structured-outputs backend (``cls``: a ``pagoda.structured_output.StructuredOutputBackend`` subclass)."""
+
+    name: str
+    cls: str
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+
+@dataclass(frozen=True)
 class IOProcessorSpec:
     name: str
     cls: str

@@ -12,11 +12,11 @@ import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from importlib.metadata import entry_points
 from typing import Any
 
 import torch
 
+from pagoda.plugins import StructuredOutputBackendSpec, get_plugin_manager
 from pagoda.structured_output.backend import (
     CompiledGrammar,
     StructuredOutputBackend,
@@ -32,14 +32,14 @@ ENTRY_POINT_GROUP = "pagoda.structured_output_backends"
 _COMPILE_WORKERS = 4
 
 
-def available_backends() -> dict[str, Any]:
-    """name -> entry point of every installed backend plugin."""
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+def available_backends() -> dict[str, StructuredOutputBackendSpec]:
+    """name -> spec of every backend the loaded plugins register (hook ``pagoda_register_structured_output_backends``)."""
+    return get_plugin_manager().structured_output_backends()
 
 
 @functools.cache
 def load_backend_class(name: str) -> type[StructuredOutputBackend]:
-    """The backend class by name (cached: scanning the entry points reads every installed distribution); 'auto' = the only one installed, or xgrammar when several are."""
+    """The backend class by name (cached); 'auto' = the only one installed, or xgrammar when several are."""
     found = available_backends()
     if not found:
         raise StructuredOutputError(
@@ -52,7 +52,7 @@ def load_backend_class(name: str) -> type[StructuredOutputBackend]:
         raise StructuredOutputError(f"structured outputs backend {name!r} is not installed; installed: {sorted(found)}")
     cls = found[name].load()
     if not (isinstance(cls, type) and issubclass(cls, StructuredOutputBackend)):
-        raise TypeError(f"entry point {name!r} of {ENTRY_POINT_GROUP} is not a StructuredOutputBackend subclass")
+        raise TypeError(f"structured-outputs backend {name!r} ({found[name].cls}) is not a StructuredOutputBackend subclass")
     return cls
 
 

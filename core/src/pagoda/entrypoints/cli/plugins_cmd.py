@@ -74,9 +74,10 @@ def list_plugins(
     if not pm.infos:
         typer.echo("no plugins installed")
     pm.platforms()  # runs registration hooks so `provides` and hook errors are filled in
+    kind_width = max([18, *(len(info.kind) for info in pm.infos)])
     for info in sorted(pm.infos, key=lambda i: (i.kind, i.name)):
         dist = f"{info.distribution or 'in-process'} {info.version or ''}".strip()
-        typer.echo(f"{info.name:<16} {info.kind:<18} {dist:<34} {info.status}")
+        typer.echo(f"{info.name:<16} {info.kind:<{kind_width}} {dist:<34} {info.status}")
         if info.provides:
             typer.echo(f"    provides: {', '.join(info.provides)}")
         if info.error:
