@@ -56,6 +56,8 @@ class Scheduler:
         # Constrained requests whose grammar is still compiling: they join the queue once it is ready, so
         # they never hold up the requests behind them.
         self._compiling: list[Request] = []
+        # Ids of the live constrained requests: the per-step bitmask pass is skipped while there are none.
+        self._constrained: set[str] = set()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -82,6 +84,7 @@ class Scheduler:
                 raise ValueError("this engine has no structured outputs manager; structured_outputs is not supported")
             # compiles in the background; the request waits in the queue until its grammar is ready
             request.structured_output = self.structured_output_manager.init_request(constraint)
+            self._constrained.add(request.request_id)
         self.requests[request.request_id] = request
         if request.structured_output is not None and not request.structured_output.is_ready:
             self._compiling.append(request)
@@ -120,6 +123,7 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        self._constrained.discard(req.request_id)
         if req.request_id in self._in_runner:
             self._finished_ids.add(req.request_id)
             self._in_runner.discard(req.request_id)
@@ -290,7 +294,7 @@ class Scheduler:
     def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
         """One bitmask for the constrained requests that sample this step (their prompt is done)."""
         manager = self.structured_output_manager
-        if manager is None:
+        if manager is None or not self._constrained:
             return
         ids: dict[str, int] = {}
         matchers: list[StructuredOutputMatcher] = []
