@@ -23,6 +23,7 @@ from pagoda.plugins.specs import (
     PluginInfo,
     QuantizationSpec,
     StructuredOutputBackendSpec,
+    ToolParserSpec,
     import_object,
 )
 
@@ -71,6 +72,7 @@ __all__ = [
     "PluginSelectionError",
     "QuantizationSpec",
     "StructuredOutputBackendSpec",
+    "ToolParserSpec",
     "check_api_version",
     "get_plugin_manager",
     "hookimpl",

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         PlatformSpec,
         QuantizationSpec,
         StructuredOutputBackendSpec,
+        ToolParserSpec,
     )
 
 PROJECT_NAME = "pagoda"
@@ -87,4 +88,10 @@ def pagoda_startup(config: Any) -> None:
 @hookspec
 def pagoda_register_structured_output_backends() -> list[StructuredOutputBackendSpec]:
     """Structured-outputs backends (grammar compilers and matchers); plugin API 1.2."""
+    raise NotImplementedError
+
+
+@hookspec
+def pagoda_register_tool_parsers() -> list[ToolParserSpec]:
+    """Tool-call parsers for ``tool_choice="auto"`` (``--tool-call-parser NAME``); plugin API 1.3."""
     raise NotImplementedError

@@ -111,6 +111,18 @@ class StructuredOutputBackendSpec:
 
 
 @dataclass(frozen=True)
+class ToolParserSpec:
+    """A tool-call parser (``cls``: a ``pagoda.entrypoints.openai.tool_parsers.ToolParser`` subclass) that
+    ``--tool-call-parser NAME`` picks."""
+
+    name: str
+    cls: str
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+
+@dataclass(frozen=True)
 class IOProcessorSpec:
     name: str
     cls: str

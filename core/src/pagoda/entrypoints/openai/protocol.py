@@ -114,6 +114,43 @@ class ToolCall(_Body):
     function: ToolCallFunction
 
 
+# vLLM's name for the function half of a tool call
+FunctionCall = ToolCallFunction
+
+
+class DeltaFunctionCall(BaseModel):
+    """A streamed piece of a function call: the name once, then argument fragments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of ``tool_calls[index]``; ``id`` and ``type`` come with its first piece."""
+
+    id: str | None = None
+    type: Literal["function"] | None = None
+    index: int
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(BaseModel):
+    """What one streamed chunk adds to a chat message (vLLM's ``DeltaMessage``)."""
+
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+
+
+class ExtractedToolCallInformation(BaseModel):
+    """A tool parser's reading of a whole output: the calls found and the text left as ``content``."""
+
+    tools_called: bool
+    tool_calls: list[ToolCall]
+    content: str | None = None
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextContentPart] | None = None
