@@ -44,3 +44,42 @@ def test_serve_bench_against_a_running_server(default_model_server: Any) -> None
     assert result["output_tokens_per_s"] > 0
     bad = run_serve(server.url, "no-such-model", random_requests(2, 4, 2, vocab_size=2000))
     assert bad["failed"] == 2 and bad["errors"][0].startswith("HTTP 404")
+
+
+def test_serve_bench_burst_mode_reports_each_round(default_model_server: Any, tmp_path: Path) -> None:
+    server = default_model_server
+    result = _bench(["serve", "--base-url", server.url, "--burst", "3", "--num-rounds", "2", "--random-input-len", "12",
+                     "--random-output-len", "4", "--random-vocab-size", "2000"], tmp_path / "b.json")
+    assert (result["burst"], result["num_rounds"], result["completed"], result["failed"]) == (3, 2, 6, 0)
+    assert len(result["rounds"]) == 2
+    for r in result["rounds"]:
+        assert r["completed"] == 3 and r["output_tokens"] == 12  # ignore_eos: 3 requests x 4 tokens
+        assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] <= r["e2e_s"]["p99"]
+        assert r["tpot_s"]["p50"] > 0 and r["output_tokens_per_s"] > 0
+    # the rounds run one after another: the total time is their sum
+    assert abs(result["elapsed_s"] - sum(r["elapsed_s"] for r in result["rounds"])) < 1e-9
+
+
+def test_serve_bench_refuses_options_burst_mode_cannot_honour() -> None:
+    runner = CliRunner()
+    for extra in (["--max-concurrency", "4"], ["--request-rate", "2"], ["--burstiness", "0.5"],
+                  ["--num-prompts", "7"], ["--num-rounds", "0"]):
+        result = runner.invoke(app, ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--burst", "4", *extra])
+        assert result.exit_code == 2, (extra, result.output)
+    result = runner.invoke(app, ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-rounds", "2"])
+    assert result.exit_code == 2 and "--num-rounds needs --burst" in result.output
+
+
+def test_arrival_gaps_follow_rate_and_burstiness() -> None:
+    import random
+    import statistics
+
+    from pagoda.benchmarks.serve import _gap
+
+    rng = random.Random(0)
+    for burstiness in (1.0, 0.25):
+        gaps = [_gap(rng, 4.0, burstiness) for _ in range(20000)]
+        assert abs(statistics.fmean(gaps) - 0.25) < 0.02  # the mean gap is 1 / rate whatever the shape
+        # variance of gamma(k, 1 / (rate k)) is 1 / (rate^2 k): burstier arrivals spread wider
+        assert abs(statistics.pvariance(gaps) - 1 / (16 * burstiness)) < 0.1 / burstiness
+    assert _gap(rng, float("inf"), 1.0) == 0.0

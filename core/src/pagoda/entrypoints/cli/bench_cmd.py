@@ -30,9 +30,17 @@ def _dataset(name: str, path: str | None, num_prompts: int, input_len: int, outp
 def _finish(title: str, result: dict[str, Any], output_json: str | None) -> None:
     from pagoda.benchmarks.report import print_table, write_json
 
-    flat = {k: (v["p50"] if isinstance(v, dict) and "p50" in v else v) for k, v in result.items()}
+    # per-round results (bench serve --burst) are printed as their own table
+    flat = {k: (v["p50"] if isinstance(v, dict) and "p50" in v else v) for k, v in result.items() if k != "rounds"}
     print_table(title, flat)
     write_json(output_json, result)
+
+
+def _print_rounds(rounds: list[dict[str, Any]]) -> None:
+    print(f"{'round':>5} {'done':>5} {'failed':>6} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9}")
+    for i, r in enumerate(rounds):
+        print(f"{i:>5} {r['completed']:>5} {r['failed']:>6} {r['output_tokens_per_s']:>10.1f} "
+              f"{r['ttft_s']['p50']:>9.3f} {r['ttft_s']['p99']:>9.3f} {r['tpot_s']['p50']:>9.4f}")
 
 
 @app.command("throughput")
@@ -97,18 +105,50 @@ def serve(
     output_len: int = typer.Option(64, "--random-output-len", "--output-len"),
     prefix_len: int = typer.Option(0, "--random-prefix-len", "--prefix-len"),
     vocab_size: int = typer.Option(32000, "--random-vocab-size", help="Random prompt ids are drawn below this."),
-    num_prompts: int = typer.Option(128, "--num-prompts"),
+    num_prompts: int = typer.Option(None, "--num-prompts", help="Default 128; with --burst, burst x --num-rounds."),
     max_concurrency: int = typer.Option(None, "--max-concurrency"),
     request_rate: float = typer.Option(float("inf"), "--request-rate"),
+    burstiness: float = typer.Option(
+        1.0, "--burstiness", help="Gamma shape of the arrival gaps at --request-rate (1.0: Poisson; lower: burstier)."
+    ),
+    burst: int = typer.Option(
+        None, "--burst", help="pagoda-only: rounds of this many simultaneous requests, each after the last finished."
+    ),
+    num_rounds: int = typer.Option(None, "--num-rounds", help="pagoda-only: rounds in --burst mode (default 4)."),
     api_key: str = typer.Option(None, "--api-key", envvar="PAGODA_API_KEY"),
     seed: int = typer.Option(0, "--seed"),
     output_json: str = typer.Option(None, "--output-json"),
 ) -> None:
-    """Benchmark a running OpenAI-compatible server (streaming /v1/completions)."""
+    """Benchmark a running OpenAI-compatible server (streaming /v1/completions).
+
+    Continuous by default (vLLM's `vllm bench serve` flags); `--burst N` runs rounds of N
+    simultaneous requests instead and reports each round (pagoda-only).
+    """
     import json
     import urllib.request
 
-    from pagoda.benchmarks.serve import run_serve
+    from pagoda.benchmarks.serve import run_serve, run_serve_bursts
+
+    if burst is None:
+        if num_rounds is not None:
+            raise typer.BadParameter("--num-rounds needs --burst")
+        num_prompts = 128 if num_prompts is None else num_prompts
+    else:
+        if burst < 1:
+            raise typer.BadParameter(f"--burst must be at least 1, got {burst}")
+        if max_concurrency is not None or request_rate != float("inf") or burstiness != 1.0:
+            raise typer.BadParameter(
+                "--burst sends each round at once: --max-concurrency, --request-rate and --burstiness do not apply"
+            )
+        if num_rounds is None:
+            num_rounds = 4 if num_prompts is None else max(1, num_prompts // burst)
+        if num_rounds < 1:
+            raise typer.BadParameter(f"--num-rounds must be at least 1, got {num_rounds}")
+        if num_prompts is not None and num_prompts != burst * num_rounds:
+            raise typer.BadParameter(
+                f"--num-prompts {num_prompts} is not --burst {burst} x --num-rounds {num_rounds}; give one of them"
+            )
+        num_prompts = burst * num_rounds
 
     if model is None:
         req = urllib.request.Request(base_url.rstrip("/") + "/v1/models",
@@ -121,7 +161,15 @@ def serve(
 
         tok = load_tokenizer(resolve_model_path(tokenizer))
     reqs = _dataset(dataset_name, dataset_path, num_prompts, input_len, output_len, vocab_size, seed, tok, prefix_len)
-    result = run_serve(base_url, model, reqs, max_concurrency, request_rate, api_key, seed)
+    try:
+        if burst is None:
+            result = run_serve(base_url, model, reqs, max_concurrency, request_rate, api_key, seed, burstiness)
+        else:
+            result = run_serve_bursts(base_url, model, reqs, burst, api_key)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if burst is not None:
+        _print_rounds(result["rounds"])
     _finish("serve", result, output_json)
     if result["failed"]:
         raise typer.Exit(1)
