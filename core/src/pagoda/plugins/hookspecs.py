@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         ModelSpec,
         PlatformSpec,
         QuantizationSpec,
+        ReasoningParserSpec,
         StructuredOutputBackendSpec,
         ToolParserSpec,
     )
@@ -94,4 +95,10 @@ def pagoda_register_structured_output_backends() -> list[StructuredOutputBackend
 @hookspec
 def pagoda_register_tool_parsers() -> list[ToolParserSpec]:
     """Tool-call parsers for ``tool_choice="auto"`` (``--tool-call-parser NAME``); plugin API 1.3."""
+    raise NotImplementedError
+
+
+@hookspec
+def pagoda_register_reasoning_parsers() -> list[ReasoningParserSpec]:
+    """Reasoning parsers (``--reasoning-parser NAME``): split thinking from the answer; plugin API 1.4."""
     raise NotImplementedError

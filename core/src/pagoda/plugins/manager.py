@@ -28,6 +28,7 @@ from pagoda.plugins.specs import (
     PlatformSpec,
     PluginInfo,
     QuantizationSpec,
+    ReasoningParserSpec,
     StructuredOutputBackendSpec,
     ToolParserSpec,
 )
@@ -37,8 +38,8 @@ logger = logging.getLogger(__name__)
 # MAJOR.MINOR. A plugin written for 1.x loads on any core 1.y with y >= x;
 # core adds hooks and hook arguments only additively within a major version.
 # 1.1: pagoda_register_model_fallbacks. 1.2: pagoda_register_structured_output_backends.
-# 1.3: pagoda_register_tool_parsers.
-API_VERSION = "1.3"
+# 1.3: pagoda_register_tool_parsers. 1.4: pagoda_register_reasoning_parsers.
+API_VERSION = "1.4"
 API_VERSION_ATTR = "PAGODA_PLUGIN_API_VERSION"
 PLUGINS_ENV = "PAGODA_PLUGINS"
 
@@ -52,6 +53,7 @@ ENTRY_POINT_GROUPS: dict[str, str] = {
     "io_processor": "pagoda.io_processors",
     "structured_output_backend": "pagoda.structured_output_backends",
     "tool_parser": "pagoda.tool_parsers",
+    "reasoning_parser": "pagoda.reasoning_parsers",
     "logits_processor": "pagoda.logits_processors",
     "general": "pagoda.general",
 }
@@ -66,6 +68,7 @@ _REGISTER_HOOKS: dict[str, tuple[type, str]] = {
     "pagoda_register_io_processors": (IOProcessorSpec, "name"),
     "pagoda_register_structured_output_backends": (StructuredOutputBackendSpec, "name"),
     "pagoda_register_tool_parsers": (ToolParserSpec, "name"),
+    "pagoda_register_reasoning_parsers": (ReasoningParserSpec, "name"),
     "pagoda_register_logits_processors": (LogitsProcessorSpec, "name"),
 }
 
@@ -406,6 +409,9 @@ class PluginManager:
 
     def tool_parsers(self) -> dict[str, ToolParserSpec]:
         return self._by_name("pagoda_register_tool_parsers", "name")
+
+    def reasoning_parsers(self) -> dict[str, ReasoningParserSpec]:
+        return self._by_name("pagoda_register_reasoning_parsers", "name")
 
     def logits_processors(self) -> dict[str, LogitsProcessorSpec]:
         return self._by_name("pagoda_register_logits_processors", "name")

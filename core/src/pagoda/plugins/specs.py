@@ -123,6 +123,18 @@ class ToolParserSpec:
 
 
 @dataclass(frozen=True)
+class ReasoningParserSpec:
+    """A reasoning parser (``cls``: a ``pagoda.reasoning.ReasoningParser`` subclass) that ``--reasoning-parser NAME``
+    picks."""
+
+    name: str
+    cls: str
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+
+@dataclass(frozen=True)
 class IOProcessorSpec:
     name: str
     cls: str
