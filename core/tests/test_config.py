@@ -47,9 +47,18 @@ def test_validation_errors_name_the_field_and_why(kwargs: dict[str, Any], field:
     assert why in str(caught.value)
 
 
-def test_parallelism_above_one_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValidationError, match="parallelism is not implemented yet"):
-        EngineArgs(tensor_parallel_size=2).create_engine_config()
+def test_pipeline_parallelism_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValidationError, match="pipeline parallelism is not implemented yet"):
+        EngineArgs(pipeline_parallel_size=2).create_engine_config()
+
+
+def test_executor_backend_defaults_and_refusals() -> None:
+    assert EngineArgs().create_engine_config().parallel_config.executor_backend == "uni"
+    assert EngineArgs(tensor_parallel_size=2).create_engine_config().parallel_config.executor_backend == "mp"
+    with pytest.raises(ValidationError, match="'uni' runs one rank"):
+        EngineArgs(tensor_parallel_size=2, distributed_executor_backend="uni").create_engine_config()
+    with pytest.raises(ValidationError, match="distributed_executor_backend"):
+        EngineArgs(distributed_executor_backend="threads")
 
 
 def test_num_gpu_blocks_override_is_vllms_name_for_num_kv_blocks() -> None:

@@ -72,14 +72,30 @@ class SchedulerConfig(_Config):
 
 
 class ParallelConfig(_Config):
-    tensor_parallel_size: int = Field(1, gt=0, description="Tensor-parallel ranks (only 1 so far).")
+    tensor_parallel_size: int = Field(1, gt=0, description="Tensor-parallel ranks: each linear layer, the attention heads and the vocabulary split across them.")
     pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline-parallel stages (only 1 so far).")
+    distributed_executor_backend: Literal["uni", "mp", "ray", "external_launcher"] | None = Field(None, description="What runs the workers: 'uni' = in the engine's process, 'mp' = one spawned process per rank on this machine, 'ray' = Ray actors, 'external_launcher' = ranks started by torchrun; None = 'uni' for one rank, else 'mp'.")
 
     @model_validator(mode="after")
-    def _single_rank(self) -> ParallelConfig:
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be 1: parallelism is not implemented yet")
+    def _supported_layout(self) -> ParallelConfig:
+        # pagoda.executor checks the backend; what the model runner cannot split yet is refused here
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("pipeline_parallel_size must be 1: pipeline parallelism is not implemented yet")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank; world size {self.world_size} "
+                             "(tensor_parallel_size x pipeline_parallel_size) needs 'mp', 'ray' or 'external_launcher'")
         return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend that runs the workers (vLLM's default: in-process for one rank, else mp)."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
 
 
 class DeviceConfig(_Config):
@@ -251,6 +267,7 @@ class EngineArgs(_Config):
     cuda_graph_sizes: list[int] | None = _field_of(SchedulerConfig, "cuda_graph_sizes")
     tensor_parallel_size: int = _field_of(ParallelConfig, "tensor_parallel_size")
     pipeline_parallel_size: int = _field_of(ParallelConfig, "pipeline_parallel_size")
+    distributed_executor_backend: Literal["uni", "mp", "ray", "external_launcher"] | None = _field_of(ParallelConfig, "distributed_executor_backend")
     device: str = _field_of(DeviceConfig, "device")
     attention_backend: str | None = _field_of(DeviceConfig, "attention_backend")
     load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = _field_of(LoadConfig, "load_format")

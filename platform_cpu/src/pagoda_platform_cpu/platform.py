@@ -171,9 +171,16 @@ class CpuPlatform(Platform):
         import torch
 
         n = self.num_threads()
+        ranks = config.parallel_config.world_size
+        if ranks > 1 and not envs.PAGODA_CPU_THREADS:
+            # each rank is its own process on the same cores: share them instead of oversubscribing
+            n = max(1, n // ranks)
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         logger.info("CPU platform: %d torch threads", n)
+
+    def get_device_communicator_cls(self) -> str:
+        return "pagoda_platform_cpu.communicator:CpuCommunicator"
 
     def describe(self) -> str:
         return f"cpu ({self.num_threads()} threads, native bf16: {has_native_bf16()})"

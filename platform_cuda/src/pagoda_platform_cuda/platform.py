@@ -101,9 +101,15 @@ class CudaPlatform(Platform):
         return bool(config.extra.get(PIN_MEMORY_KEY, True)) if config is not None else True
 
     def init_worker(self, config: EngineConfig) -> None:
+        import os
+
         import torch
 
-        torch.cuda.set_device(0)  # one rank so far (ParallelConfig allows tensor_parallel_size=1 only)
+        # a rank's device: LOCAL_RANK as pagoda's mp workers and torchrun set it; 0 for one rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+    def get_device_communicator_cls(self) -> str:
+        return "pagoda_platform_cuda.communicator:CudaCommunicator"
 
     def device(self) -> torch.device:
         import torch

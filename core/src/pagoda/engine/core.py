@@ -13,6 +13,7 @@ from typing import Any
 
 from pagoda.beam_search.group import BeamGroup
 from pagoda.config import EngineConfig, resolve_model
+from pagoda.executor import Executor
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.model_loader import load_tokenizer
@@ -96,9 +97,6 @@ class EngineCore:
         self.config = config
         self.platform = platform
         replay_main_process_decisions(config)
-        platform.init_worker(config)
-        platform.seed_everything(config.model.seed)
-        self.runner = ModelRunner(config, platform)
         self.max_model_len = config.resolved.max_model_len
         sc = config.scheduler_config
         enable_caching = config.cache_config.enable_prefix_caching
@@ -115,8 +113,14 @@ class EngineCore:
                 "without chunked prefill a whole prompt must fit in one step"
             )
         self.max_num_batched_tokens = budget
-        self.runner.load_model()
-        memory = self.runner.init_kv_cache(sc.max_num_seqs, budget)
+        # the workers (this process's, or one process per rank) load their model slices here
+        self.model_executor = Executor.get_class(config)(config, platform)
+        try:
+            memory = self.model_executor.initialize_kv_cache(sc.max_num_seqs, budget)
+            self._supported_tasks = self.model_executor.get_supported_tasks()
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
         self.block_size = memory.block_size
         self.kv_cache_manager = KVCacheManager(
             memory.num_blocks, memory.block_size, enable_caching=enable_caching
@@ -147,7 +151,25 @@ class EngineCore:
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         """What the loaded model serves: ("generate",), or its pooler's tasks (vLLM's supported tasks)."""
-        return self.runner.supported_tasks()
+        return self._supported_tasks
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner, where it runs in this process (the 'uni' executor); tests and tools read it."""
+        from pagoda.executor.uniproc_executor import UniProcExecutor
+
+        if not isinstance(self.model_executor, UniProcExecutor):
+            raise RuntimeError(f"the model runs in worker processes (distributed_executor_backend="
+                               f"{self.config.parallel_config.executor_backend!r}), not in the engine's process")
+        return self.model_executor.driver_runner
+
+    def check_health(self) -> None:
+        """Raise if a worker died, hung or failed (pagoda.executor.ExecutorFailedError)."""
+        self.model_executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the workers (no-op for the in-process one); idempotent."""
+        self.model_executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -166,9 +188,9 @@ class EngineCore:
         if so.is_empty:
             if so.finished_req_ids:
                 # let the runner forget finished requests even in an idle step
-                self.runner.execute_model(so)
+                self.model_executor.execute_model(so)
             return self.scheduler.take_pending_outputs()
-        out = self.runner.execute_model(so)
+        out = self.model_executor.execute_model(so)
         return self.scheduler.update_from_output(so, out)
 
     def fail_running(self) -> list[str]:

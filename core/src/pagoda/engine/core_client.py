@@ -23,6 +23,7 @@ from typing import Protocol
 from pagoda.beam_search.group import BeamGroup
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
+from pagoda.executor import ExecutorFailedError
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.platforms import Platform
 from pagoda.scheduler.output import EngineCoreOutput
@@ -83,8 +84,11 @@ class InprocClient:
     def get_stats(self) -> SchedulerStats:
         return self.core.make_stats()
 
+    def check_health(self) -> None:
+        self.core.check_health()
+
     def shutdown(self) -> None:
-        return None
+        self.core.shutdown()
 
 
 class ThreadedClient:
@@ -145,6 +149,7 @@ class ThreadedClient:
         self._commands.put(("wake", None))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self.core.shutdown()  # the workers, when they run in processes of their own
 
     # -- the core thread ---------------------------------------------------------------
     def _drain(self, block: bool) -> None:
@@ -182,6 +187,10 @@ class ThreadedClient:
                 except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
                     logger.exception("engine step failed; failing the requests it ran")
                     batch.failed = {rid: exc for rid in core.fail_running()}
+                    if isinstance(exc, ExecutorFailedError):
+                        # a worker is gone: report the requests it took down, then this engine is dead
+                        self._on_outputs(batch)
+                        raise
                 batch.scheduler_stats = core.make_stats()
                 self._on_outputs(batch)
         except BaseException as exc:  # the thread itself broke: nothing more can be served

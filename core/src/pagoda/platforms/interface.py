@@ -142,6 +142,15 @@ class Platform:
         np.random.seed(seed % (2**32))
         torch.manual_seed(seed)
 
+    def get_device_communicator_cls(self) -> str:
+        """``"module:Class"`` of the ``pagoda.distributed.DeviceCommunicatorBase`` subclass tensor- and
+        pipeline-parallel ranks talk through here (gloo on CPU, NCCL on CUDA).
+
+        The default refuses: a platform without one runs a single rank.
+        """
+        raise NotImplementedError(f"platform {self.name!r} provides no device communicator: "
+                                  "tensor and pipeline parallelism are unavailable on it")
+
     def synchronize(self) -> None:
         """Wait for queued device work (no-op on CPU)."""
 

@@ -182,7 +182,8 @@ class ModelRunner:
             alibi_slopes=layer.alibi_slopes_tuple(),
         )
 
-    def init_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:
+    def init_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int | None = None) -> MemoryReport:
+        """Size (unless ``num_blocks`` is given: the ranks agreed on it) and allocate the KV cache."""
         spec = self.attention_spec()
         backend_cls = select_attention_backend(self.platform, spec, self.config.device_config.attention_backend)
         self.attn_backend = backend_cls(spec)
@@ -194,7 +195,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         activation = self._profile_activation_peak(max_num_batched_tokens, cache_dtype)
-        override = self.config.cache_config.num_kv_blocks
+        override = num_blocks if num_blocks is not None else self.config.cache_config.num_kv_blocks
         if override is not None:
             num_blocks = override
         else:

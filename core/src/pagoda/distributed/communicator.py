@@ -1,0 +1,61 @@
+"""The collectives tensor- and pipeline-parallel layers call, over a process group the platform chooses.
+
+A platform plugin names its communicator (``Platform.get_device_communicator_cls``):
+the CPU platform's runs on gloo, the CUDA one's on NCCL. The base class here
+implements every collective with ``torch.distributed`` on the group it is given,
+so a platform subclass only names its ``backend`` and overrides what it can do
+faster (vLLM's ``DeviceCommunicatorBase`` plays the same role).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+
+class DeviceCommunicatorBase:
+    """Collectives among the ranks of one group (a tensor-parallel group, a pipeline pair)."""
+
+    # the torch.distributed backend the process groups of this platform are created with
+    backend: ClassVar[str] = "gloo"
+
+    def __init__(self, group: dist.ProcessGroup, ranks: list[int], device: torch.device) -> None:
+        self.group = group
+        # global ranks of the group's members, in group-rank order
+        self.ranks = ranks
+        self.device = device
+        self.world_size = len(ranks)
+        self.rank_in_group = ranks.index(dist.get_rank())
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place; returns ``x``."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order."""
+        if dim < 0:
+            dim += x.dim()
+        x = x.contiguous()
+        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        # [world, ..., d, ...] -> [..., world * d, ...]
+        return out.movedim(0, dim).reshape(*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1:])
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Send to group rank ``dst``."""
+        dist.send(x.contiguous(), self.ranks[dst], group=self.group)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """Receive a tensor of known shape and dtype from group rank ``src``."""
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(out, self.ranks[src], group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def destroy(self) -> None:
+        """Release what the communicator holds beside the group (the group itself is torch's)."""

@@ -1,0 +1,103 @@
+"""The executor interface: what the engine core asks of its workers, wherever they run.
+
+vLLM's ``Executor`` names: one executor per engine owns every rank's ``Worker``
+and broadcasts each step's ``SchedulerOutput`` to them; ``distributed_executor_backend``
+picks the class. A new backend (Ray, another launcher) implements ``collective_rpc``,
+``check_health`` and ``shutdown``; the rest is built on those.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.platforms import Platform
+from pagoda.plugins.specs import import_object
+from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.worker.model_runner import MemoryReport
+
+logger = logging.getLogger(__name__)
+
+# distributed_executor_backend -> the executor class; "ray" is written beside this one
+_BACKENDS: dict[str, str] = {
+    "uni": "pagoda.executor.uniproc_executor:UniProcExecutor",
+    "mp": "pagoda.executor.multiproc_executor:MultiprocExecutor",
+    "ray": "pagoda.executor.ray_executor:RayDistributedExecutor",
+}
+
+
+class ExecutorFailedError(RuntimeError):
+    """A worker died, hung or raised: the executor serves no more steps."""
+
+
+class Executor(ABC):
+    # the backend name this class serves (``distributed_executor_backend``)
+    backend_name: str = ""
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        backend = config.parallel_config.executor_backend
+        if backend == "external_launcher":
+            raise ValueError("distributed_executor_backend='external_launcher' (ranks started by torchrun) "
+                             "is not implemented yet; use 'mp' on one machine")
+        ref = _BACKENDS.get(backend)
+        if ref is None:
+            raise ValueError(f"unknown distributed_executor_backend {backend!r} (one of {', '.join(_BACKENDS)})")
+        try:
+            cls = import_object(ref)
+        except ImportError as exc:
+            raise ValueError(f"distributed_executor_backend={backend!r} is unavailable: {exc}") from exc
+        if not (isinstance(cls, type) and issubclass(cls, Executor)):
+            raise TypeError(f"{ref} is no Executor")
+        return cls
+
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        self.config = config
+        self.platform = platform
+        self.parallel_config = config.parallel_config
+        self._init_executor()
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start every rank's worker, join the process groups and load the model slices."""
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call ``Worker.<method>(*args, **kwargs)`` on every rank; their results in rank order.
+
+        A failure on any rank raises ``ExecutorFailedError`` and leaves the executor failed.
+        """
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise ``ExecutorFailedError`` if any worker is gone or failed."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker; idempotent."""
+
+    # -- built on collective_rpc --------------------------------------------------------
+    def initialize_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:
+        """Each rank sizes and allocates its cache; the ranks then agree on the smallest block count."""
+        reports: list[MemoryReport] = self.collective_rpc("init_kv_cache", (max_num_seqs, max_num_batched_tokens))
+        fewest = min(r.num_blocks for r in reports)
+        if any(r.num_blocks != fewest for r in reports):
+            # one block id names a block in every rank's cache: all ranks hold the same count
+            reports = self.collective_rpc("init_kv_cache", (max_num_seqs, max_num_batched_tokens, fewest))
+        return reports[0]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        outputs = self.collective_rpc("execute_model", (scheduler_output,))
+        out = outputs[self.output_rank]
+        assert out is not None, "the output rank returned no step result"
+        return out
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return tuple(self.collective_rpc("get_supported_tasks")[self.output_rank])
+
+    @property
+    def output_rank(self) -> int:
+        """The rank that returns sampled tokens (every tensor-parallel rank samples the same)."""
+        return 0

@@ -1,0 +1,102 @@
+"""One rank: its device, its slice of the model and its KV cache, and the steps it runs.
+
+An executor (``pagoda.executor``) owns one ``Worker`` per rank, in the engine's
+process (``uni``) or each in its own process (``mp``). The scheduler and the KV
+cache manager stay with the engine; a worker only receives each step's
+``SchedulerOutput`` (new requests in full, diffs for the others) and the output
+rank returns the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.distributed import init_distributed_environment
+from pagoda.distributed.communicator import DeviceCommunicatorBase
+from pagoda.platforms import Platform
+from pagoda.plugins.specs import import_object
+from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.worker.model_runner import MemoryReport, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, platform: Platform, rank: int = 0,
+                 distributed_init_method: str | None = None, *, in_engine_process: bool = True) -> None:
+        self.config = config
+        self.platform = platform
+        self.rank = rank
+        self.world_size = config.parallel_config.world_size
+        self.distributed_init_method = distributed_init_method
+        # In the engine's process the scheduler appends each sampled token to the request's output
+        # list, which the runner's sampler holds by reference (penalties read it). A worker in its
+        # own process holds a copy and appends the tokens itself.
+        self.in_engine_process = in_engine_process
+        self.model_runner: ModelRunner | None = None
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose step results go back to the engine (every rank computes the same tokens)."""
+        return self.rank == 0
+
+    def init_device(self) -> None:
+        if self.world_size > 1 and not self.in_engine_process:
+            # the platform picks this rank's device by it (torchrun's variable; one machine: rank = local rank)
+            os.environ["LOCAL_RANK"] = str(self.rank)
+        self.platform.init_worker(self.config)
+        self.platform.seed_everything(self.config.model.seed)
+        if self.world_size > 1:
+            if self.distributed_init_method is None:
+                raise ValueError("a worker of a multi-rank layout needs a distributed_init_method")
+            cls = self.communicator_cls()
+            init_distributed_environment(self.world_size, self.rank, self.distributed_init_method, cls,
+                                         self.platform.device(), self.config.parallel_config.tensor_parallel_size)
+
+    def communicator_cls(self) -> type[DeviceCommunicatorBase]:
+        ref = self.platform.get_device_communicator_cls()
+        cls = import_object(ref) if isinstance(ref, str) else ref
+        if not (isinstance(cls, type) and issubclass(cls, DeviceCommunicatorBase)):
+            raise TypeError(f"platform {self.platform.name!r} names communicator {ref!r}, which is no DeviceCommunicatorBase")
+        return cls
+
+    def load_model(self) -> None:
+        self.model_runner = ModelRunner(self.config, self.platform)
+        self.model_runner.load_model()
+
+    @property
+    def runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("the worker has not loaded its model yet")
+        return self.model_runner
+
+    def init_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int | None = None) -> MemoryReport:
+        return self.runner.init_kv_cache(max_num_seqs, max_num_batched_tokens, num_blocks)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.runner.supported_tasks()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        out = self.runner.execute_model(scheduler_output)
+        if not self.in_engine_process:
+            self._append_own_outputs(scheduler_output, out)
+        return out if self.is_output_rank else None
+
+    def _append_own_outputs(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        rows = self.runner.batch.rows
+        cached = so.scheduled_cached_reqs
+        for rid, tokens in zip(cached.req_ids, cached.new_token_ids):
+            if tokens and rid in rows:
+                rows[rid].output_token_ids.extend(tokens)
+        for rid, tokens in zip(out.req_ids, out.sampled_token_ids):
+            if tokens:
+                rows[rid].output_token_ids.extend(tokens)
+
+    def ping(self) -> str:
+        return "pong"
+
+    def describe(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size}
