@@ -20,6 +20,7 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+BAD_SCHEMA_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "nope"}}}]
 # the template: 10^5 x 10^3 iterations of Jinja
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}x"
 
@@ -106,14 +107,19 @@ def test_lone_surrogate_is_a_400_json_error(server: Any, path: str) -> None:
     (_chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}), "get_time"),
     (_chat(tools=TOOLS, tool_choice="sometimes"), "sometimes"),
     (_chat(tools=[{"type": "function", "function": {"description": "no name"}}], tool_choice="none"), "tools[0]"),
-    (_chat(tools=TOOLS, tool_choice="required"), "does not generate tool calls"),
-    (_chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}), "does not generate tool calls"),
+    (_chat(tools=BAD_SCHEMA_TOOLS, tool_choice="required"), "invalid parameters schema"),
+    (_chat(tools=BAD_SCHEMA_TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+     "invalid parameters schema"),
+    (_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": ["x"]}}], tool_choice="required"),
+     "must be a JSON schema object"),
+    (_chat(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "cannot be combined"),
     (_chat(tools=TOOLS, tool_choice="auto"), "--enable-auto-tool-choice"),
     (_chat(tools=TOOLS), "--enable-auto-tool-choice"),  # as vLLM: tools without tool_choice mean "auto"
 ])
 def test_tool_choice_that_cannot_be_honoured_is_a_400(server: Any, body: dict[str, Any], needle: str) -> None:
     err = _error(_post(server, "/v1/chat/completions", body))
-    assert needle in err["message"] and err["param"] in ("tools", "tools[0]", "tool_choice"), err
+    assert needle in err["message"] and err["param"] in ("tools", "tools[0]", "tool_choice",
+                                                         "tools[0].function.parameters"), err
     _still_serving(server)
 
 

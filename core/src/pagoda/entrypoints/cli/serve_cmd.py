@@ -37,6 +37,13 @@ def serve(
     chat_template_render_timeout: float = typer.Option(
         5.0, "--chat-template-render-timeout",
         help="Seconds a chat template may take to render before the request fails (0 = unbounded)."),
+    enable_auto_tool_choice: bool = typer.Option(
+        False, "--enable-auto-tool-choice",
+        help='Answer tool_choice "auto" (the default with tools) by parsing tool calls; needs --tool-call-parser.'),
+    tool_call_parser: str | None = typer.Option(
+        None, "--tool-call-parser", help="Tool-call parser: hermes, llama3_json, mistral, pythonic, or a plugin's."),
+    tool_parser_plugin: str | None = typer.Option(
+        None, "--tool-parser-plugin", help="Python file registering tool parsers (ToolParserManager.register_module)."),
     allowed_origins: str = typer.Option('["*"]', "--allowed-origins", help="CORS allowed origins (JSON list)."),
     allow_credentials: bool = typer.Option(False, "--allow-credentials", help="CORS: allow credentials."),
     allowed_methods: str = typer.Option('["*"]', "--allowed-methods", help="CORS allowed methods (JSON list)."),
@@ -65,6 +72,8 @@ def serve(
             host=host, port=port, api_key=api_key, served_model_name=served_model_name or None,
             chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
             chat_template_render_timeout=chat_template_render_timeout,
+            enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+            tool_parser_plugin=tool_parser_plugin,
             allowed_origins=_json_list(allowed_origins, "--allowed-origins"), allow_credentials=allow_credentials,
             allowed_methods=_json_list(allowed_methods, "--allowed-methods"),
             allowed_headers=_json_list(allowed_headers, "--allowed-headers"),

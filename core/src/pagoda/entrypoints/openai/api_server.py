@@ -39,9 +39,11 @@ from pagoda.entrypoints.openai.serving_chat import chat_prompt_async, create_cha
 from pagoda.entrypoints.openai.serving_common import ServingContext
 from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.entrypoints.openai.serving_pooling import require_generate
+from pagoda.entrypoints.openai.tool_calls import resolve_tool_parser
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagoda.metrics.prometheus import PrometheusStatLogger
 from pagoda.plugins.io_processors import IOProcessor, get_io_processor
+from pagoda.plugins.manager import PluginError
 from pagoda.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -104,6 +106,9 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
         default_sampling=default_sampling(engine),
         supported_tasks=supported_tasks(engine),
         io_processor=io_processor,
+        enable_auto_tool_choice=server_args.enable_auto_tool_choice,
+        tool_parser=resolve_tool_parser(server_args.enable_auto_tool_choice, server_args.tool_call_parser,
+                                        server_args.tool_parser_plugin),
     )
     app.state.ctx = ctx
     metrics = PrometheusStatLogger(ctx.model_name)
@@ -266,6 +271,12 @@ async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     """Bind, load the model, serve; blocks until stopped (the body of `pagoda serve`)."""
     started = time.perf_counter()
+    try:
+        # a parser nobody provides stops the start before the model loads
+        resolve_tool_parser(server_args.enable_auto_tool_choice, server_args.tool_call_parser,
+                            server_args.tool_parser_plugin)
+    except (ValueError, OSError, ImportError) as exc:
+        raise PluginError(str(exc)) from exc
     sock = bind_socket(server_args.host, server_args.port)
     engine = AsyncLLM.from_engine_args(engine_args)
     try:

@@ -22,6 +22,12 @@ class ServerArgs(BaseModel):
         False, description="Accept a request's own chat_template (arbitrary Jinja run on the server's CPU), as vLLM.")
     chat_template_render_timeout: float = Field(
         5.0, ge=0, description="Seconds a chat template may take to render before the request fails (0 = unbounded).")
+    enable_auto_tool_choice: bool = Field(
+        False, description='Answer tool_choice "auto" by reading tool calls out of the output (needs tool_call_parser).')
+    tool_call_parser: str | None = Field(
+        None, description="Tool-call parser for tool_choice auto (hermes, llama3_json, mistral, pythonic, ...).")
+    tool_parser_plugin: str | None = Field(
+        None, description="Python file that registers tool parsers with ToolParserManager.register_module.")
     allowed_origins: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed origins.")
     allow_credentials: bool = Field(False, description="CORS: allow credentials.")
     allowed_methods: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed methods.")

@@ -11,7 +11,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.entrypoints.openai.chat_template import render_chat
-from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.logprobs_format import TokenText, chat_logprobs, prompt_logprobs_json
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.serving_common import (
@@ -28,6 +27,7 @@ from pagoda.entrypoints.openai.serving_common import (
     start_streams,
     usage,
 )
+from pagoda.entrypoints.openai.tool_calls import ChatToolCalls, prepare_tool_calls
 
 
 def _render(ctx: ServingContext, req: Any) -> str:
@@ -55,25 +55,12 @@ async def chat_prompt_async(ctx: ServingContext, req: Any) -> tuple[str, list[in
     return text, ctx.need_tokenizer()(text, add_special_tokens=req.add_special_tokens).input_ids
 
 
-def check_tool_choice(req: ChatCompletionRequest) -> None:
-    """Tool calls are not produced yet: refuse what would need them instead of answering in plain text."""
-    # as vLLM: tools without a tool_choice mean "auto"
-    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
-    if choice == "none":
-        return
-    if choice == "auto":
-        raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set, which '
-                       'this server does not offer yet: send tool_choice "none" to have the template see the tools',
-                       400, "tool_choice")
-    raise APIError(f"tool_choice {choice!r} is not supported yet: this server does not generate tool calls; send "
-                   'tool_choice "none" to have the template see the tools', 400, "tool_choice")
-
-
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
     ctx.check_model(req.model)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     check_limits(ctx, req, num_logprobs)
-    check_tool_choice(req)
+    tool_calls = prepare_tool_calls(ctx, req)
+    req = tool_calls.request  # an auto tool parser may need it generated differently
     text, ids = await chat_prompt_async(ctx, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_prompt_length(ctx, len(ids), requested,
@@ -82,7 +69,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if default is not None:
         # as vLLM: the model's max_new_tokens caps an explicit max_tokens too
         max_tokens = default if requested is None else min(max_tokens, default)
-    params = build_sampling_params(req, max_tokens, num_logprobs, req.stream, ctx.default_sampling)
+    params = tool_calls.constrain(build_sampling_params(req, max_tokens, num_logprobs, req.stream,
+                                                        ctx.default_sampling))
     request_id = new_id("chatcmpl") if req.request_id is None else req.request_id
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
     if req.cache_salt is not None:
@@ -95,19 +83,23 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         last = req.messages[-1].content
         echo_text = last if isinstance(last, str) else "\n".join(p.text for p in last or [])
     if req.stream:
-        events = _events(ctx, req, streams, request_id, created, len(ids), token_text, num_logprobs, echo_text)
+        events = _events(ctx, req, streams, request_id, created, len(ids), token_text, num_logprobs, echo_text,
+                         tool_calls)
         return StreamingResponse(sse_response_body(streams, events), media_type="text/event-stream")
     ro = (await collect_finals(raw_request, streams))[0]
     choices = []
     completion_tokens = 0
     for o in sorted(ro.outputs, key=lambda o: o.index):
         completion_tokens += len(o.token_ids)
+        message, finish_reason = tool_calls.choice().message(o.text, o.finish_reason)
+        if echo_text and message["content"] is not None:
+            message["content"] = echo_text + message["content"]
         choices.append({
             "index": o.index,
-            "message": {"role": "assistant", "content": echo_text + o.text, "tool_calls": [], "reasoning_content": None},
+            "message": {"role": "assistant", **message, "reasoning_content": None},
             "logprobs": chat_logprobs(token_text, list(o.token_ids), o.logprobs, num_logprobs)
             if num_logprobs is not None else None,
-            "finish_reason": o.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": o.stop_reason,
         })
     body = {
@@ -121,7 +113,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
 async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list[Any], request_id: str, created: int,
                   prompt_tokens: int, token_text: TokenText, num_logprobs: int | None,
-                  echo_text: str) -> AsyncGenerator[str, None]:
+                  echo_text: str, tool_calls: ChatToolCalls) -> AsyncGenerator[str, None]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     completion_tokens = 0
@@ -134,21 +126,29 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list
         return c
 
     # the role goes first, once per choice, before any token is ready (as OpenAI does)
+    choice_tools = [tool_calls.choice() for _ in range(req.n)]
     for i in range(req.n):
         yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": echo_text}, "logprobs": None,
                           "finish_reason": None}]))
+        # a named function's call opens before its arguments (OpenAI's first tool-call delta)
+        opening = choice_tools[i].start()
+        if opening:
+            yield sse(chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}]))
     async for _, ro in merge_streams(streams):
         for o in ro.outputs:
             if not o.token_ids and not o.text and o.finish_reason is None:
                 continue
             completion_tokens += len(o.token_ids)
-            delta: dict[str, Any] = {"content": o.text} if o.text or o.finish_reason is None else {}
+            tools = choice_tools[o.index]
+            delta = tools.delta(o.text, o.token_ids, o.finish_reason is not None)
+            if not delta and o.finish_reason is None and num_logprobs is None:
+                continue  # held back (a tool-call marker only partly written): nothing to send yet
             yield sse(chunk([{
                 "index": o.index,
                 "delta": delta,
                 "logprobs": chat_logprobs(token_text, list(o.token_ids), o.logprobs, num_logprobs)
                 if num_logprobs is not None else None,
-                "finish_reason": o.finish_reason,
+                "finish_reason": tools.finish_reason(o.finish_reason),
                 "stop_reason": o.stop_reason,
             }]))
     if include_usage:

@@ -48,6 +48,9 @@ class ServingContext:
     supported_tasks: tuple[str, ...] = ("generate",)
     # the IO processor plugin (pagoda.plugins.io_processors) that /pooling requests with "data" go to
     io_processor: Any = None
+    # tool_choice "auto": vLLM's --enable-auto-tool-choice, and the --tool-call-parser class (a ToolParser)
+    enable_auto_tool_choice: bool = False
+    tool_parser: Any = None
 
     @property
     def model_name(self) -> str:
