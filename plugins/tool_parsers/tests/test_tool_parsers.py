@@ -26,6 +26,9 @@ CASES: list[tuple[str, str, str | None, list[tuple[str, dict[str, Any]]]]] = [
     ("hermes", f'Let me check.\n<tool_call>{{"name": "get_weather", "arguments": {json.dumps(PARIS)}}}</tool_call>\n'
                f'<tool_call>{{"arguments": {json.dumps(CET)}, "name": "get_time"}}</tool_call>', "Let me check.\n",
      [("get_weather", PARIS), ("get_time", CET)]),
+    # cut off by max_tokens inside the end tag: the call itself is whole
+    ("hermes", f'<tool_call>{{"name": "get_weather", "arguments": {json.dumps(PARIS)}}}\n</tool_c', None,
+     [("get_weather", PARIS)]),
     ("hermes", "No tools needed: 2 < 3 and <tool is not a tag.", "No tools needed: 2 < 3 and <tool is not a tag.", []),
     ("llama3_json", f'<|python_tag|>{{"name": "get_weather", "parameters": {json.dumps(PARIS)}}}', None,
      [("get_weather", PARIS)]),

@@ -26,8 +26,11 @@ class Hermes2ProToolParser(StreamingToolParser):
     def extract_tool_calls(self, model_output: str, request: Any) -> ExtractedToolCallInformation:
         if self.tool_call_start_token not in model_output:
             return self.not_called(model_output)
+        decoder = json.JSONDecoder()
         try:
-            raw = [json.loads(closed or open_) for closed, open_ in self.tool_call_regex.findall(model_output)]
+            # the object alone: a block cut off in its end tag (max_tokens) still holds a whole call
+            raw = [decoder.raw_decode((closed or open_).strip())[0]
+                   for closed, open_ in self.tool_call_regex.findall(model_output)]
             calls = [self.tool_call(c["name"], c.get("arguments", c.get("parameters"))) for c in raw]
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             # not the format after all: the text is the answer (as vLLM)
