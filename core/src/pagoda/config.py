@@ -74,6 +74,7 @@ class SchedulerConfig(_Config):
 class ParallelConfig(_Config):
     tensor_parallel_size: int = Field(1, gt=0, description="Tensor-parallel ranks: each linear layer, the attention heads and the vocabulary split across them.")
     pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline-parallel stages (only 1 so far).")
+    data_parallel_size: int = Field(1, gt=0, description="Engine-core replicas behind one API server, each in its own process with its own copy of the model and KV cache; requests go to the least loaded (pagoda.engine.mp_client).")
     distributed_executor_backend: Literal["uni", "mp", "ray", "external_launcher"] | None = Field(None, description="What runs the workers: 'uni' = in the engine's process, 'mp' = one spawned process per rank on this machine, 'ray' = Ray actors, 'external_launcher' = ranks started by torchrun; None = 'uni' for one rank, else 'mp'.")
 
     @model_validator(mode="after")
@@ -267,6 +268,7 @@ class EngineArgs(_Config):
     cuda_graph_sizes: list[int] | None = _field_of(SchedulerConfig, "cuda_graph_sizes")
     tensor_parallel_size: int = _field_of(ParallelConfig, "tensor_parallel_size")
     pipeline_parallel_size: int = _field_of(ParallelConfig, "pipeline_parallel_size")
+    data_parallel_size: int = _field_of(ParallelConfig, "data_parallel_size")
     distributed_executor_backend: Literal["uni", "mp", "ray", "external_launcher"] | None = _field_of(ParallelConfig, "distributed_executor_backend")
     device: str = _field_of(DeviceConfig, "device")
     attention_backend: str | None = _field_of(DeviceConfig, "attention_backend")

@@ -3,7 +3,9 @@
 A sibling of ``LLMEngine`` built from the same parts: a ``Processor``
 (prompts -> core requests), an engine-core client and an ``OutputProcessor``.
 Its client (``ThreadedClient``) runs the core (schedule -> execute -> update)
-alone in a background thread. Everything around it runs on the asyncio loop:
+alone in a background thread, or (``MPClient``, PAGODA_ENABLE_V1_MULTIPROCESSING,
+and one per replica with data_parallel_size > 1) in its own process, whose
+receiver thread plays the core thread's part below. Everything around it runs on the asyncio loop:
 tokenizing and validating prompts, detokenizing, stop strings, per-request
 collectors, metrics. The two sides meet in two places only:
 
@@ -26,7 +28,8 @@ from typing import Any
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import prepare_engine_config
-from pagoda.engine.core_client import EngineCoreOutputs, ThreadedClient
+from pagoda.engine.core_client import EngineCoreOutputs
+from pagoda.engine.mp_client import make_async_client
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor
 from pagoda.metrics.requests import RequestMetrics
@@ -148,7 +151,8 @@ class AsyncLLM:
         self.max_model_len = self.processor.max_model_len
         self.vocab_size = self.processor.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = ThreadedClient(config, platform, self._from_core_thread, self._core_died)
+        # a thread of this process, or its own process(es): pagoda.engine.mp_client.make_async_client
+        self.engine_core = make_async_client(config, platform, self._from_core_thread, self._core_died)
         # what the loaded model serves: ("generate",) or its pooling tasks (vLLM's supported tasks)
         self.supported_tasks: tuple[str, ...] = self.engine_core.get_supported_tasks()
         self.processor.supported_tasks = self.supported_tasks

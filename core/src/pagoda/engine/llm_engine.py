@@ -27,6 +27,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = config.model
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs engine-core replicas behind AsyncLLM (pagoda serve); "
+                             "LLM / LLMEngine run one engine core")
         platform = prepare_engine_config(config)
         self.processor = Processor(config)
         self.tokenizer = self.processor.tokenizer

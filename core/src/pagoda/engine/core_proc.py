@@ -1,0 +1,171 @@
+"""The engine core in its own process (vLLM V1's ``EngineCoreProc``).
+
+``run_engine_core`` is the target of a spawned process: it builds an
+``EngineCore`` from the (pickled) engine config and runs schedule -> execute ->
+update, taking commands from one ZMQ socket and pushing each step's
+``EngineCoreOutputs`` to another. Tokenization, detokenization and everything
+HTTP stay in the API process (``pagoda.engine.mp_client.MPClient``).
+
+Wire format: every message is one pickled tuple ``(kind, payload)`` (protocol
+5). Commands in: ``("add", Request)``, ``("abort", [ids])``, ``("shutdown",
+None)``. Messages out: ``("ready", supported_tasks)`` once the model is
+loaded, ``("startup_failed", traceback text)``, ``("outputs",
+EngineCoreOutputs)`` after every step, ``("dead", traceback text)`` if the
+loop itself breaks. A step's outputs are token ids and small dataclasses:
+pickling them costs tens of microseconds beside a step of tens of
+milliseconds (docs/benchmarks.md, session 7), so msgspec buys nothing here.
+
+The process also watches a pipe from its parent: when the parent dies (even
+by SIGKILL) the pipe reads EOF and the core exits, so no engine process is
+ever orphaned.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.platforms import Platform
+
+logger = logging.getLogger(__name__)
+
+# How long the idle core waits on its sockets before re-checking (ms).
+_IDLE_POLL_MS = 500
+
+
+def dumps(kind: str, payload: Any) -> bytes:
+    return pickle.dumps((kind, payload), protocol=5)
+
+
+def loads(frame: bytes) -> tuple[str, Any]:
+    kind, payload = pickle.loads(frame)
+    return kind, payload
+
+
+def portable_error(exc: BaseException) -> BaseException:
+    """An exception that survives pickling: the original if it round-trips, else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling failure means: send a plain copy
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def run_engine_core(
+    config: EngineConfig,
+    platform: Platform,
+    input_address: str,
+    output_address: str,
+    parent_alive: Connection,
+    replica_rank: int = 0,
+    log_level: int = logging.WARNING,
+) -> None:
+    """Entry point of the engine-core process (spawned; every argument is pickled)."""
+    import zmq
+
+    from pagoda.platforms import set_current_platform
+
+    # the parent's logging level travels with the spawn; the prefix tells replicas apart
+    logging.basicConfig(level=log_level,
+                        format=f"%(levelname)s %(asctime)s [engine core {replica_rank}] %(name)s: %(message)s")
+    ctx = zmq.Context(io_threads=1)
+    inp = ctx.socket(zmq.PULL)
+    out = ctx.socket(zmq.PUSH)
+    inp.connect(input_address)
+    out.connect(output_address)
+    try:
+        set_current_platform(platform)
+        from pagoda.engine.core import EngineCore
+
+        core = EngineCore(config, platform)
+        tasks = core.get_supported_tasks()
+    except BaseException:  # noqa: BLE001 - the parent reports it as the start-up error
+        out.send(dumps("startup_failed", traceback.format_exc()))
+        out.close(linger=2000)
+        ctx.term()
+        return
+    out.send(dumps("ready", tasks))
+    try:
+        EngineCoreProc(core, inp, out, parent_alive).run()
+    except BaseException:  # noqa: BLE001 - the loop broke: tell the parent, then exit
+        logger.exception("engine core loop died")
+        try:
+            out.send(dumps("dead", traceback.format_exc()))
+        except Exception:  # noqa: BLE001 - the socket may be the thing that broke
+            pass
+    finally:
+        out.close(linger=1000)
+        inp.close(linger=0)
+        ctx.term()
+
+
+class EngineCoreProc:
+    """The busy loop of the engine-core process: drain commands, step, push outputs."""
+
+    def __init__(self, core: Any, inp: Any, out: Any, parent_alive: Connection) -> None:
+        import zmq
+
+        self.core = core
+        self.inp = inp
+        self.out = out
+        self.parent_alive = parent_alive
+        self.poller = zmq.Poller()
+        self.poller.register(inp, zmq.POLLIN)
+        self.poller.register(parent_alive.fileno(), zmq.POLLIN)
+        self.stopping = False
+
+    def _drain(self, timeout_ms: int) -> bool:
+        """Apply every queued command; wait up to ``timeout_ms`` for the first one. -> whether any came."""
+        import zmq
+
+        events = dict(self.poller.poll(timeout_ms))
+        if self.parent_alive.fileno() in events:
+            # the parent never writes to this pipe: readable means it closed (the parent is gone)
+            logger.warning("the API process is gone; the engine core exits")
+            self.stopping = True
+            return False
+        if self.inp not in events:
+            return False
+        core = self.core
+        while True:
+            try:
+                frame = self.inp.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return True
+            kind, payload = loads(frame)
+            if kind == "add":
+                core.add_request(payload)
+            elif kind == "abort":
+                core.abort_requests(payload)
+            elif kind == "shutdown":
+                self.stopping = True
+                return True
+            else:
+                raise RuntimeError(f"unknown engine-core command {kind!r}")
+
+    def run(self) -> None:
+        from pagoda.engine.core_client import EngineCoreOutputs
+
+        core = self.core
+        while not self.stopping:
+            got = self._drain(0 if core.has_work() else _IDLE_POLL_MS)
+            if self.stopping:
+                break
+            if not core.has_work():
+                if got:
+                    # an abort-only batch still changes the gauges
+                    self.out.send(dumps("outputs", EngineCoreOutputs(scheduler_stats=core.make_stats())))
+                continue
+            batch = EngineCoreOutputs()
+            try:
+                batch.outputs = core.step()
+            except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
+                logger.exception("engine step failed; failing the requests it ran")
+                err = portable_error(exc)
+                batch.failed = {rid: err for rid in core.fail_running()}
+            batch.scheduler_stats = core.make_stats()
+            self.out.send(dumps("outputs", batch))

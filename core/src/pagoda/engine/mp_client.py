@@ -1,0 +1,393 @@
+"""Engine-core clients for cores in their own processes (vLLM V1's ``MPClient`` / ``DPLBAsyncMPClient``).
+
+``MPClient`` spawns one engine-core process (``pagoda.engine.core_proc``) and
+talks to it over two ZMQ IPC sockets: commands (new requests, aborts) go in
+pickled, each step's ``EngineCoreOutputs`` come back pickled. A receiver
+thread in the API process waits on the output socket and on the process's
+sentinel at once, so outputs and the process's death are both noticed at
+once; it hands outputs to ``on_outputs`` and a death to ``on_dead`` exactly as
+``ThreadedClient`` does, so ``AsyncLLM`` does not care which client it has.
+
+``DPLBAsyncMPClient`` (``data_parallel_size > 1``) runs one ``MPClient`` per
+replica and sends each new request to the replica with the fewest unfinished
+requests it was given (ties: the lowest index); an abort goes to the replica
+that holds the request.
+
+No process is left behind: ``shutdown`` asks the core to stop, then
+terminates and kills it if it does not; a finalizer does the same if the
+client is dropped without ``shutdown``; and the core itself exits when the
+API process dies (it watches a pipe whose other end only the parent holds).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.engine.core_client import EngineCoreOutputs
+from pagoda.engine.core_proc import dumps, loads, run_engine_core
+from pagoda.metrics.stats import SchedulerStats
+from pagoda.platforms import Platform
+from pagoda.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+# How long the API process waits for an engine core to load its model.
+STARTUP_TIMEOUT_S = 600.0
+_RECV_POLL_MS = 1000
+
+
+class EngineCoreProcessDied(RuntimeError):
+    """The engine-core process exited while it was serving."""
+
+
+class EngineCoreStartupError(RuntimeError):
+    """The engine-core process failed before its model was loaded."""
+
+
+def _reap(proc: multiprocessing.process.BaseProcess, timeout: float) -> None:
+    """Wait for ``proc``; terminate, then kill it, if it does not exit."""
+    proc.join(timeout)
+    if proc.is_alive():
+        logger.warning("engine core process %s did not stop in %.1f s; terminating it", proc.pid, timeout)
+        proc.terminate()
+        proc.join(2.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(2.0)
+
+
+def _cleanup(proc: multiprocessing.process.BaseProcess, ctx: Any, sockdir: str) -> None:
+    # the finalizer's body: it must not reference the client, or the client is never collected
+    if proc.is_alive():
+        proc.kill()
+        proc.join(2.0)
+    ctx.destroy(linger=0)
+    shutil.rmtree(sockdir, ignore_errors=True)
+
+
+class MPClient:
+    """One engine core in a spawned process; the same face as ``ThreadedClient``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        on_outputs: Callable[[EngineCoreOutputs], None],
+        on_dead: Callable[[BaseException], None],
+        replica_rank: int = 0,
+        wait_ready: bool = True,
+    ) -> None:
+        import zmq
+
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
+        self.replica_rank = replica_rank
+        self.dead_error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._send_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._sockdir = tempfile.mkdtemp(prefix="pagoda-core-")
+        in_addr = f"ipc://{os.path.join(self._sockdir, 'in')}"
+        out_addr = f"ipc://{os.path.join(self._sockdir, 'out')}"
+        self._ctx = zmq.Context(io_threads=1)
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._in.bind(in_addr)
+        self._out.bind(out_addr)
+        mp = multiprocessing.get_context("spawn")
+        # the core only reads its end; it sees EOF when every copy of ours is closed (we exited)
+        child_end, self._parent_end = mp.Pipe(duplex=False)
+        # not a daemon: a core may start worker processes of its own (the mp executor)
+        self.proc = mp.Process(
+            target=run_engine_core,
+            args=(config, platform, in_addr, out_addr, child_end, replica_rank, logging.getLogger("pagoda").getEffectiveLevel()),
+            name=f"pagoda-engine-core-{replica_rank}",
+            daemon=False,
+        )
+        self.proc.start()
+        child_end.close()
+        self._finalizer = weakref.finalize(self, _cleanup, self.proc, self._ctx, self._sockdir)
+        self.supported_tasks: tuple[str, ...] = ()
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the core has loaded its model; a failed start raises EngineCoreStartupError."""
+        try:
+            self.supported_tasks = tuple(self._wait_ready())
+        except BaseException:
+            self._finalizer()
+            raise
+        logger.info("engine core %d runs in process %d", self.replica_rank, self.proc.pid)
+
+    def _wait_ready(self) -> Any:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._out, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        events = dict(poller.poll(STARTUP_TIMEOUT_S * 1000))
+        if self._out in events:
+            kind, payload = loads(self._out.recv())
+            if kind == "ready":
+                return payload
+            if kind == "startup_failed":
+                raise EngineCoreStartupError(f"the engine core process failed to start:\n{payload}")
+            raise EngineCoreStartupError(f"the engine core process sent {kind!r} before it was ready")
+        if self.proc.sentinel in events:
+            self.proc.join(1.0)
+            raise EngineCoreStartupError(
+                f"the engine core process exited with code {self.proc.exitcode} before it was ready")
+        raise EngineCoreStartupError(f"the engine core process was not ready after {STARTUP_TIMEOUT_S:.0f} s")
+
+    # -- front-end side --------------------------------------------------------------
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.supported_tasks
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._receive, name=f"pagoda-core-client-{self.replica_rank}",
+                                            daemon=True)
+            self._thread.start()
+
+    def _send(self, kind: str, payload: Any) -> None:
+        frame = dumps(kind, payload)
+        with self._send_lock:
+            self._in.send(frame, copy=False)
+
+    def add_request(self, request: Request) -> None:
+        try:
+            frame = dumps("add", request)
+        except Exception as exc:  # e.g. a logits processor defined in a closure
+            raise ValueError(f"the request cannot be sent to the engine core process (it must pickle): {exc}") from exc
+        with self._send_lock:
+            self._in.send(frame, copy=False)
+
+    def add_beam_search(self, group: Any, root: Request) -> None:
+        raise NotImplementedError("beam search runs with the in-process engine core (LLMEngine) only")
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids and self.dead_error is None:
+            self._send("abort", ids)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.proc.is_alive() and self.dead_error is None
+
+    @property
+    def stopped_unexpectedly(self) -> bool:
+        return not self.proc.is_alive() and not self._stopping.is_set()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self.proc.is_alive():
+            try:
+                self._send("shutdown", None)
+            except Exception:  # noqa: BLE001 - the socket is going away anyway
+                pass
+            _reap(self.proc, timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._parent_end.close()
+        self._finalizer()
+
+    # -- the receiver thread -------------------------------------------------------------
+    def _receive(self) -> None:
+        import zmq
+
+        # a socket of its own thread: only this thread touches _out from here on
+        poller = zmq.Poller()
+        poller.register(self._out, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                events = dict(poller.poll(_RECV_POLL_MS))
+                if self._out in events:
+                    # drain before looking at the sentinel: outputs sent just before a death still count
+                    while True:
+                        try:
+                            kind, payload = loads(self._out.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                        if kind == "outputs":
+                            self._on_outputs(payload)
+                        elif kind == "dead":
+                            raise EngineCoreProcessDied(f"the engine core loop died:\n{payload}")
+                    continue
+                if self.proc.sentinel in events and not self._stopping.is_set():
+                    self.proc.join(1.0)
+                    raise EngineCoreProcessDied(
+                        f"the engine core process (pid {self.proc.pid}) died unexpectedly, exit code {self.proc.exitcode}")
+        except BaseException as exc:  # noqa: BLE001 - anything here means nothing more is served
+            if self._stopping.is_set():
+                return
+            logger.error("engine core %d is gone: %s", self.replica_rank, exc)
+            self.dead_error = exc
+            self._on_dead(exc)
+            # the process may be a live husk (its loop died): stop it, so nothing is left behind
+            if self.proc.is_alive():
+                _reap(self.proc, 2.0)
+
+
+class DPLBAsyncMPClient:
+    """``data_parallel_size`` engine cores, one process each; a new request goes to the least loaded."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        on_outputs: Callable[[EngineCoreOutputs], None],
+        on_dead: Callable[[BaseException], None],
+    ) -> None:
+        size = config.parallel_config.data_parallel_size
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
+        self._lock = threading.Lock()
+        # request id -> the replica holding it; per-replica count of those requests
+        self._owner: dict[str, int] = {}
+        self._load = [0] * size
+        self._stats: list[SchedulerStats] = [SchedulerStats() for _ in range(size)]
+        self._dead_reported = False
+        self.engines: list[MPClient] = []
+        try:
+            # all start at once (imports and model loads overlap), then each is waited for
+            for rank in range(size):
+                self.engines.append(MPClient(config, platform, self._outputs_of(rank), self._died, replica_rank=rank,
+                                             wait_ready=False))
+            for engine in self.engines:
+                engine.wait_ready()
+        except BaseException:
+            self.shutdown(1.0)
+            raise
+        tasks = {e.supported_tasks for e in self.engines}
+        assert len(tasks) == 1, f"replicas disagree on the model's tasks: {tasks}"
+        self.supported_tasks = self.engines[0].supported_tasks
+
+    # -- routing -------------------------------------------------------------------------
+    def _pick(self) -> int:
+        return min(range(len(self._load)), key=lambda i: (self._load[i], i))
+
+    def add_request(self, request: Request) -> None:
+        with self._lock:
+            rank = self._pick()
+            self._owner[request.request_id] = rank
+            self._load[rank] += 1
+        try:
+            self.engines[rank].add_request(request)
+        except BaseException:
+            self._release([request.request_id])
+            raise
+
+    def add_beam_search(self, group: Any, root: Request) -> None:
+        raise NotImplementedError("beam search runs with the in-process engine core (LLMEngine) only")
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        by_rank: dict[int, list[str]] = {}
+        with self._lock:
+            for rid in request_ids:
+                rank = self._owner.get(rid)
+                if rank is not None:
+                    by_rank.setdefault(rank, []).append(rid)
+        for rank, ids in by_rank.items():
+            self.engines[rank].abort_requests(ids)
+        # the core confirms nothing for an abort: the request stops counting now
+        self._release(itertools.chain.from_iterable(by_rank.values()))
+
+    def _release(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                rank = self._owner.pop(rid, None)
+                if rank is not None:
+                    self._load[rank] -= 1
+
+    def replica_of(self, request_id: str) -> int | None:
+        return self._owner.get(request_id)
+
+    # -- outputs ---------------------------------------------------------------------------
+    def _outputs_of(self, rank: int) -> Callable[[EngineCoreOutputs], None]:
+        def on_outputs(batch: EngineCoreOutputs) -> None:
+            done = [o.req_id for o in batch.outputs if o.finish_reason is not None]
+            done.extend(batch.failed)
+            if done:
+                self._release(done)
+            if batch.scheduler_stats is not None:
+                batch.scheduler_stats = self._merge_stats(rank, batch.scheduler_stats)
+            self._on_outputs(batch)
+
+        return on_outputs
+
+    def _merge_stats(self, rank: int, stats: SchedulerStats) -> SchedulerStats:
+        """The gauges of every replica together (the latest of each); counters are this batch's own."""
+        with self._lock:
+            self._stats[rank] = stats
+            latest = list(self._stats)
+        return SchedulerStats(
+            num_running_reqs=sum(s.num_running_reqs for s in latest),
+            num_waiting_reqs=sum(s.num_waiting_reqs for s in latest),
+            kv_cache_usage=sum(s.kv_cache_usage for s in latest) / len(latest),
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_preemptions=stats.num_preemptions,
+        )
+
+    def _died(self, exc: BaseException) -> None:
+        # one replica gone: its requests cannot finish, and the server must not look healthy
+        with self._lock:
+            first = not self._dead_reported
+            self._dead_reported = True
+        if first:
+            self._on_dead(exc)
+
+    # -- the ThreadedClient face -----------------------------------------------------------
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.supported_tasks
+
+    def start(self) -> None:
+        for engine in self.engines:
+            engine.start()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return next((e.dead_error for e in self.engines if e.dead_error is not None), None)
+
+    @property
+    def is_alive(self) -> bool:
+        return all(e.is_alive for e in self.engines)
+
+    @property
+    def stopped_unexpectedly(self) -> bool:
+        return any(e.stopped_unexpectedly for e in self.engines)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for engine in self.engines:
+            engine.shutdown(timeout)
+
+
+def make_async_client(
+    config: EngineConfig,
+    platform: Platform,
+    on_outputs: Callable[[EngineCoreOutputs], None],
+    on_dead: Callable[[BaseException], None],
+) -> Any:
+    """AsyncLLM's client: a thread, a process (PAGODA_ENABLE_V1_MULTIPROCESSING), or one process per DP replica."""
+    from pagoda import envs
+    from pagoda.engine.core_client import ThreadedClient
+
+    if config.parallel_config.data_parallel_size > 1:
+        return DPLBAsyncMPClient(config, platform, on_outputs, on_dead)
+    if envs.PAGODA_ENABLE_V1_MULTIPROCESSING:
+        return MPClient(config, platform, on_outputs, on_dead)
+    return ThreadedClient(config, platform, on_outputs, on_dead)
