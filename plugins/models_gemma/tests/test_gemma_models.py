@@ -6,13 +6,13 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig
+from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
 
+from pagoda.testing import family_checks as fc
 from pagoda.testing.paged_kv import PagedKVHarness
 from pagoda_models_gemma import gemma
 from pagoda_models_gemma.norm import GemmaRMSNorm
 
-ATOL = 1e-4
 # head_dim 32 is not hidden_size / num_attention_heads (16): Gemma sets it independently.
 SMALL = dict(
     vocab_size=256,
@@ -74,51 +74,25 @@ def _randomize(model: torch.nn.Module) -> None:
                 param.copy_(0.3 * noise)
 
 
-class Pair:
-    """A transformers reference model and the engine model loaded from its state dict."""
-
-    def __init__(self, case: str, dtype: torch.dtype = torch.float32) -> None:
-        hf_config, cls = _configs()[case]
-        torch.manual_seed(0)
-        self.hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-        _randomize(self.hf)
-        self.hf.tie_weights()
-        self.model = cls(hf_config, dtype)
-        state = self.hf.state_dict()
-        self.loaded = self.model.load_weights(state.items())
-        self.state_names = set(state)
-
-    def reference_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.hf(input_ids=token_ids[None]).logits[0].float()
+def _pair(case: str) -> fc.ModelPair:
+    hf_config, cls = _configs()[case]
+    return fc.ModelPair(hf_config, cls, fc.reference_model(hf_config, randomize=_randomize))
 
 
 @pytest.fixture(scope="module", params=CASES)
-def pair(request: pytest.FixtureRequest) -> Pair:
-    return Pair(request.param)
+def pair(request: pytest.FixtureRequest) -> fc.ModelPair:
+    return _pair(request.param)
 
 
-def _tokens(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, SMALL["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _run(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, metadata))
-
-
-def test_hf_model_is_the_expected_class(pair: Pair) -> None:
+def test_hf_model_is_the_expected_class(pair: fc.ModelPair) -> None:
     assert type(pair.hf).__name__ == type(pair.model).__name__
 
 
-def test_load_weights_consumes_every_checkpoint_tensor(pair: Pair) -> None:
-    expected = set(pair.state_names)
-    if pair.model.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    assert pair.loaded == expected
+def test_load_weights_consumes_every_checkpoint_tensor(pair: fc.ModelPair) -> None:
+    fc.check_loads_every_checkpoint_tensor(pair)
 
 
-def test_norm_weights_hold_one_plus_the_checkpoint_weight(pair: Pair) -> None:
+def test_norm_weights_hold_one_plus_the_checkpoint_weight(pair: fc.ModelPair) -> None:
     hf_params = dict(pair.hf.named_parameters())
     ours = dict(pair.model.named_parameters())
     norms = [f"{p}.weight" for p, m in pair.model.named_modules() if isinstance(m, GemmaRMSNorm)]
@@ -128,45 +102,16 @@ def test_norm_weights_hold_one_plus_the_checkpoint_weight(pair: Pair) -> None:
         assert torch.equal(ours[name], 1.0 + hf_params[name].float()), name
 
 
-def test_single_prefill_matches_transformers(pair: Pair) -> None:
-    ids = _tokens(20, seed=1)
-    harness = PagedKVHarness(pair.model)
-    positions, metadata = harness.step([(harness.new_sequence(20), 20)])
-    logits = _run(pair.model, ids, positions, metadata)
-    assert logits.dtype == torch.float32 and logits.shape == (20, SMALL["vocab_size"])
-    torch.testing.assert_close(logits, pair.reference_logits(ids), atol=ATOL, rtol=0)
+def test_single_prefill_matches_transformers(pair: fc.ModelPair) -> None:
+    fc.check_single_prefill(pair)
 
 
-def test_two_sequences_in_one_flat_batch(pair: Pair) -> None:
-    first, second = _tokens(13, seed=2), _tokens(20, seed=3)
-    harness = PagedKVHarness(pair.model)
-    positions, metadata = harness.step([(harness.new_sequence(13), 13), (harness.new_sequence(20), 20)])
-    logits = _run(pair.model, torch.cat([first, second]), positions, metadata)
-    torch.testing.assert_close(logits[:13], pair.reference_logits(first), atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits[13:], pair.reference_logits(second), atol=ATOL, rtol=0)
+def test_two_sequences_in_one_flat_batch(pair: fc.ModelPair) -> None:
+    fc.check_two_sequences_in_one_flat_batch(pair)
 
 
-def test_decode_steps_beside_a_chunked_prefill(pair: Pair) -> None:
-    """Sequence A prefills then decodes one token a step; B prefills in chunks in the same steps."""
-    a_ids, b_ids = _tokens(18, seed=4), _tokens(22, seed=5)
-    a_ref, b_ref = pair.reference_logits(a_ids), pair.reference_logits(b_ids)
-    harness = PagedKVHarness(pair.model)
-    a, b = harness.new_sequence(18), harness.new_sequence(22)
-
-    positions, metadata = harness.step([(a, 12)])
-    torch.testing.assert_close(_run(pair.model, a_ids[:12], positions, metadata), a_ref[:12], atol=ATOL, rtol=0)
-
-    b_chunks = [5, 5, 5, 4, 3]
-    b_done = 0
-    for step, chunk in enumerate(b_chunks + [0]):
-        a_pos = 12 + step
-        scheduled = [(a, 1)] + ([(b, chunk)] if chunk else [])
-        positions, metadata = harness.step(scheduled)
-        ids = torch.cat([a_ids[a_pos : a_pos + 1], b_ids[b_done : b_done + chunk]])
-        logits = _run(pair.model, ids, positions, metadata)
-        torch.testing.assert_close(logits[:1], a_ref[a_pos : a_pos + 1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(logits[1:], b_ref[b_done : b_done + chunk], atol=ATOL, rtol=0)
-        b_done += chunk
+def test_decode_steps_beside_a_chunked_prefill(pair: fc.ModelPair) -> None:
+    fc.check_decode_beside_chunked_prefill(pair)
 
 
 def test_softcaps_and_windows_reach_the_layers() -> None:
@@ -183,13 +128,11 @@ SOFTCAPPED_CASES = [case for case, (config, _) in _configs().items() if getattr(
 
 @pytest.mark.parametrize("case", SOFTCAPPED_CASES)
 def test_final_softcap_bounds_the_logits(case: str) -> None:
-    pair = Pair(case)
+    pair = _pair(case)
     cap = pair.model.options.final_logit_softcapping
     assert cap is not None
-    ids = _tokens(20, seed=6)
-    harness = PagedKVHarness(pair.model)
-    positions, metadata = harness.step([(harness.new_sequence(20), 20)])
-    logits = _run(pair.model, ids, positions, metadata)
+    ids = pair.tokens(20, seed=6)
+    logits = fc.prefill_logits(pair.model, ids)
     assert logits.abs().max() < cap
     # the cap matters here: uncapped logits go well beyond it
     with torch.inference_mode():
@@ -219,7 +162,7 @@ def test_bfloat16_norm_rounds_within_two_ulps_of_transformers() -> None:
 
 
 def test_unknown_and_missing_weights_are_refused() -> None:
-    pair = Pair("gemma")
+    pair = _pair("gemma")
     state = pair.hf.state_dict()
     model = gemma.GemmaForCausalLM(_configs()["gemma"][0], torch.float32)
     with pytest.raises(ValueError, match="matches no parameter"):

@@ -16,12 +16,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, FalconConfig, GPT2Config, OPTConfig
 
 from pagoda.layers import get_alibi_slopes
+from pagoda.testing import family_checks as fc
 from pagoda.testing.model_parity import randomize_weights
-from pagoda.testing.paged_kv import PagedKVHarness
 from pagoda_models_gpt import gpt
 from pagoda_models_gpt.arch import falcon_alibi_slopes
 
-ATOL = 1e-4
 VOCAB = 256
 GPT2 = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128)
 OPT = dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_attention_heads=4, num_hidden_layers=2,
@@ -73,110 +72,52 @@ def _configs() -> dict[str, tuple[Any, type]]:
 CASES = list(_configs())
 
 
+def _attn_implementation(hf_config: Any) -> str:
+    """Eager attention, except Falcon with ALiBi: SDPA (see test_transformers_eager_falcon_adds_alibi_twice)."""
+    return "sdpa" if getattr(hf_config, "alibi", False) else "eager"
+
+
 def reference_model(hf_config: Any) -> Any:
-    """transformers' model for ``hf_config``: eager attention, except Falcon with ALiBi (SDPA; see
-    test_transformers_eager_falcon_adds_alibi_twice). A copy of the config: loading mutates it."""
+    """transformers' model for ``hf_config`` with its initial weights. A copy of the config: loading mutates it."""
     hf_config = copy.deepcopy(hf_config)
-    impl = "sdpa" if getattr(hf_config, "alibi", False) else "eager"
-    return AutoModelForCausalLM.from_config(hf_config, attn_implementation=impl).float().eval()
+    return AutoModelForCausalLM.from_config(hf_config, attn_implementation=_attn_implementation(hf_config)).float().eval()
 
 
-class Pair:
-    """A transformers reference model and the engine model loaded from its state dict."""
-
-    def __init__(self, case: str, dtype: torch.dtype = torch.float32) -> None:
-        hf_config, cls = _configs()[case]
-        self.hf_config = hf_config
-        self.cls = cls
-        torch.manual_seed(0)
-        self.hf = reference_model(hf_config)
-        randomize_weights(self.hf, seed=1234)
-        if hf_config.tie_word_embeddings:
-            self.hf.tie_weights()
-        self.model = cls(hf_config, dtype)
-        state = self.hf.state_dict()
-        self.loaded = self.model.load_weights(state.items())
-        self.state_names = set(state)
-
-    def reference_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.hf(input_ids=token_ids[None]).logits[0].float()
+def _pair(case: str) -> fc.ModelPair:
+    """The reference (seeded weights) built from a copy of the config, the engine model from the original."""
+    hf_config, cls = _configs()[case]
+    impl = _attn_implementation(hf_config)
+    return fc.ModelPair(hf_config, cls, fc.reference_model(copy.deepcopy(hf_config), attn_implementation=impl))
 
 
 @pytest.fixture(scope="module", params=CASES)
-def pair(request: pytest.FixtureRequest) -> Pair:
-    return Pair(request.param)
+def pair(request: pytest.FixtureRequest) -> fc.ModelPair:
+    return _pair(request.param)
 
 
-def _tokens(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+def test_load_weights_consumes_every_checkpoint_tensor(pair: fc.ModelPair) -> None:
+    fc.check_loads_every_checkpoint_tensor(pair)
 
 
-def _run(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, metadata))
+def test_single_prefill_matches_transformers(pair: fc.ModelPair) -> None:
+    fc.check_single_prefill(pair)
 
 
-def _prefill_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    harness = PagedKVHarness(model)
-    positions, metadata = harness.step([(harness.new_sequence(len(ids)), len(ids))])
-    return _run(model, ids, positions, metadata)
+def test_two_sequences_in_one_flat_batch(pair: fc.ModelPair) -> None:
+    fc.check_two_sequences_in_one_flat_batch(pair)
 
 
-def test_load_weights_consumes_every_checkpoint_tensor(pair: Pair) -> None:
-    expected = set(pair.state_names)
-    if pair.model.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    assert pair.loaded == expected
+def test_decode_steps_beside_a_chunked_prefill(pair: fc.ModelPair) -> None:
+    fc.check_decode_beside_chunked_prefill(pair)
 
 
-def test_single_prefill_matches_transformers(pair: Pair) -> None:
-    ids = _tokens(20, seed=1)
-    logits = _prefill_logits(pair.model, ids)
-    assert logits.dtype == torch.float32 and logits.shape == (20, VOCAB)
-    torch.testing.assert_close(logits, pair.reference_logits(ids), atol=ATOL, rtol=0)
-
-
-def test_two_sequences_in_one_flat_batch(pair: Pair) -> None:
-    first, second = _tokens(13, seed=2), _tokens(20, seed=3)
-    harness = PagedKVHarness(pair.model)
-    positions, metadata = harness.step([(harness.new_sequence(13), 13), (harness.new_sequence(20), 20)])
-    logits = _run(pair.model, torch.cat([first, second]), positions, metadata)
-    torch.testing.assert_close(logits[:13], pair.reference_logits(first), atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits[13:], pair.reference_logits(second), atol=ATOL, rtol=0)
-
-
-def test_decode_steps_beside_a_chunked_prefill(pair: Pair) -> None:
-    """Sequence A prefills then decodes one token a step; B prefills in chunks in the same steps."""
-    a_ids, b_ids = _tokens(18, seed=4), _tokens(22, seed=5)
-    a_ref, b_ref = pair.reference_logits(a_ids), pair.reference_logits(b_ids)
-    harness = PagedKVHarness(pair.model)
-    a, b = harness.new_sequence(18), harness.new_sequence(22)
-
-    positions, metadata = harness.step([(a, 12)])
-    torch.testing.assert_close(_run(pair.model, a_ids[:12], positions, metadata), a_ref[:12], atol=ATOL, rtol=0)
-
-    b_chunks = [5, 5, 5, 4, 3]
-    b_done = 0
-    for step, chunk in enumerate(b_chunks + [0]):
-        a_pos = 12 + step
-        scheduled = [(a, 1)] + ([(b, chunk)] if chunk else [])
-        positions, metadata = harness.step(scheduled)
-        ids = torch.cat([a_ids[a_pos : a_pos + 1], b_ids[b_done : b_done + chunk]])
-        logits = _run(pair.model, ids, positions, metadata)
-        torch.testing.assert_close(logits[:1], a_ref[a_pos : a_pos + 1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(logits[1:], b_ref[b_done : b_done + chunk], atol=ATOL, rtol=0)
-        b_done += chunk
-
-
-def test_saved_checkpoint_names_load(pair: Pair, tmp_path: Path) -> None:
+def test_saved_checkpoint_names_load(pair: fc.ModelPair, tmp_path: Path) -> None:
     """``save_pretrained`` writes the names transformers saves (and drops tied copies); they load too."""
     pair.hf.save_pretrained(tmp_path, safe_serialization=True)
     saved = load_file(str(tmp_path / "model.safetensors"))
     model = pair.cls(pair.hf_config, torch.float32)
     model.load_weights(saved.items())
-    ids = _tokens(9, seed=6)
-    torch.testing.assert_close(_prefill_logits(model, ids), pair.reference_logits(ids), atol=ATOL, rtol=0)
+    fc.check_prefill_matches_reference(pair, pair.tokens(9, seed=6), model)
 
 
 def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -186,52 +127,48 @@ def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
 @pytest.mark.parametrize(("case", "prefix"), [("gpt2", "transformer."), ("opt", "model.")])
 def test_base_model_checkpoint_names_load(case: str, prefix: str) -> None:
     """The hub's GPT-2 and OPT files are saved from the base model: 'h.0.attn.c_attn.weight', 'decoder.layers.0...'."""
-    p = Pair(case)
+    p = _pair(case)
     state = _strip(p.hf.state_dict(), prefix)
     assert not any(k.startswith(prefix) for k in state)
     model = p.cls(p.hf_config, torch.float32)
     model.load_weights(state.items())
-    ids = _tokens(11, seed=7)
-    torch.testing.assert_close(_prefill_logits(model, ids), p.reference_logits(ids), atol=ATOL, rtol=0)
+    fc.check_prefill_matches_reference(p, p.tokens(11, seed=7), model)
 
 
 def test_gpt2_conv1d_weights_are_transposed() -> None:
     """GPT-2's Conv1D weights are [in, out]; taking them as [out, in] changes the logits (the square
     c_proj fits either way, so only the logits tell)."""
-    p = Pair("gpt2")
+    p = _pair("gpt2")
     model = gpt.GPT2LMHeadModel(p.hf_config, torch.float32)
     state = p.hf.state_dict()
     state = {k: (v.t() if k.endswith("attn.c_attn.weight") or k.endswith("mlp.c_fc.weight")
                  or k.endswith("mlp.c_proj.weight") else v) for k, v in state.items()}
     model.convert_checkpoint_tensor = lambda name, tensor: tensor  # type: ignore[method-assign]
     model.load_weights(state.items())
-    ids = _tokens(12, seed=8)
-    assert (_prefill_logits(model, ids) - p.reference_logits(ids)).abs().max() > 1e-2
+    fc.check_prefill_differs_from_reference(p, p.tokens(12, seed=8), model)
 
 
 @pytest.mark.parametrize("case", ["falcon-rotary-mha-sequential-bias", "falcon-new-arch-gqa"])
 def test_falcon_fused_qkv_rows_are_regrouped(case: str) -> None:
     """Falcon's fused rows are per head ([heads, 3, d]) or per KV group ([kv, group + 2, d]); taken as
     [q; k; v] blocks they give other logits."""
-    p = Pair(case)
+    p = _pair(case)
     model = gpt.FalconForCausalLM(p.hf_config, torch.float32)
     model.convert_checkpoint_tensor = lambda name, tensor: tensor  # type: ignore[method-assign]
     model.load_weights(p.hf.state_dict().items())
-    ids = _tokens(12, seed=9)
-    assert (_prefill_logits(model, ids) - p.reference_logits(ids)).abs().max() > 1e-2
+    fc.check_prefill_differs_from_reference(p, p.tokens(12, seed=9), model)
 
 
 def test_opt_positions_are_offset_by_two() -> None:
-    p = Pair("opt")
+    p = _pair("opt")
     model = gpt.OPTForCausalLM(p.hf_config, torch.float32)
     model.load_weights(p.hf.state_dict().items())
     model.model.position_offset = 0
-    ids = _tokens(12, seed=10)
-    assert (_prefill_logits(model, ids) - p.reference_logits(ids)).abs().max() > 1e-2
+    fc.check_prefill_differs_from_reference(p, p.tokens(12, seed=10), model)
 
 
 def test_alibi_slopes_reach_the_attention_layers() -> None:
-    p = Pair("falcon-alibi-new-arch-gqa-6-heads")
+    p = _pair("falcon-alibi-new-arch-gqa-6-heads")
     slopes = falcon_alibi_slopes(6, 8)
     expected = get_alibi_slopes(6).to(torch.bfloat16).float() * 8**-0.5
     assert torch.equal(torch.tensor(slopes), expected)
@@ -241,8 +178,7 @@ def test_alibi_slopes_reach_the_attention_layers() -> None:
     # without the bias the model is another model
     for layer in layers:
         layer.alibi_slopes = None
-    ids = _tokens(16, seed=11)
-    assert (_prefill_logits(p.model, ids) - p.reference_logits(ids)).abs().max() > 1e-2
+    fc.check_prefill_differs_from_reference(p, p.tokens(16, seed=11), p.model)
 
 
 def test_transformers_eager_falcon_adds_alibi_twice() -> None:
@@ -259,7 +195,7 @@ def test_transformers_eager_falcon_adds_alibi_twice() -> None:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), attn_implementation=impl).eval()
         randomize_weights(model, seed=3)
         models[impl] = model
-    ids = _tokens(20, seed=12)[None]
+    ids = fc.tokens(20, seed=12, vocab_size=VOCAB)[None]
     with torch.no_grad():
         eager = models["eager"](ids).logits
         sdpa = models["sdpa"](ids).logits
@@ -331,7 +267,7 @@ def test_gpt2_reorder_and_upcast_attn() -> None:
     randomize_weights(hf, seed=5)
     model = gpt.GPT2LMHeadModel(config, torch.float32)
     model.load_weights(hf.state_dict().items())
-    ids = _tokens(15, seed=13)
+    ids = fc.tokens(15, seed=13, vocab_size=VOCAB)
     with torch.no_grad():
         reference = hf(input_ids=ids[None]).logits[0]
-    torch.testing.assert_close(_prefill_logits(model, ids), reference, atol=ATOL, rtol=0)
+    torch.testing.assert_close(fc.prefill_logits(model, ids), reference, atol=fc.ATOL, rtol=0)

@@ -6,12 +6,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from pagoda.testing.paged_kv import PagedKVHarness
+from pagoda.testing import family_checks as fc
 from pagoda_models_llama import llama
 
-ATOL = 1e-4
 SMALL = dict(
     vocab_size=256,
     hidden_size=64,
@@ -57,127 +56,50 @@ def _configs() -> dict[str, tuple[Any, type]]:
 CASES = list(_configs())
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    """Unit-scale weights and non-trivial norm weights, so a mixed-up q/k norm or bias shows in the logits."""
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if "norm" in name:
-                param.copy_(1.0 + 0.3 * noise)
-            elif param.ndim == 2:
-                param.copy_(noise / param.shape[1] ** 0.5)
-            else:
-                param.copy_(0.3 * noise)
-
-
-class Pair:
-    """A transformers reference model and the engine model loaded from its state dict."""
-
-    def __init__(self, case: str, dtype: torch.dtype = torch.float32) -> None:
-        hf_config, cls = _configs()[case]
-        torch.manual_seed(0)
-        self.hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-        _randomize(self.hf)
-        self.model = cls(hf_config, dtype)
-        state = self.hf.state_dict()
-        self.loaded = self.model.load_weights(state.items())
-        self.state_names = set(state)
-
-    def reference_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.hf(input_ids=token_ids[None]).logits[0].float()
+def _pair(case: str) -> fc.ModelPair:
+    return fc.ModelPair(*_configs()[case])
 
 
 @pytest.fixture(scope="module", params=CASES)
-def pair(request: pytest.FixtureRequest) -> Pair:
-    return Pair(request.param)
+def pair(request: pytest.FixtureRequest) -> fc.ModelPair:
+    return _pair(request.param)
 
 
-def _tokens(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, SMALL["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed))
+def test_load_weights_consumes_every_checkpoint_tensor(pair: fc.ModelPair) -> None:
+    fc.check_loads_every_checkpoint_tensor(pair)
 
 
-def _run(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, metadata))
+def test_single_prefill_matches_transformers(pair: fc.ModelPair) -> None:
+    fc.check_single_prefill(pair)
 
 
-def test_load_weights_consumes_every_checkpoint_tensor(pair: Pair) -> None:
-    expected = set(pair.state_names)
-    if pair.model.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    assert pair.loaded == expected
+def test_two_sequences_in_one_flat_batch(pair: fc.ModelPair) -> None:
+    fc.check_two_sequences_in_one_flat_batch(pair)
 
 
-def test_single_prefill_matches_transformers(pair: Pair) -> None:
-    ids = _tokens(20, seed=1)
-    harness = PagedKVHarness(pair.model)
-    positions, metadata = harness.step([(harness.new_sequence(20), 20)])
-    logits = _run(pair.model, ids, positions, metadata)
-    assert logits.dtype == torch.float32 and logits.shape == (20, SMALL["vocab_size"])
-    torch.testing.assert_close(logits, pair.reference_logits(ids), atol=ATOL, rtol=0)
-
-
-def test_two_sequences_in_one_flat_batch(pair: Pair) -> None:
-    first, second = _tokens(13, seed=2), _tokens(20, seed=3)
-    harness = PagedKVHarness(pair.model)
-    positions, metadata = harness.step([(harness.new_sequence(13), 13), (harness.new_sequence(20), 20)])
-    logits = _run(pair.model, torch.cat([first, second]), positions, metadata)
-    torch.testing.assert_close(logits[:13], pair.reference_logits(first), atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits[13:], pair.reference_logits(second), atol=ATOL, rtol=0)
-
-
-def test_decode_steps_beside_a_chunked_prefill(pair: Pair) -> None:
-    """Sequence A prefills then decodes one token a step; B prefills in chunks in the same steps."""
-    a_ids, b_ids = _tokens(18, seed=4), _tokens(22, seed=5)
-    a_ref, b_ref = pair.reference_logits(a_ids), pair.reference_logits(b_ids)
-    harness = PagedKVHarness(pair.model)
-    a, b = harness.new_sequence(18), harness.new_sequence(22)
-
-    positions, metadata = harness.step([(a, 12)])
-    torch.testing.assert_close(_run(pair.model, a_ids[:12], positions, metadata), a_ref[:12], atol=ATOL, rtol=0)
-
-    b_chunks = [5, 5, 5, 4, 3]
-    b_done = 0
-    for step, chunk in enumerate(b_chunks + [0]):
-        a_pos = 12 + step
-        scheduled = [(a, 1)] + ([(b, chunk)] if chunk else [])
-        positions, metadata = harness.step(scheduled)
-        ids = torch.cat([a_ids[a_pos : a_pos + 1], b_ids[b_done : b_done + chunk]])
-        logits = _run(pair.model, ids, positions, metadata)
-        torch.testing.assert_close(logits[:1], a_ref[a_pos : a_pos + 1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(logits[1:], b_ref[b_done : b_done + chunk], atol=ATOL, rtol=0)
-        b_done += chunk
-    assert b_done == 22 and a.num_cached == 18
+def test_decode_steps_beside_a_chunked_prefill(pair: fc.ModelPair) -> None:
+    fc.check_decode_beside_chunked_prefill(pair)
 
 
 def test_built_on_meta_device_then_materialized() -> None:
     """The runner may build on the meta device; the RoPE table must not be lost on materialisation."""
-    reference = Pair("qwen3-tied")
+    reference = _pair("qwen3-tied")
     hf_config, cls = _configs()["qwen3-tied"]
     with torch.device("meta"):
         model = cls(hf_config, torch.float32)
     model.to_empty(device="cpu")
     model.load_weights(reference.hf.state_dict().items())
-    ids = _tokens(10, seed=6)
-    harness = PagedKVHarness(model)
-    positions, metadata = harness.step([(harness.new_sequence(10), 10)])
-    torch.testing.assert_close(
-        _run(model, ids, positions, metadata), reference.reference_logits(ids), atol=ATOL, rtol=0
-    )
+    fc.check_prefill_matches_reference(reference, reference.tokens(10, seed=6), model)
 
 
 def test_bfloat16_parameters_and_logits() -> None:
-    fp32 = Pair("llama")
+    fp32 = _pair("llama")
     hf_config, cls = _configs()["llama"]
     model = cls(hf_config, torch.bfloat16)
     model.load_weights(fp32.hf.state_dict().items())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    ids = _tokens(12, seed=7)
-    harness = PagedKVHarness(model)
-    positions, metadata = harness.step([(harness.new_sequence(12), 12)])
-    logits = _run(model, ids, positions, metadata)
+    ids = fp32.tokens(12, seed=7)
+    logits = fc.prefill_logits(model, ids)
     reference = fp32.reference_logits(ids)
     # In the model dtype: the sampler widens them only when it needs to.
     assert logits.dtype == torch.bfloat16
@@ -238,3 +160,16 @@ def test_plugin_registers_each_architecture_with_its_class() -> None:
         cls = import_object(ModelRegistry.spec_for([arch]).cls)
         assert cls is getattr(llama, arch)
     assert isinstance(llama.LlamaForCausalLM(_configs()["llama"][0], torch.float32), CausalLMModel)
+
+
+def test_the_shared_checks_fail_on_a_wrong_model() -> None:
+    """pagoda.testing.family_checks catches a model off transformers': a final norm 5% off, a tensor not loaded."""
+    wrong = _pair("llama")
+    with torch.no_grad():
+        wrong.model.model.norm.weight.mul_(1.05)
+    for check in (fc.check_single_prefill, fc.check_two_sequences_in_one_flat_batch, fc.check_decode_beside_chunked_prefill):
+        with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+            check(wrong)
+    wrong.loaded.discard("model.norm.weight")
+    with pytest.raises(AssertionError):
+        fc.check_loads_every_checkpoint_tensor(wrong)

@@ -8,14 +8,12 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, MixtralConfig, Phi3Config, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import MixtralConfig, Phi3Config, Qwen2MoeConfig, Qwen3MoeConfig
 
 from pagoda.layers import FusedMoE, Linear
-from pagoda.testing.model_parity import randomize_weights
-from pagoda.testing.paged_kv import PagedKVHarness
+from pagoda.testing import family_checks as fc
 from pagoda_models_llama import llama
 
-ATOL = 1e-4
 SMALL = dict(
     vocab_size=256,
     hidden_size=64,
@@ -91,74 +89,33 @@ def _configs() -> dict[str, tuple[Any, type]]:
 CASES = list(_configs())
 
 
-class Pair:
-    """A transformers reference model and the engine model loaded from its ``state_dict()``."""
-
-    def __init__(self, case: str, dtype: torch.dtype = torch.float32) -> None:
-        self.hf_config, self.cls = _configs()[case]
-        torch.manual_seed(0)
-        self.hf = AutoModelForCausalLM.from_config(self.hf_config, attn_implementation="eager").float().eval()
-        randomize_weights(self.hf, seed=1234)
-        self.model = self.cls(self.hf_config, dtype)
-        state = self.hf.state_dict()
-        self.loaded = self.model.load_weights(state.items())
-        self.state_names = set(state)
-
-    def reference_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.hf(input_ids=token_ids[None]).logits[0].float()
+def _pair(case: str) -> fc.ModelPair:
+    return fc.ModelPair(*_configs()[case])
 
 
 @pytest.fixture(scope="module", params=CASES)
-def pair(request: pytest.FixtureRequest) -> Pair:
-    return Pair(request.param)
+def pair(request: pytest.FixtureRequest) -> fc.ModelPair:
+    return _pair(request.param)
 
 
-def _tokens(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, SMALL["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _run(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, metadata))
-
-
-def test_state_dict_loads_whole(pair: Pair) -> None:
+def test_state_dict_loads_whole(pair: fc.ModelPair) -> None:
     """transformers 5's state_dict (MoE experts as 3-D tensors) fills every parameter."""
-    assert pair.loaded == pair.state_names
+    assert not pair.model.tie_word_embeddings
+    fc.check_loads_every_checkpoint_tensor(pair)
 
 
-def test_single_prefill_matches_transformers(pair: Pair) -> None:
-    ids = _tokens(20, seed=1)
-    harness = PagedKVHarness(pair.model)
-    positions, metadata = harness.step([(harness.new_sequence(20), 20)])
-    torch.testing.assert_close(_run(pair.model, ids, positions, metadata), pair.reference_logits(ids), atol=ATOL, rtol=0)
+def test_single_prefill_matches_transformers(pair: fc.ModelPair) -> None:
+    fc.check_single_prefill(pair)
 
 
-def test_decode_steps_beside_a_chunked_prefill(pair: Pair) -> None:
-    """Sequence A prefills then decodes one token a step; B prefills in chunks in the same steps."""
-    a_ids, b_ids = _tokens(18, seed=4), _tokens(22, seed=5)
-    a_ref, b_ref = pair.reference_logits(a_ids), pair.reference_logits(b_ids)
-    harness = PagedKVHarness(pair.model)
-    a, b = harness.new_sequence(18), harness.new_sequence(22)
-    positions, metadata = harness.step([(a, 12)])
-    torch.testing.assert_close(_run(pair.model, a_ids[:12], positions, metadata), a_ref[:12], atol=ATOL, rtol=0)
-    b_done = 0
-    for step, chunk in enumerate([5, 5, 5, 4, 3, 0]):
-        a_pos = 12 + step
-        positions, metadata = harness.step([(a, 1)] + ([(b, chunk)] if chunk else []))
-        ids = torch.cat([a_ids[a_pos : a_pos + 1], b_ids[b_done : b_done + chunk]])
-        logits = _run(pair.model, ids, positions, metadata)
-        torch.testing.assert_close(logits[:1], a_ref[a_pos : a_pos + 1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(logits[1:], b_ref[b_done : b_done + chunk], atol=ATOL, rtol=0)
-        b_done += chunk
-    assert b_done == 22
+def test_decode_steps_beside_a_chunked_prefill(pair: fc.ModelPair) -> None:
+    fc.check_decode_beside_chunked_prefill(pair)
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen2-moe-shared-dense1", "phi3"])
 def test_hub_checkpoint_layout_loads(case: str, tmp_path: Path) -> None:
     """save_pretrained writes the hub names (Mixtral: block_sparse_moe.experts.N.w1/w2/w3; Qwen: experts.N.gate_proj)."""
-    reference = Pair(case)
+    reference = _pair(case)
     reference.hf.save_pretrained(tmp_path, safe_serialization=True)
     saved = load_file(str(tmp_path / "model.safetensors"))
     if case == "mixtral":
@@ -167,10 +124,7 @@ def test_hub_checkpoint_layout_loads(case: str, tmp_path: Path) -> None:
         assert "model.layers.0.mlp.experts.5.up_proj.weight" in saved
     model = reference.cls(reference.hf_config, torch.float32)
     assert model.load_weights(saved.items()) == set(saved)
-    ids = _tokens(15, seed=8)
-    harness = PagedKVHarness(model)
-    positions, metadata = harness.step([(harness.new_sequence(15), 15)])
-    torch.testing.assert_close(_run(model, ids, positions, metadata), reference.reference_logits(ids), atol=ATOL, rtol=0)
+    fc.check_prefill_matches_reference(reference, reference.tokens(15, seed=8), model)
 
 
 def test_sparse_and_dense_layers_follow_the_config() -> None:
@@ -192,7 +146,7 @@ def test_sparse_and_dense_layers_follow_the_config() -> None:
 
 
 def test_missing_expert_weight_is_named(tmp_path: Path) -> None:
-    reference = Pair("mixtral")
+    reference = _pair("mixtral")
     reference.hf.save_pretrained(tmp_path, safe_serialization=True)
     saved = load_file(str(tmp_path / "model.safetensors"))
     del saved["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
@@ -205,7 +159,7 @@ def test_missing_expert_weight_is_named(tmp_path: Path) -> None:
 
 
 def test_phi3_missing_fused_weight_is_named() -> None:
-    reference = Pair("phi3")
+    reference = _pair("phi3")
     state = {n: t for n, t in reference.hf.state_dict().items() if n != "model.layers.1.self_attn.qkv_proj.weight"}
     with pytest.raises(ValueError, match=r"missing weight.*model\.layers\.1\.self_attn\.qkv_proj\.weight"):
         llama.Phi3ForCausalLM(reference.hf_config, torch.float32).load_weights(state.items())
@@ -249,25 +203,20 @@ def test_moe_experts_take_the_platform_linear_kernel() -> None:
         def apply(self, x: torch.Tensor, prepared: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
             return torch.nn.functional.linear(x, prepared, bias)
 
-    pair = Pair("qwen2-moe-shared-dense1")
+    pair = _pair("qwen2-moe-shared-dense1")
     linears = [m for m in pair.model.modules() if isinstance(m, Linear)]
     assert prepare_linear_layers(pair.model, Recording()) == len(linears)
     moe = pair.model.model.layers[0].mlp
     assert all(expert.gate_up_proj.kernel is not None for expert in moe.experts)
-    ids = _tokens(12, seed=9)
-    harness = PagedKVHarness(pair.model)
-    positions, metadata = harness.step([(harness.new_sequence(12), 12)])
-    torch.testing.assert_close(_run(pair.model, ids, positions, metadata), pair.reference_logits(ids), atol=ATOL, rtol=0)
+    fc.check_prefill_matches_reference(pair, pair.tokens(12, seed=9))
 
 
 def test_bfloat16_moe_close_to_float32_reference() -> None:
-    fp32 = Pair("mixtral")
+    fp32 = _pair("mixtral")
     model = llama.MixtralForCausalLM(fp32.hf_config, torch.bfloat16)
     model.load_weights(fp32.hf.state_dict().items())
-    ids = _tokens(12, seed=7)
-    harness = PagedKVHarness(model)
-    positions, metadata = harness.step([(harness.new_sequence(12), 12)])
-    logits = _run(model, ids, positions, metadata)
+    ids = fp32.tokens(12, seed=7)
+    logits = fc.prefill_logits(model, ids)
     reference = fp32.reference_logits(ids)
     assert logits.dtype == torch.bfloat16
     # bf16 may route a token to another expert at a near-tie: compare most rows, not all

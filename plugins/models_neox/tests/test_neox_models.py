@@ -14,11 +14,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, PhiConfig, StableLmConfig
 
-from pagoda.testing.model_parity import randomize_weights
-from pagoda.testing.paged_kv import PagedKVHarness
+from pagoda.testing import family_checks as fc
 from pagoda_models_neox import neox
 
-ATOL = 1e-4
 VOCAB = 256
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, max_position_embeddings=128)
 
@@ -65,113 +63,48 @@ def _configs() -> dict[str, tuple[Any, type]]:
 CASES = list(_configs())
 
 
-class Pair:
-    """A transformers reference model and the engine model loaded from its state dict."""
-
-    def __init__(self, case: str, dtype: torch.dtype = torch.float32) -> None:
-        hf_config, cls = _configs()[case]
-        self.hf_config = hf_config
-        self.cls = cls
-        torch.manual_seed(0)
-        self.hf = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
-        randomize_weights(self.hf, seed=1234)
-        if hf_config.tie_word_embeddings:
-            self.hf.tie_weights()
-        self.model = cls(hf_config, dtype)
-        state = self.hf.state_dict()
-        self.loaded = self.model.load_weights(state.items())
-        self.state_names = set(state)
-
-    def reference_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.hf(input_ids=token_ids[None]).logits[0].float()
+def _pair(case: str) -> fc.ModelPair:
+    return fc.ModelPair(*_configs()[case])
 
 
 @pytest.fixture(scope="module", params=CASES)
-def pair(request: pytest.FixtureRequest) -> Pair:
-    return Pair(request.param)
+def pair(request: pytest.FixtureRequest) -> fc.ModelPair:
+    return _pair(request.param)
 
 
-def _tokens(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+def test_load_weights_consumes_every_checkpoint_tensor(pair: fc.ModelPair) -> None:
+    fc.check_loads_every_checkpoint_tensor(pair)
 
 
-def _run(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, metadata: Any) -> torch.Tensor:
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, metadata))
+def test_single_prefill_matches_transformers(pair: fc.ModelPair) -> None:
+    fc.check_single_prefill(pair)
 
 
-def _prefill_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    harness = PagedKVHarness(model)
-    positions, metadata = harness.step([(harness.new_sequence(len(ids)), len(ids))])
-    return _run(model, ids, positions, metadata)
+def test_two_sequences_in_one_flat_batch(pair: fc.ModelPair) -> None:
+    fc.check_two_sequences_in_one_flat_batch(pair)
 
 
-def test_load_weights_consumes_every_checkpoint_tensor(pair: Pair) -> None:
-    expected = set(pair.state_names)
-    if pair.model.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    assert pair.loaded == expected
+def test_decode_steps_beside_a_chunked_prefill(pair: fc.ModelPair) -> None:
+    fc.check_decode_beside_chunked_prefill(pair)
 
 
-def test_single_prefill_matches_transformers(pair: Pair) -> None:
-    ids = _tokens(20, seed=1)
-    logits = _prefill_logits(pair.model, ids)
-    assert logits.dtype == torch.float32 and logits.shape == (20, VOCAB)
-    torch.testing.assert_close(logits, pair.reference_logits(ids), atol=ATOL, rtol=0)
-
-
-def test_two_sequences_in_one_flat_batch(pair: Pair) -> None:
-    first, second = _tokens(13, seed=2), _tokens(20, seed=3)
-    harness = PagedKVHarness(pair.model)
-    positions, metadata = harness.step([(harness.new_sequence(13), 13), (harness.new_sequence(20), 20)])
-    logits = _run(pair.model, torch.cat([first, second]), positions, metadata)
-    torch.testing.assert_close(logits[:13], pair.reference_logits(first), atol=ATOL, rtol=0)
-    torch.testing.assert_close(logits[13:], pair.reference_logits(second), atol=ATOL, rtol=0)
-
-
-def test_decode_steps_beside_a_chunked_prefill(pair: Pair) -> None:
-    """Sequence A prefills then decodes one token a step; B prefills in chunks in the same steps."""
-    a_ids, b_ids = _tokens(18, seed=4), _tokens(22, seed=5)
-    a_ref, b_ref = pair.reference_logits(a_ids), pair.reference_logits(b_ids)
-    harness = PagedKVHarness(pair.model)
-    a, b = harness.new_sequence(18), harness.new_sequence(22)
-
-    positions, metadata = harness.step([(a, 12)])
-    torch.testing.assert_close(_run(pair.model, a_ids[:12], positions, metadata), a_ref[:12], atol=ATOL, rtol=0)
-
-    b_chunks = [5, 5, 5, 4, 3]
-    b_done = 0
-    for step, chunk in enumerate(b_chunks + [0]):
-        a_pos = 12 + step
-        scheduled = [(a, 1)] + ([(b, chunk)] if chunk else [])
-        positions, metadata = harness.step(scheduled)
-        ids = torch.cat([a_ids[a_pos : a_pos + 1], b_ids[b_done : b_done + chunk]])
-        logits = _run(pair.model, ids, positions, metadata)
-        torch.testing.assert_close(logits[:1], a_ref[a_pos : a_pos + 1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(logits[1:], b_ref[b_done : b_done + chunk], atol=ATOL, rtol=0)
-        b_done += chunk
-
-
-def test_saved_checkpoint_names_load(pair: Pair, tmp_path: Path) -> None:
+def test_saved_checkpoint_names_load(pair: fc.ModelPair, tmp_path: Path) -> None:
     """``save_pretrained`` writes the hub's names (GPT-NeoX: ``embed_out``, not ``lm_head``); they load too."""
     pair.hf.save_pretrained(tmp_path, safe_serialization=True)
     saved = load_file(str(tmp_path / "model.safetensors"))
     model = pair.cls(pair.hf_config, torch.float32)
     model.load_weights(saved.items())
-    ids = _tokens(9, seed=6)
-    torch.testing.assert_close(_prefill_logits(model, ids), pair.reference_logits(ids), atol=ATOL, rtol=0)
+    fc.check_prefill_matches_reference(pair, pair.tokens(9, seed=6), model)
 
 
 def test_gpt_neox_qkv_rows_are_interleaved_per_head() -> None:
     """Rows of query_key_value are [heads, 3, head_dim]; loading them as [q; k; v] blocks changes the logits."""
-    p = Pair("gpt-neox-parallel")
-    ids = _tokens(12, seed=7)
+    p = _pair("gpt-neox-parallel")
     model = neox.GPTNeoXForCausalLM(p.hf_config, torch.float32)
     # skip the reordering: the checkpoint's interleaved rows taken as if they were q, k, v blocks
     model.convert_checkpoint_tensor = lambda name, tensor: tensor  # type: ignore[method-assign]
     model.load_weights(p.hf.state_dict().items())
-    assert (_prefill_logits(model, ids) - p.reference_logits(ids)).abs().max() > 1e-2
+    fc.check_prefill_differs_from_reference(p, p.tokens(12, seed=7), model)
 
 
 @pytest.mark.parametrize(
