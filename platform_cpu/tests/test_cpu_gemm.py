@@ -51,6 +51,37 @@ def test_matches_f_linear(dtype: torch.dtype, rows: int, out_features: int, in_f
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("row_tile", [12, 14])
+def test_taller_row_tiles_match_f_linear(dtype: torch.dtype, row_tile: int) -> None:
+    """The tiles a CPU may be tuned to: whole tiles, an 8-row tile plus a short one, and short tails alone."""
+    g = torch.Generator().manual_seed(row_tile)
+    kernel = PackedGemmKernel(row_tile=row_tile)
+    for out_features, in_features in [(96, 64), (50, 33)]:
+        w = torch.randn(out_features, in_features, generator=g).to(dtype)
+        b = torch.randn(out_features, generator=g).to(dtype)
+        prepared = kernel.prepare(w)
+        for rows in [1, 7, 9, row_tile - 1, row_tile, row_tile + 1, row_tile + 8, row_tile + 11, 3 * row_tile + 5]:
+            x = torch.randn(rows, in_features, generator=g).to(dtype)
+            _check(x, w, b, kernel.apply(x, prepared, b))
+    with pytest.raises(ValueError, match="row_tile"):
+        PackedGemmKernel(row_tile=10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("row_tile", [8, 14])
+def test_rows_in_blocks_past_half_of_l2(dtype: torch.dtype, row_tile: int) -> None:
+    """x larger than half of L2 runs in row blocks: several blocks and a short last one, strided x, bias."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 1536, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    kernel = PackedGemmKernel(row_tile=row_tile)
+    prepared = kernel.prepare(w)
+    wide = torch.randn(1203, 1600, generator=g).to(dtype)  # 1203 x 1536 bf16 is 3.7 MB, fp32 7.4 MB
+    x = wide[:, 3:1539]
+    _check(x, w, b, kernel.apply(x, prepared, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_strided_and_batched_inputs_and_no_rows(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 24, generator=g).to(dtype)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from pagoda.cpp_extension import CppExtension
 
@@ -22,6 +23,8 @@ EXTENSION_NAME = "pagoda_cpu_gemm"
 SOURCE = "csrc/gemm.cpp"
 EXTENSION = CppExtension(EXTENSION_NAME, "pagoda_platform_cpu", [SOURCE])
 PANEL = 32  # output columns per packed panel (kPanel in the source)
+ROW_TILES = (8, 12, 14)  # register-tile heights the source has; 8 unless tuned (gemm_tuning)
+DEFAULT_ROW_TILE = 8
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _STEP = {torch.float32: 1, torch.bfloat16: 2}  # k values per packed element group
 _num_threads = torch.get_num_threads
@@ -35,6 +38,7 @@ class GemmLibrary:
 
     def __init__(self, library: ModuleType) -> None:
         self.supports = library.pagoda_gemm_supports
+        self.peak = library.pagoda_gemm_peak
         self.pack = {torch.float32: library.pagoda_gemm_pack_f32, torch.bfloat16: library.pagoda_gemm_pack_bf16}
         self.gemm = {torch.float32: library.pagoda_gemm_f32, torch.bfloat16: library.pagoda_gemm_bf16}
 
@@ -62,6 +66,16 @@ def unavailable_reason(dtype: torch.dtype) -> str | None:
     return None
 
 
+def measure_peak_gflops(dtype: torch.dtype, threads: int | None = None, iterations: int = 2_000_000) -> float:
+    """GFLOP/s of the kernel's multiply-add (fp32 FMA, bf16 ``vdpbf16ps``) on registers alone: the CPU's peak.
+
+    ~2 ms a call on a 3 GHz core; the best of a few calls is the figure (the machine may be shared).
+    """
+    if unavailable_reason(dtype) is not None:
+        raise RuntimeError(f"no packed-matmul kernel for {dtype} here: {unavailable_reason(dtype)}")
+    return float(kernel().peak(_DTYPE_CODES[dtype], iterations // 16, threads or torch.get_num_threads()))
+
+
 @dataclass(frozen=True)
 class PackedWeight:
     packed: torch.Tensor  # [ceil(N/32), k-steps, 32, elements per k-step]
@@ -72,6 +86,7 @@ class PackedWeight:
     panels: int
     data_ptr: int
     kernel: Callable[..., int]  # the library's entry point for this dtype
+    plain: torch.Tensor | None = None  # kept only where F.linear serves some row counts (gemm_tuning)
 
 
 class PackedGemmKernel:
@@ -79,9 +94,19 @@ class PackedGemmKernel:
 
     name = "cpu_packed_gemm"
 
-    def __init__(self, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> None:
+    def __init__(self, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+                 row_tile: int = DEFAULT_ROW_TILE, onednn_rows: tuple[tuple[int, int], ...] = ()) -> None:
+        """``row_tile``: rows per register tile; ``onednn_rows``: [lo, hi) row ranges (hi 0: unbounded) that
+        ``F.linear`` serves instead, where this CPU measured oneDNN faster (``gemm_tuning``)."""
+        if row_tile not in ROW_TILES:
+            raise ValueError(f"row_tile must be one of {ROW_TILES}, got {row_tile}")
+        for lo, hi in onednn_rows:
+            if lo < 1 or (hi != 0 and hi <= lo):
+                raise ValueError(f"onednn_rows: [lo, hi) ranges with 1 <= lo < hi (or hi = 0) expected, got {onednn_rows}")
         self._lib = kernel()
         self.dtypes = dtypes
+        self.row_tile = row_tile
+        self.onednn_rows = tuple(onednn_rows)
 
     def supports(self, weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self.dtypes and weight.numel() > 0
@@ -96,7 +121,8 @@ class PackedGemmKernel:
         step = _STEP[dtype]
         packed = torch.zeros((-(-n // PANEL), -(-k // step), PANEL, step), dtype=dtype)
         self._lib.pack[dtype](weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
-        return PackedWeight(packed, n, k, dtype, packed.shape[0], packed.data_ptr(), self._lib.gemm[dtype])
+        plain = weight if self.onednn_rows else None
+        return PackedWeight(packed, n, k, dtype, packed.shape[0], packed.data_ptr(), self._lib.gemm[dtype], plain)
 
     def apply(self, x: torch.Tensor, prepared: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         # Called for every linear layer of every step: the 2-D case reads each attribute once, inline.
@@ -109,6 +135,8 @@ class PackedGemmKernel:
                 f"gemm: CPU x in the packed weight's dtype expected (x's dtype is {dtype}, the weight's {prepared.dtype})"
             )
         m, k = shape
+        if self.onednn_rows and prepared.plain is not None and self._onednn_takes(m):
+            return F.linear(x, prepared.plain, bias)
         n = prepared.out_features
         if k != prepared.in_features:
             raise RuntimeError(f"gemm: x has {k} columns and N is {n}, the packed weight does not fit them")
@@ -127,7 +155,11 @@ class PackedGemmKernel:
             bias_ptr = padded.data_ptr()
         y = _empty(m, n, dtype=dtype)
         if m and prepared.kernel(
-            x.data_ptr(), row_stride, m, k, prepared.data_ptr, prepared.panels, bias_ptr, y.data_ptr(), n, _num_threads()
+            x.data_ptr(), row_stride, m, k, prepared.data_ptr, prepared.panels, bias_ptr, y.data_ptr(), n, _num_threads(),
+            self.row_tile,
         ):
             raise RuntimeError(f"gemm: this build has no {dtype} kernel")
         return y
+
+    def _onednn_takes(self, rows: int) -> bool:
+        return any(lo <= rows and (hi == 0 or rows < hi) for lo, hi in self.onednn_rows)

@@ -20,9 +20,11 @@
 //
 // Entry points (extern "C", called through ctypes by pagoda_platform_cpu.gemm, which checks the
 // arguments and allocates the outputs): pagoda_gemm_supports, pagoda_gemm_pack_{f32,bf16},
-// pagoda_gemm_{f32,bf16}. dtype codes: 0 float32, 1 bfloat16.
+// pagoda_gemm_{f32,bf16}, pagoda_gemm_peak. dtype codes: 0 float32, 1 bfloat16. row_tile: 8, 12 or 14
+// rows per register tile (anything else: 8).
 
 #include <omp.h>
+#include <unistd.h>
 #include <pagoda/parallel.h>
 #include <pagoda/python.h>
 #include <pagoda/simd.h>
@@ -93,7 +95,7 @@ PAGODA_INLINE void tile(const T* x, int64_t ldx, int64_t K, const T* panel, cons
   for (int64_t s = 0; s < full; ++s) {
     const auto w0 = weight_vector(panel + s * step * kPanel);
     const auto w1 = weight_vector(panel + s * step * kPanel + 16 * step);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const auto a = x_broadcast(x + r * ldx + s * step, false);
       acc[r][0] = madd(acc[r][0], a, w0);
@@ -124,12 +126,17 @@ PAGODA_INLINE void tile(const T* x, int64_t ldx, int64_t K, const T* panel, cons
   }
 }
 
-template <typename T>
-void rows(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
-          int64_t columns) {
+// Rows [0, M) against one panel in tiles of MR rows; the last M % MR rows in tiles of at most 8.
+template <typename T, int MR>
+void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
+             int64_t columns) {
   int64_t m = 0;
-  for (; m + kRowTile <= M; m += kRowTile) {
-    tile<T, kRowTile>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns);
+  for (; m + MR <= M; m += MR) {
+    tile<T, MR>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns);
+  }
+  if (MR > 8 && M - m > 8) {
+    tile<T, 8>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns);
+    m += 8;
   }
   const T* xr = x + m * ldx;
   T* yr = y + m * ldy;
@@ -141,20 +148,64 @@ void rows(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const f
     case 5: tile<T, 5>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
     case 6: tile<T, 6>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
     case 7: tile<T, 7>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
+    case 8: tile<T, 8>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
     default: break;
   }
 }
 
+// The register tile's height is chosen per CPU (pagoda_platform_cpu.gemm_tuning measures them at
+// start-up): taller tiles load each weight vector for more rows (8 rows: 2 weight loads a
+// 16 multiply-adds; 12: 2 a 24; 14: 2 a 28, 31 of the 32 vector registers), which matters
+// where two 512-bit multiply-adds issue a cycle and the panel streams from L2.
+template <typename T>
+void rows(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
+          int64_t columns, int row_tile) {
+  switch (row_tile) {
+    case 12: rows_by<T, 12>(x, ldx, M, K, panel, bias, y, ldy, columns); break;
+    case 14: rows_by<T, 14>(x, ldx, M, K, panel, bias, y, ldy, columns); break;
+    default: rows_by<T, kRowTile>(x, ldx, M, K, panel, bias, y, ldy, columns); break;
+  }
+}
+
+// Bytes of L2 per core (sysconf; 1 MiB where the C library does not say).
+inline int64_t l2_bytes() {
+  static const int64_t bytes = [] {
+    const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return v > 0 ? static_cast<int64_t>(v) : int64_t{1} << 20;
+  }();
+  return bytes;
+}
+
+// Rows per block: all of M while x fits 3/4 of L2 (no block: the panels are then read once);
+// else blocks of equal size, each within half of L2, a whole number of row tiles, >= 64 rows.
+inline int64_t row_block(int64_t M, int64_t row_bytes, int row_tile) {
+  const int64_t l2 = l2_bytes();
+  row_bytes = std::max<int64_t>(1, row_bytes);
+  if (M * row_bytes <= l2 / 4 * 3) return std::max<int64_t>(M, 1);
+  const int64_t tile = row_tile == 12 || row_tile == 14 ? row_tile : kRowTile;
+  const int64_t most = std::max<int64_t>(64, l2 / 2 / row_bytes);
+  const int64_t blocks = (M + most - 1) / most;
+  const int64_t rows = (M + blocks - 1) / blocks;
+  return std::min(M, (rows + tile - 1) / tile * tile);
+}
+
 template <typename T>
 void gemm(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_t panels, const float* bias, T* y,
-          int64_t N, int max_threads) {
+          int64_t N, int max_threads, int row_tile) {
   const int64_t panel_elems = (K + kStep<T> - 1) / kStep<T> * kStep<T> * kPanel;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads, panels)));
+  // Rows in blocks whose x fits half of L2: each panel runs over a block while the block stays in
+  // L2, where running every row over each panel would stream all of x from L3 once per panel
+  // (x of 4,096 rows x 576 bf16 is 4.7 MB; that took the 4,096-row case below oneDNN).
+  const int64_t block = row_block(M, K * static_cast<int64_t>(sizeof(T)), row_tile);
   auto run = [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPanel;
-      rows(x, ldx, M, K, packed + p * panel_elems, bias == nullptr ? nullptr : bias + n0, y + n0, N,
-           std::min(kPanel, N - n0));
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t mb = std::min(block, M - m0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kPanel;
+        rows(x + m0 * ldx, ldx, mb, K, packed + p * panel_elems, bias == nullptr ? nullptr : bias + n0,
+             y + m0 * N + n0, N, std::min(kPanel, N - n0), row_tile);
+      }
     }
   };
   if (threads == 1) {
@@ -201,7 +252,53 @@ void pack(const T* src, T* dst, int64_t N, int64_t K, int threads) {
   });
 }
 
+// The CPU's multiply-add peak: each thread runs kChains independent register-only chains of the
+// kernel's own instruction (vfmadd231ps or vdpbf16ps) for `iters` rounds. 16 chains cover the
+// latency x pipes of every AVX-512 core (4-6 cycles x 2 pipes). GFLOP/s over all threads.
+constexpr int kChains = 16;
+
+#if defined(PAGODA_GEMM_FP32)
+template <typename V, typename A>
+double peak(int64_t iters, int threads, A a, A b, double flops_per_op) {
+  double total_seconds = 0.0;
+  float sink = 0.0f;
+#pragma omp parallel num_threads(threads) reduction(max : total_seconds) reduction(+ : sink)
+  {
+    __m512 acc[kChains];
+    for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j) * 1e-3f);
+#pragma omp barrier
+    const double start = omp_get_wtime();
+    for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+      for (int j = 0; j < kChains; ++j) acc[j] = madd(acc[j], a, b);
+    }
+    total_seconds = omp_get_wtime() - start;
+    for (int j = 1; j < kChains; ++j) acc[0] = _mm512_add_ps(acc[0], acc[j]);
+    sink += _mm512_reduce_add_ps(acc[0]);
+  }
+  volatile float keep = sink;  // the chains' result is used: the loop cannot be dropped
+  (void)keep;
+  return static_cast<double>(threads) * static_cast<double>(iters) * kChains * flops_per_op / total_seconds / 1e9;
+}
+#endif
+
 }  // namespace pagoda_gemm
+
+// GFLOP/s of the dtype's multiply-add instruction on `threads` threads (0.0 where this build lacks it).
+PAGODA_EXPORT double pagoda_gemm_peak(int dtype, int64_t iters, int threads) {
+#if defined(PAGODA_GEMM_FP32)
+  if (dtype == pagoda_gemm::kFloat32) {
+    return pagoda_gemm::peak<__m512>(iters, threads, _mm512_set1_ps(1.0f), _mm512_set1_ps(1e-7f), 32.0);
+  }
+#endif
+#if defined(PAGODA_GEMM_BF16)
+  if (dtype == pagoda_gemm::kBFloat16) {
+    return pagoda_gemm::peak<__m512i>(iters, threads, _mm512_set1_epi32(0x3f803f80), _mm512_set1_epi32(0x33d633d6), 64.0);
+  }
+#endif
+  (void)dtype, (void)iters, (void)threads;
+  return 0.0;
+}
 
 PAGODA_EXPORT int pagoda_gemm_supports(int dtype) { return pagoda_gemm::supported(dtype) ? 1 : 0; }
 
@@ -215,28 +312,32 @@ PAGODA_EXPORT void pagoda_gemm_pack_bf16(const uint16_t* weight, uint16_t* packe
 // y [M, N] (rows N apart) = x [M, K] (rows ldx apart) times the packed weight of `panels` panels, plus
 // bias (float32, padded to panels * 32; may be null). Returns -1 where this build lacks the instructions.
 PAGODA_EXPORT int pagoda_gemm_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* packed, int64_t panels,
-                                  const float* bias, float* y, int64_t N, int threads) {
+                                  const float* bias, float* y, int64_t N, int threads, int row_tile) {
 #if defined(PAGODA_GEMM_FP32)
-  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads);
+  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile);
   return 0;
 #else
   (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)panels, (void)bias, (void)y, (void)N, (void)threads;
+  (void)row_tile;
   return -1;
 #endif
 }
 PAGODA_EXPORT int pagoda_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* packed,
-                                   int64_t panels, const float* bias, uint16_t* y, int64_t N, int threads) {
+                                   int64_t panels, const float* bias, uint16_t* y, int64_t N, int threads,
+                                   int row_tile) {
 #if defined(PAGODA_GEMM_BF16)
-  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads);
+  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile);
   return 0;
 #else
   (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)panels, (void)bias, (void)y, (void)N, (void)threads;
+  (void)row_tile;
   return -1;
 #endif
 }
 
 // The entry points as a Python module (pagoda/python.h): one cheap call each from the wrappers.
 PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(pagoda_gemm_supports),
+                     PAGODA_FUNCTION(pagoda_gemm_peak),
                      PAGODA_FUNCTION(pagoda_gemm_pack_f32),
                      PAGODA_FUNCTION(pagoda_gemm_pack_bf16),
                      PAGODA_FUNCTION(pagoda_gemm_f32),
