@@ -164,7 +164,9 @@ def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = 
 class StructuredOutputsConfig(_Config):
     """vLLM's ``StructuredOutputsConfig`` (``--structured-outputs-config '{"backend": "xgrammar"}'``)."""
 
-    backend: str = Field("auto", description="Structured outputs backend: a plugin's name in the pagoda.structured_output_backends group (xgrammar), or 'auto' = xgrammar if installed, else the only one installed.")
+    backend: str = Field("auto", description="Structured outputs backend: a plugin's name in the pagoda.structured_output_backends group (xgrammar, guidance), or 'auto' = per request, xgrammar when it supports the constraint, else guidance.")
+    reasoning_parser: str = Field("", description="Reasoning parser (a pagoda.reasoning_parsers plugin's name: deepseek_r1, qwen3): structured outputs constrain only the answer after the reasoning ends, and the server splits reasoning_content from content.")
+    enable_in_reasoning: bool = Field(False, description="Constrain the reasoning too (the grammar applies from the first output token even with a reasoning parser).")
 
 
 def _default_structured_outputs_config() -> StructuredOutputsConfig:
@@ -274,6 +276,8 @@ class EngineArgs(_Config):
     attention_backend: str | None = _field_of(DeviceConfig, "attention_backend")
     load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = _field_of(LoadConfig, "load_format")
     download_dir: str | None = _field_of(LoadConfig, "download_dir")
+    # vLLM's flat --reasoning-parser; lands in structured_outputs_config.reasoning_parser.
+    reasoning_parser: str = Field("", description=StructuredOutputsConfig.model_fields["reasoning_parser"].description)
     # A whole section (as in vLLM), not flattened: --structured-outputs-config takes JSON.
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = Field(
         default_factory=_default_structured_outputs_config, description=StructuredOutputsConfig.__doc__)
@@ -302,10 +306,15 @@ class EngineArgs(_Config):
             for key, section in _SECTIONS.items()
         }
         structured = self._structured_outputs_config_object(self.structured_outputs_config)
+        if self.reasoning_parser:
+            if structured.reasoning_parser and structured.reasoning_parser != self.reasoning_parser:
+                raise ValueError(f"reasoning_parser={self.reasoning_parser!r} and structured_outputs_config."
+                                 f"reasoning_parser={structured.reasoning_parser!r} disagree; set one")
+            structured = structured.model_copy(update={"reasoning_parser": self.reasoning_parser})
         return EngineConfig(**sections, structured_outputs_config=structured)
 
 
-assert set(EngineArgs.model_fields) - {"structured_outputs_config"} == set(_engine_arg_fields()), "EngineArgs drifted from the config sections"
+assert set(EngineArgs.model_fields) - {"structured_outputs_config", "reasoning_parser"} == set(_engine_arg_fields()), "EngineArgs drifted from the config sections"
 
 
 class AsyncEngineArgs(EngineArgs):

@@ -147,7 +147,8 @@ class EngineCore:
                                   config.load_config.download_dir, model.trust_remote_code)
 
         vocab_size = int(config.resolved.text_config.vocab_size)
-        return StructuredOutputManager(tokenizer, vocab_size, config.structured_outputs_config.backend)
+        so = config.structured_outputs_config
+        return StructuredOutputManager(tokenizer, vocab_size, so.backend, so.reasoning_parser, so.enable_in_reasoning)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         """What the loaded model serves: ("generate",), or its pooler's tasks (vLLM's supported tasks)."""

@@ -32,8 +32,7 @@ from pagoda.scheduler.output import (
 )
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
-from pagoda.structured_output.backend import StructuredOutputMatcher
-from pagoda.structured_output.manager import StructuredOutputManager
+from pagoda.structured_output.manager import RequestStructuredOutput, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,8 @@ class Scheduler:
             if self.structured_output_manager is None:
                 raise ValueError("this engine has no structured outputs manager; structured_outputs is not supported")
             # compiles in the background; the request waits in the queue until its grammar is ready
-            request.structured_output = self.structured_output_manager.init_request(constraint)
+            request.structured_output = self.structured_output_manager.init_request(constraint,
+                                                                                    request.prompt_token_ids)
             self._constrained.add(request.request_id)
         self.requests[request.request_id] = request
         if request.structured_output is not None and not request.structured_output.is_ready:
@@ -297,17 +297,18 @@ class Scheduler:
         if manager is None or not self._constrained:
             return
         ids: dict[str, int] = {}
-        matchers: list[StructuredOutputMatcher] = []
+        constrained: list[RequestStructuredOutput] = []
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
-            if req.structured_output is None or req.beam_group is not None:
+            # still reasoning: its tokens are free until the reasoning parser sees the end of it
+            if req.structured_output is None or req.beam_group is not None or not req.structured_output.reasoning_ended:
                 continue
             if req.num_computed_tokens + n >= req.num_tokens:
-                ids[rid] = len(matchers)
-                matchers.append(req.structured_output.matcher)
-        if matchers:
+                ids[rid] = len(constrained)
+                constrained.append(req.structured_output)
+        if constrained:
             out.structured_output_request_ids = ids
-            out.grammar_bitmask = manager.grammar_bitmask(matchers)
+            out.grammar_bitmask = manager.grammar_bitmask(constrained)
 
     def _fail_constraint(self, req: Request, error: BaseException) -> None:
         self.waiting.remove(req)
@@ -405,8 +406,14 @@ class Scheduler:
                 req.append_output_token_ids([tok])
                 if self._check_stop(req, tok):
                     break
-                if req.structured_output is not None and self._advance_grammar(req, tok):
-                    break
+                if req.structured_output is not None:
+                    if not req.structured_output.reasoning_ended:
+                        # the token that ends the reasoning is not the answer's: the grammar starts after it
+                        assert self.structured_output_manager is not None
+                        self.structured_output_manager.reasoning_ends_with(req.structured_output, req.all_token_ids,
+                                                                           [tok])
+                    elif self._advance_grammar(req, tok):
+                        break
             out = EngineCoreOutput(req_id=rid, new_token_ids=accepted, num_cached_tokens=max(req.num_cached_tokens, 0))
             if req.first_token_time is None:
                 req.first_token_time = now

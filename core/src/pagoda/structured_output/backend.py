@@ -9,6 +9,7 @@ set means token ``t`` is allowed (xgrammar's and llguidance's layout).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -71,6 +72,12 @@ class StructuredOutputBackend(ABC):
         from pagoda.structured_output.manager import apply_token_bitmask
 
         apply_token_bitmask(logits, torch.arange(logits.shape[0], device=logits.device), bitmask)
+
+    def fill_bitmasks(self, matchers: Sequence[StructuredOutputMatcher], rows: Sequence[int],
+                      bitmask: torch.Tensor) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (this backend's); a backend may fill them in parallel."""
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

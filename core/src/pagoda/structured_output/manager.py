@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from pagoda.plugins import StructuredOutputBackendSpec, get_plugin_manager
+from pagoda.reasoning import ReasoningParser, get_reasoning_parser
+from pagoda.structured_output.auto import AutoBackend
 from pagoda.structured_output.backend import (
     CompiledGrammar,
     StructuredOutputBackend,
@@ -39,15 +41,17 @@ def available_backends() -> dict[str, StructuredOutputBackendSpec]:
 
 @functools.cache
 def load_backend_class(name: str) -> type[StructuredOutputBackend]:
-    """The backend class by name (cached); 'auto' = the only one installed, or xgrammar when several are."""
+    """The backend class by name (cached); 'auto' = core's AutoBackend, which picks one per request."""
     found = available_backends()
     if not found:
         raise StructuredOutputError(
             "structured outputs need a backend plugin (group pagoda.structured_output_backends); "
-            "install pagoda-structured-xgrammar"
+            "install pagoda-structured-xgrammar or pagoda-structured-llguidance"
         )
     if name == "auto":
-        name = "xgrammar" if "xgrammar" in found else sorted(found)[0]
+        from pagoda.structured_output.auto import AutoBackend
+
+        return AutoBackend
     if name not in found:
         raise StructuredOutputError(f"structured outputs backend {name!r} is not installed; installed: {sorted(found)}")
     cls = found[name].load()
@@ -59,10 +63,15 @@ def load_backend_class(name: str) -> type[StructuredOutputBackend]:
 class RequestStructuredOutput:
     """A request's constraint: its grammar (compiling, then compiled) and, once ready, its matcher."""
 
-    def __init__(self, params: StructuredOutputsParams, grammar: Future[CompiledGrammar]) -> None:
+    def __init__(self, params: StructuredOutputsParams, grammar: Future[CompiledGrammar],
+                 backend: StructuredOutputBackend | None = None, reasoning_ended: bool = True) -> None:
         self.params = params
         self._grammar = grammar
         self._matcher: StructuredOutputMatcher | None = None
+        # the backend that compiled the grammar (its fill_bitmasks fills this request's row)
+        self.backend = backend
+        # False while the model is still reasoning (a reasoning parser is set): the grammar waits for the answer
+        self.reasoning_ended = reasoning_ended
 
     @property
     def is_ready(self) -> bool:
@@ -80,40 +89,76 @@ class RequestStructuredOutput:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_factory: Callable[[], Any], vocab_size: int, backend: str = "auto") -> None:
+    def __init__(self, tokenizer_factory: Callable[[], Any], vocab_size: int, backend: str = "auto",
+                 reasoning_parser: str = "", enable_in_reasoning: bool = False) -> None:
         self._tokenizer_factory = tokenizer_factory
+        self._tokenizer: Any = None
         self.vocab_size = vocab_size
         self.backend_name = backend
         self._backend: StructuredOutputBackend | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._cache: dict[tuple[str, str, bool], Future[CompiledGrammar]] = {}
         self._bitmask: torch.Tensor | None = None
+        self.enable_in_reasoning = enable_in_reasoning
+        # Built now, not on the first request: a parser this tokenizer cannot serve fails the engine's start.
+        self.reasoner: ReasoningParser | None = None
+        if reasoning_parser:
+            self.reasoner = get_reasoning_parser(reasoning_parser)(self.tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = self._tokenizer_factory()
+        return self._tokenizer
 
     @property
     def backend(self) -> StructuredOutputBackend:
         # Built on the first constrained request: a server that never sees one never loads the backend.
         if self._backend is None:
             cls = load_backend_class(self.backend_name)
-            self._backend = cls(self._tokenizer_factory(), self.vocab_size)
+            self._backend = cls(self.tokenizer, self.vocab_size)
         return self._backend
 
-    def init_request(self, params: StructuredOutputsParams) -> RequestStructuredOutput:
+    def init_request(self, params: StructuredOutputsParams,
+                     prompt_token_ids: list[int] | None = None) -> RequestStructuredOutput:
+        backend = self.backend
+        if isinstance(backend, AutoBackend):
+            backend = backend.backend_for(params)
         key = params.cache_key()
         future = self._cache.get(key)
         if future is None or (future.done() and future.exception() is not None):
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(_COMPILE_WORKERS, thread_name_prefix="pagoda-grammar")
-            future = self._pool.submit(self.backend.compile, params)
+            future = self._pool.submit(backend.compile, params)
             self._cache[key] = future
-        return RequestStructuredOutput(params, future)
+        reasoning_ended = True
+        if self.reasoner is not None and not self.enable_in_reasoning:
+            # a template may have closed the reasoning already (thinking disabled)
+            reasoning_ended = self.reasoner.is_reasoning_end(prompt_token_ids or [])
+        return RequestStructuredOutput(params, future, backend, reasoning_ended)
 
-    def grammar_bitmask(self, matchers: list[StructuredOutputMatcher]) -> torch.Tensor:
-        """One int32 [len(matchers), words] bitmask: row i = what ``matchers[i]`` allows next."""
-        if self._bitmask is None or self._bitmask.shape[0] < len(matchers):
-            self._bitmask = self.backend.allocate_bitmask(max(len(matchers), 8))
-        bitmask = self._bitmask[: len(matchers)]
-        for row, matcher in enumerate(matchers):
-            matcher.fill_bitmask(bitmask, row)
+    def reasoning_ends_with(self, structured: RequestStructuredOutput, all_token_ids: list[int],
+                            new_token_ids: list[int]) -> bool:
+        """Note whether the tokens just sampled end the reasoning; True if they do (they are not the answer's)."""
+        assert self.reasoner is not None
+        if self.reasoner.is_reasoning_end_streaming(all_token_ids, new_token_ids):
+            structured.reasoning_ended = True
+        return structured.reasoning_ended
+
+    def grammar_bitmask(self, requests: list[RequestStructuredOutput]) -> torch.Tensor:
+        """One int32 [len(requests), words] bitmask: row i = what ``requests[i]``'s matcher allows next."""
+        if self._bitmask is None or self._bitmask.shape[0] < len(requests):
+            self._bitmask = StructuredOutputBackend.allocate_bitmask(self.backend, max(len(requests), 8))
+        bitmask = self._bitmask[: len(requests)]
+        # each backend fills its own rows (one that can fills them in parallel)
+        groups: dict[int, tuple[StructuredOutputBackend, list[StructuredOutputMatcher], list[int]]] = {}
+        for row, request in enumerate(requests):
+            backend = request.backend or self.backend
+            group = groups.setdefault(id(backend), (backend, [], []))
+            group[1].append(request.matcher)
+            group[2].append(row)
+        for backend, matchers, rows in groups.values():
+            backend.fill_bitmasks(matchers, rows, bitmask)
         return bitmask
 
     def shutdown(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # The fields that name a constraint; exactly one may be set.
@@ -23,6 +23,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    # The backend that serves this request, chosen in the front end when the engine's backend is "auto"
+    # (vLLM's private ``_backend``).
+    _backend: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_fields = [name for name in _CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]

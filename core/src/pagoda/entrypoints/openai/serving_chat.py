@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagoda.entrypoints.openai.chat_template import render_chat
 from pagoda.entrypoints.openai.logprobs_format import TokenText, chat_logprobs, prompt_logprobs_json
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
+from pagoda.entrypoints.openai.reasoning import ChatReasoning, chat_reasoning, reasoning_fields
 from pagoda.entrypoints.openai.serving_common import (
     ServingContext,
     build_sampling_params,
@@ -84,19 +85,24 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         echo_text = last if isinstance(last, str) else "\n".join(p.text for p in last or [])
     if req.stream:
         events = _events(ctx, req, streams, request_id, created, len(ids), token_text, num_logprobs, echo_text,
-                         tool_calls)
+                         tool_calls, [chat_reasoning(ctx, req, ids) for _ in range(req.n)])
         return StreamingResponse(sse_response_body(streams, events), media_type="text/event-stream")
     ro = (await collect_finals(raw_request, streams))[0]
     choices = []
     completion_tokens = 0
     for o in sorted(ro.outputs, key=lambda o: o.index):
         completion_tokens += len(o.token_ids)
-        message, finish_reason = tool_calls.choice().message(o.text, o.finish_reason)
+        splitter = chat_reasoning(ctx, req, ids)
+        # the reasoning comes off first; tool calls are read from the answer after it
+        reasoning_content, answer = splitter.split(o.text) if splitter is not None else (None, o.text)
+        message, finish_reason = tool_calls.choice().message(answer or "", o.finish_reason)
+        if answer is None and message.get("content") == "":
+            message["content"] = None  # still reasoning when it stopped: no answer
         if echo_text and message["content"] is not None:
             message["content"] = echo_text + message["content"]
         choices.append({
             "index": o.index,
-            "message": {"role": "assistant", **message, "reasoning_content": None},
+            "message": {"role": "assistant", **message, **reasoning_fields(reasoning_content)},
             "logprobs": chat_logprobs(token_text, list(o.token_ids), o.logprobs, num_logprobs)
             if num_logprobs is not None else None,
             "finish_reason": finish_reason,
@@ -113,7 +119,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
 async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list[Any], request_id: str, created: int,
                   prompt_tokens: int, token_text: TokenText, num_logprobs: int | None,
-                  echo_text: str, tool_calls: ChatToolCalls) -> AsyncGenerator[str, None]:
+                  echo_text: str, tool_calls: ChatToolCalls,
+                  choice_reasoning: list[ChatReasoning | None]) -> AsyncGenerator[str, None]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     completion_tokens = 0
@@ -140,7 +147,15 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list
                 continue
             completion_tokens += len(o.token_ids)
             tools = choice_tools[o.index]
-            delta = tools.delta(o.text, o.token_ids, o.finish_reason is not None)
+            splitter = choice_reasoning[o.index]
+            finished = o.finish_reason is not None
+            if splitter is None:
+                delta = tools.delta(o.text, o.token_ids, finished)
+            else:
+                thought, answer = splitter.delta(o.text, o.token_ids)
+                delta = tools.delta(answer or "", o.token_ids if answer else [], finished) if answer or finished else {}
+                if thought:
+                    delta = {**reasoning_fields(thought), **delta}
             if not delta and o.finish_reason is None and num_logprobs is None:
                 continue  # held back (a tool-call marker only partly written): nothing to send yet
             yield sse(chunk([{
