@@ -155,6 +155,10 @@ _VARIABLES: list[EnvVar[Any]] = [
     EnvVar("PAGODA_CPU_GEMM", "bool", True,
            "Off: linears run on the GEMV + oneDNN instead of pagoda's packed AVX-512 matmul.",
            _CPU, _bool),
+    EnvVar("PAGODA_CPU_GEMM_TUNE", "bool", True,
+           "Off: no start-up measurement of the packed matmul (8-row tiles, no rows handed to F.linear, "
+           "a 512-token step budget); on, it runs once per CPU and dtype, on one thread, and is cached.",
+           _CPU, _bool),
     EnvVar("PAGODA_CPU_LAYER_OPS", "bool", True,
            "Off: RMSNorm, SiLU-and-mul and RoPE use torch ops instead of the fused C++ kernels.",
            _CPU, _bool),
@@ -187,6 +191,7 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns
     PAGODA_CPU_PACKED_LINEAR: bool
     PAGODA_CPU_GEMV: bool
     PAGODA_CPU_GEMM: bool
+    PAGODA_CPU_GEMM_TUNE: bool
     PAGODA_CPU_LAYER_OPS: bool
     PAGODA_KERNELS_IMPL: str
     PAGODA_BENCH_VLLM_PYTHON: str | None

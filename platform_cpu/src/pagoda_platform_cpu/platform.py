@@ -111,8 +111,12 @@ class CpuPlatform(Platform):
             reason = unavailable_reason(dtype)  # compiles on first use; cached per machine afterwards
             if reason is None:
                 # Faster than both the GEMV and oneDNN at every row count measured (1 row
-                # included), so it serves every linear of this dtype alone, from one packed copy.
-                return PackedGemmKernel((dtype,))
+                # included), so it serves every linear of this dtype alone, from one packed copy;
+                # tile height and any rows oneDNN wins here come from this CPU's measurement.
+                from pagoda_platform_cpu.gemm_tuning import tuning
+
+                tuned = tuning(dtype)
+                return PackedGemmKernel((dtype,), row_tile=tuned.row_tile, onednn_rows=tuned.onednn_rows)
             logger.info("pagoda's packed CPU matmul does not run %s here (%s); linears use the GEMV and oneDNN", dtype, reason)
         packer: LinearKernel | None = OneDNNLinearKernel() if onednn_available() else None
         if envs.PAGODA_CPU_GEMV:
@@ -162,10 +166,28 @@ class CpuPlatform(Platform):
             config.cache_config.block_size = self.default_block_size
         sc = config.scheduler_config
         if sc.max_num_batched_tokens is None and sc.enable_chunked_prefill:
-            # CPU GEMMs are already at their peak at 512 rows; a bigger step only stalls the
-            # running decodes longer and makes the start-up profiling step slower.
-            sc.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            # The smallest step at which this CPU's matmul is near its best rate (gemm_tuning):
+            # 512 where it is there already (a bigger step only stalls the running decodes longer),
+            # more where the curve still climbs (full-512-bit AVX-512 cores).
+            sc.max_num_batched_tokens = self._step_budget(config)
         start_kernel_builds()
+
+    def _step_budget(self, config: EngineConfig) -> int:
+        import torch
+
+        from pagoda_platform_cpu.gemm_tuning import tuning
+
+        if not (envs.PAGODA_CPU_PACKED_LINEAR and envs.PAGODA_CPU_GEMM and has_avx512f()):
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        try:  # the dtype the model will get (resolved again with the checkpoint once the model is found)
+            dtype = self.resolve_dtype(config.model.dtype, None)
+        except ValueError:
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        from pagoda_platform_cpu.gemm import unavailable_reason
+
+        if dtype not in (torch.float32, torch.bfloat16) or unavailable_reason(dtype) is not None:
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return tuning(dtype).max_num_batched_tokens
 
     def init_worker(self, config: EngineConfig) -> None:
         import torch
