@@ -32,6 +32,7 @@ class ModelConfig(_Config):
     generation_config: str = Field("auto", description="Default sampling parameters: 'auto' = the model's generation_config.json (or the embedded default model's recommended sampling), 'vllm' = pagoda's own defaults, or a directory holding a generation_config.json.")
     override_generation_config: dict[str, Any] | None = Field(None, description="Values that override the default sampling parameters from generation_config (e.g. {\"temperature\": 0.5}).")
     dtype: DTypeName = Field("auto", description="Weights and activations dtype.")
+    quantization: str | None = Field(None, description="Quantization method (vLLM's names: gguf, compressed-tensors, gptq, awq, fp8, ...; each is a plugin, see docs/quantization.md). None = the checkpoint's: config.json's quantization_config.quant_method, or 'gguf' for a GGUF file with quantized tensors (kept in their blocks when pagoda-quant-gguf is installed and the platform runs it). 'none' (pagoda extension) = a GGUF file dequantized to dtype at load.")
     seed: int = Field(0, description="Random seed for sampling.")
     max_model_len: int | None = Field(None, gt=0, description="Context length (prompt + output); defaults to the model's.")
     hf_overrides: dict[str, Any] | None = Field(None, description="Values that override the model's config.json (e.g. architectures).")
@@ -129,6 +130,8 @@ class ResolvedModel:
     # architecture whose class is built (pagoda.pooling.config.PoolingModelInfo)
     runner_type: str = "generate"
     pooling: Any = None
+    # pagoda.quantization.QuantizationConfig, None for float weights
+    quant_config: Any = None
 
 
 def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = None) -> ResolvedModel:
@@ -148,11 +151,18 @@ def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = 
     if runner.max_model_len is not None and max_model_len > runner.max_model_len:
         raise ValueError(f"max_model_len={max_model_len} is longer than this model takes ({runner.max_model_len} "
                          f"tokens: {runner.max_model_len_origin})")
+    from pagoda.quantization import resolve_quantization
+
+    dtype = platform.resolve_dtype(model.dtype, checkpoint_dtype(source))
+    quant_config = resolve_quantization(model.quantization, source, hf_config, platform, dtype)
+    if quant_config is not None:
+        logger.info("%s", quant_config.describe())
     return ResolvedModel(
         source=source,
         hf_config=hf_config,
         text_config=text_config,
-        dtype=platform.resolve_dtype(model.dtype, checkpoint_dtype(source)),
+        dtype=dtype,
+        quant_config=quant_config,
         max_model_len=max_model_len,
         vocab_size=int(getattr(text_config, "vocab_size", 0) or 0),
         generation=generation,
@@ -237,6 +247,7 @@ class EngineArgs(_Config):
     generation_config: str = _field_of(ModelConfig, "generation_config")
     override_generation_config: dict[str, Any] | None = _field_of(ModelConfig, "override_generation_config")
     dtype: DTypeName = _field_of(ModelConfig, "dtype")
+    quantization: str | None = _field_of(ModelConfig, "quantization")
     seed: int = _field_of(ModelConfig, "seed")
     max_model_len: int | None = _field_of(ModelConfig, "max_model_len")
     hf_overrides: dict[str, Any] | None = _field_of(ModelConfig, "hf_overrides")

@@ -60,6 +60,8 @@ class CpuPlatform(Platform):
     verified_on_hardware = True
     package = "pagoda-platform-cpu"
     default_block_size = 16
+    # quantization methods with CPU kernels (each method is a plugin; see docs/quantization.md)
+    supported_quantization = ["gguf"]
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:

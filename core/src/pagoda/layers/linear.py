@@ -11,11 +11,14 @@ batch sizes. This is the role vLLM gives ``UnquantizedLinearMethod``'s
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagoda.quantization.base_config import LinearMethodBase
 
 
 @runtime_checkable
@@ -49,8 +52,12 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.kernel: LinearKernel | None = None
         self.prepared: Any = None
+        # Set by pagoda.quantization.quantize_model: the method then holds the weights and computes the layer.
+        self.quant_method: LinearMethodBase | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         if self.kernel is None:
             return F.linear(x, self.weight, self.bias)
         return self.kernel.apply(x, self.prepared, self.bias)
@@ -61,7 +68,7 @@ class Linear(nn.Module):
         Unless ``keep_weight`` (the tensor is shared, e.g. a tied embedding), the plain
         weight is released so the prepared copy does not double the model's memory.
         """
-        if not kernel.supports(self.weight.data):
+        if self.quant_method is not None or not kernel.supports(self.weight.data):
             return False
         self.prepared = kernel.prepare(self.weight.data)
         self.kernel = kernel

@@ -10,7 +10,7 @@ split per projection. All are undone here, so the tensors equal what
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,10 +201,16 @@ def _head_counts(gguf_file: GGUFFile, architecture: str) -> tuple[int, int]:
     return num_heads, num_kv_heads if isinstance(num_kv_heads, int) else num_heads
 
 
-def iter_gguf(path: Path, cache_dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(
+    path: Path, cache_dtype: torch.dtype | None = None, keep_quantized: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_param_name, tensor)`` for every tensor of the file, one at a time.
 
     The file is checked (architecture, tensor types and names) before this returns.
+    ``keep_quantized(hf_name)``: the tensors of layers that hold GGUF blocks themselves (the
+    ``gguf`` quantization method); each such matrix comes as it is stored, as vLLM's GGUF loader
+    yields it: ``<layer>.qweight_type`` (the GGML type id) then ``<layer>.qweight`` (uint8
+    [rows, bytes per row]; the row transforms below apply to whole rows of blocks).
     With ``cache_dtype`` (the dtype the caller casts every tensor to) the tensors
     come cast to it, and through pagoda's convert cache when it is on: read from
     it when it holds this file, otherwise dequantized and written to it on the way.
@@ -220,8 +226,8 @@ def iter_gguf(path: Path, cache_dtype: torch.dtype | None = None) -> Iterator[tu
     _check_types(gguf_file)
     conversions = plan_conversions(gguf_file, arch)
     num_heads, num_kv_heads = _head_counts(gguf_file, architecture)
-    tensors = _dequantized_tensors(gguf_file, arch, conversions, num_heads, num_kv_heads)
-    if cache_dtype is None:
+    tensors = _dequantized_tensors(gguf_file, arch, conversions, num_heads, num_kv_heads, keep_quantized)
+    if cache_dtype is None or keep_quantized is not None:
         return tensors
     cache = ConvertCache.for_gguf(path) if cache_dtype in CACHEABLE_DTYPES else None
     if cache is None:
@@ -233,12 +239,56 @@ def iter_gguf(path: Path, cache_dtype: torch.dtype | None = None) -> Iterator[tu
     return cache.write_weights_through(tensors, plan, cache_dtype)
 
 
+def tensor_blocks(gguf_file: GGUFFile, tensor: GGUFTensorInfo) -> torch.Tensor:
+    """A 2-D tensor's stored bytes, one row of blocks (or of floats) per output row: uint8 [rows, bytes per row]."""
+    raw = gguf_file.raw_bytes(tensor)
+    return torch.from_numpy(raw.copy()).reshape(tensor.shape[0], -1)
+
+
+def _stored_as_blocks(conversion: Conversion, keep_quantized: Callable[[str], bool] | None) -> bool:
+    """Whether a conversion's output stays in its stored form: a 2-D matrix of a layer that
+    keeps GGUF blocks, whose conversion only moves whole rows."""
+    if keep_quantized is None or conversion.op not in ("rename", "fuse_rows", "split_qkv"):
+        return False
+    if any(len(t.shape) != 2 for t in conversion.sources):
+        return False
+    if conversion.op == "fuse_rows" and len({t.tensor_type for t in conversion.sources}) != 1:
+        return False
+    return all(keep_quantized(name) and len(shape) == 2 for name, shape in conversion.outputs)
+
+
+def _as_stored(name: str, tensor_type: GGMLQuantizationType, blocks: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    layer = name.removesuffix(".weight")
+    yield f"{layer}.qweight_type", torch.tensor(int(tensor_type), dtype=torch.int64)
+    yield f"{layer}.qweight", blocks
+
+
 def _dequantized_tensors(
-    gguf_file: GGUFFile, arch: GGUFArchitecture, conversions: list[Conversion], num_heads: int, num_kv_heads: int
+    gguf_file: GGUFFile, arch: GGUFArchitecture, conversions: list[Conversion], num_heads: int, num_kv_heads: int,
+    keep_quantized: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for conversion in conversions:
-        weights = [tensor_to_torch(gguf_file, tensor) for tensor in conversion.sources]
         kind = conversion.role.kind
+        if _stored_as_blocks(conversion, keep_quantized):
+            tensor_type = conversion.sources[0].tensor_type
+            blocks = torch.cat([tensor_blocks(gguf_file, t) for t in conversion.sources], dim=0)
+            if conversion.op == "split_qkv":
+                for (name, _), part in zip(conversion.outputs, blocks.chunk(3, dim=0)):
+                    yield from _as_stored(name, tensor_type, part.contiguous())
+                continue
+            if arch.permute_qk and kind == MODEL_TENSOR.ATTN_Q:
+                blocks = reverse_qk_permute(blocks, num_heads)
+            elif arch.permute_qk and kind == MODEL_TENSOR.ATTN_K:
+                blocks = reverse_qk_permute(blocks, num_kv_heads)
+            elif arch.regroup_neox_qkv and kind == MODEL_TENSOR.ATTN_QKV:
+                blocks = reverse_neox_qkv(blocks, num_heads)
+            elif arch.regroup_falcon_qkv and kind == MODEL_TENSOR.ATTN_QKV:
+                blocks = reverse_falcon_qkv(blocks, num_heads, num_kv_heads)
+            elif kind in arch.transposed:
+                raise ModelLoadError(f"GGUF tensor {conversion.sources[0].name} is stored transposed: it cannot stay in blocks")
+            yield from _as_stored(conversion.outputs[0][0], tensor_type, blocks.contiguous())
+            continue
+        weights = [tensor_to_torch(gguf_file, tensor) for tensor in conversion.sources]
         if conversion.op == "fuse_rows":
             yield conversion.outputs[0][0], torch.cat(weights, dim=0)
             continue

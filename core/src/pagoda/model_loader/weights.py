@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal, get_args
 
 import torch
@@ -18,7 +18,8 @@ LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
 
 
 def iter_weights(
-    source: ModelSource, load_format: str = "auto", cache_dtype: torch.dtype | None = None
+    source: ModelSource, load_format: str = "auto", cache_dtype: torch.dtype | None = None,
+    keep_quantized: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_param_name, tensor)`` one at a time, streaming from disk.
 
@@ -27,6 +28,8 @@ def iter_weights(
     ``cache_dtype``: the dtype the caller will cast every tensor to. A GGUF
     file's tensors then come cast to it, through pagoda's converted-weights
     cache (see ``convert_cache``); other formats ignore it.
+    ``keep_quantized``: for a GGUF file, the layers (by HF parameter name) whose matrices come in
+    their stored blocks for the ``gguf`` quantization method (``iter_gguf``).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"Unknown load_format {load_format!r}; expected one of: {', '.join(LOAD_FORMATS)}")
@@ -36,7 +39,7 @@ def iter_weights(
     if source.kind == "gguf":
         if load_format not in ("auto", "gguf"):
             raise ModelLoadError(f"load_format={load_format!r} does not fit {source.display_name}, which is a GGUF file")
-        return iter_gguf(source.gguf_path, cache_dtype)
+        return iter_gguf(source.gguf_path, cache_dtype, keep_quantized)
 
     if load_format == "gguf":
         raise ModelLoadError(f"load_format='gguf' but {source.path} is a Hugging Face directory, not a .gguf file")

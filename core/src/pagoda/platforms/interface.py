@@ -39,6 +39,9 @@ class Platform:
     # True where decode steps can be captured as device graphs (then
     # ``cuda_graph_capture_sizes`` is asked for the sizes).
     supports_graphs: ClassVar[bool] = False
+    # Quantization methods (vLLM names) this platform has kernels for; asking for another is an
+    # error that says so (pagoda.quantization.resolve_quantization). vLLM's Platform.supported_quantization.
+    supported_quantization: ClassVar[list[str]] = []
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:

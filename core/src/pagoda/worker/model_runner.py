@@ -24,6 +24,7 @@ from pagoda.models.adapters import as_pooling_model
 from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
 from pagoda.pooling.pooler import PoolingMetadata
+from pagoda.quantization.model import checkpoint_module_filter, process_weights_after_loading, quantize_model
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.structured_output.backend import StructuredOutputBackend
 from pagoda.structured_output.manager import load_backend_class
@@ -141,13 +142,20 @@ class ModelRunner:
                 model = cls(self.hf_config, self.dtype, **init_kwargs)
         finally:
             torch.set_default_dtype(prev)
+        quant_config = self.config.resolved.quant_config
+        keep_quantized = None
+        if quant_config is not None:
+            # before any weight is read: the methods replace the (untouched) float weights with their own
+            keep_quantized = checkpoint_module_filter(model, quantize_model(model, quant_config))
         # Every tensor is cast to the parameters' one dtype on load: a GGUF file's
         # conversion can then be cached already cast (pagoda.model_loader.convert_cache).
         param_dtypes = {p.dtype for p in model.parameters()}
         cache_dtype = self.dtype if param_dtypes == {self.dtype} else None
         # The model raises on missing or unexpected weights: only it knows how
         # checkpoint tensors map onto its fused parameters.
-        model.load_weights(iter_weights(self.source, self.config.load_config.load_format, cache_dtype))
+        model.load_weights(iter_weights(self.source, self.config.load_config.load_format, cache_dtype, keep_quantized))
+        if quant_config is not None:
+            logger.info("%s (%d layers)", quant_config.describe(), process_weights_after_loading(model))
         self.model = model.to(device=self.device).eval()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         kernel = self.platform.linear_kernel(self.dtype)

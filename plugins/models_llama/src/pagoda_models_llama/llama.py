@@ -179,6 +179,8 @@ class LlamaForCausalLM(nn.Module):
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # FusedMoE reads per-expert token counts on the host, which a CUDA graph cannot capture
     supports_cuda_graphs: bool = True
+    # load_weights calls a quantization method's weight_loader (pagoda.quantization.model)
+    supports_quant: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()

@@ -92,6 +92,8 @@ class _Loader:
             param = self.params.get(fused_name)
             if param is None:
                 return None
+            if hasattr(param, "weight_loader"):  # a quantization method's parameter takes each shard itself
+                return fused_name, shard, param
             sizes = _shard_sizes(self.model, fused, param.shape[0], len(self.packed[fused]))
             return fused_name, shard, param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
         param = self.params.get(name)
@@ -144,6 +146,15 @@ def load_llama_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, tor
                 if found is None:
                     raise ValueError(f"checkpoint weight {name!r} matches no parameter of {type(model).__name__}")
                 param_name, shard, target = found
+                weight_loader = getattr(loader.params[param_name], "weight_loader", None)
+                if weight_loader is not None:
+                    # pagoda.quantization: the method's parameter stores the checkpoint tensor in its own form
+                    try:
+                        weight_loader(loader.params[param_name], piece, shard)
+                    except ValueError as exc:
+                        raise ValueError(f"checkpoint weight {name!r}: {exc}") from exc
+                    loader.mark(param_name, shard)
+                    continue
                 if tuple(target.shape) != tuple(piece.shape):
                     raise ValueError(
                         f"checkpoint weight {name!r} has shape {tuple(piece.shape)}, "

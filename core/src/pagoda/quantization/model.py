@@ -1,0 +1,115 @@
+"""Give a built model's layers their quantization methods, and finish them after loading.
+
+Model families build plain ``Linear`` / ``Embedding`` layers (no quantization argument); the model
+runner hands the built model to ``quantize_model``, which asks the config for each layer's method
+by its name in the model (vLLM's ``prefix``) and lets the method replace the float weight with
+its own parameters before any weight is read. The float weights were ``torch.empty``: their pages
+were never touched, so dropping them costs no memory.
+
+A family opts in with ``supports_quant = True`` on its model class: its ``load_weights`` calls a
+parameter's ``weight_loader(param, loaded_weight, shard_id)`` where the parameter has one
+(``shard_id``: the index of the checkpoint tensor within a fused layer, None for a whole one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.layers.embedding import Embedding
+from pagoda.layers.linear import Linear
+from pagoda.quantization.base_config import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig
+
+
+class TiedEmbeddingLinearMethod(LinearMethodBase):
+    """A tied LM head: the logits come from the quantized embedding table it shares."""
+
+    def __init__(self, embedding: Embedding) -> None:
+        self.embedding = embedding
+
+    def create_weights(self, layer: nn.Module, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        layer.register_parameter("weight", None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        method = self.embedding.quant_method
+        assert isinstance(method, EmbeddingMethodBase)
+        return method.apply(self.embedding, x, bias)
+
+
+def quantize_model(model: nn.Module, quant_config: QuantizationConfig) -> set[str]:
+    """Install ``quant_config``'s methods on ``model``'s layers; returns the names of the layers that got one.
+
+    ValueError when the model's family does not load quantized weights.
+    """
+    if not getattr(model, "supports_quant", False):
+        raise ValueError(
+            f"{type(model).__name__} does not load quantized weights (its model family does not declare "
+            f"supports_quant); {quant_config.get_name()!r} cannot run it"
+        )
+    quant_config.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, Embedding) and m.weight is not None}
+    quantized: set[str] = set()
+    tied: list[tuple[str, Linear, Embedding]] = []
+    for prefix, module in model.named_modules():
+        if isinstance(module, Linear) and module.weight is not None and id(module.weight) in embeddings:
+            tied.append((prefix, module, embeddings[id(module.weight)]))
+            continue
+        if not isinstance(module, (Linear, Embedding)):
+            continue
+        method = quant_config.get_quant_method(module, prefix)
+        if method is None:
+            continue
+        if isinstance(module, Linear):
+            if not isinstance(method, LinearMethodBase):
+                raise TypeError(f"{quant_config.get_name()} gave {prefix} (a Linear) a {type(method).__name__}")
+            dtype = module.weight.dtype
+            method.create_weights(module, module.in_features, [module.out_features], module.in_features,
+                                  module.out_features, dtype)
+        else:
+            if not isinstance(method, EmbeddingMethodBase):
+                raise TypeError(f"{quant_config.get_name()} gave {prefix} (an Embedding) a {type(method).__name__}")
+            num, dim = module.weight.shape
+            method.create_weights(module, num, dim, module.weight.dtype)
+        module.quant_method = method
+        quantized.add(prefix)
+    for prefix, head, embedding in tied:
+        # A tied head follows its table: quantized with it, or the plain shared tensor as before.
+        if embedding.quant_method is not None:
+            head.quant_method = TiedEmbeddingLinearMethod(embedding)
+            head.quant_method.create_weights(head)
+            quantized.add(prefix)
+    return quantized
+
+
+def process_weights_after_loading(model: nn.Module) -> int:
+    """Run every installed method's ``process_weights_after_loading``; returns how many layers have a method."""
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
+def checkpoint_module_filter(model: nn.Module, quantized: set[str]) -> Callable[[str], bool]:
+    """``keep(hf_param_name)``: whether a checkpoint tensor belongs to a quantized layer.
+
+    Checkpoint names use the unfused layers (``q_proj``); the model's ``packed_modules_mapping``
+    maps them onto its fused ones (``qkv_proj``).
+    """
+    fused_of = {part: fused for fused, parts in (getattr(model, "packed_modules_mapping", {}) or {}).items()
+                for part in parts}
+
+    def keep(name: str) -> bool:
+        module = name.rsplit(".", 1)[0]
+        if module in quantized:
+            return True
+        head, _, last = module.rpartition(".")
+        fused = fused_of.get(last)
+        return fused is not None and (f"{head}.{fused}" if head else fused) in quantized
+
+    return keep
