@@ -1,0 +1,176 @@
+"""The ``gguf`` quantization method: linear layers and embeddings keep a GGUF file's blocks.
+
+The loader (``pagoda.model_loader.gguf_weights``) hands each layer its tensors as stored: a
+``qweight_type`` (GGML type id) and a ``qweight`` (uint8 [rows, bytes per row]) per checkpoint
+tensor; a fused layer (q/k/v -> qkv_proj) gets one of each per shard. Blocks run along a row,
+so rows of one type concatenate into one matrix; shards of different types stay apart and their
+outputs are concatenated.
+
+On CPU the matmul runs on the blocks in C++ (``kernels``); elsewhere, and for block types the
+kernel lacks, the weight is dequantized per call in torch (``dequant``), the reference path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.quantization import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, QuantizeMethodBase
+from pagoda_quant_gguf import kernels
+from pagoda_quant_gguf.dequant import SUPPORTED_TYPES, block_size, dequantize_blocks, type_name
+
+logger = logging.getLogger(__name__)
+
+
+class GGUFConfig(QuantizationConfig):
+    """A GGUF file's quantization: every type per tensor, so there is nothing to configure."""
+
+    dequantizable = True
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "gguf"
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GGUFConfig:
+        extra = set(config) - {"quant_method"}
+        if extra:
+            raise ValueError(f"the gguf method takes no settings; got {sorted(extra)}")
+        return cls()
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from pagoda.layers import Embedding, Linear
+
+        if isinstance(layer, Linear):
+            return GGUFLinearMethod()
+        if isinstance(layer, Embedding):
+            return GGUFEmbeddingMethod()
+        return None
+
+    def describe(self) -> str:
+        return f"quantization: gguf (blocks kept; CPU kernel: {kernels.describe()})"
+
+
+@dataclass
+class Shard:
+    """Rows of one GGML type: ``blocks`` uint8 [rows, bytes per row]."""
+
+    qtype: int
+    blocks: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.blocks.shape[0])
+
+
+def _weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+    """Collects one checkpoint tensor's type or blocks under its shard; ``process_weights_after_loading`` assembles them."""
+    shards: dict[int, dict[str, torch.Tensor]] = param.gguf_shards  # type: ignore[attr-defined]
+    key = "qweight_type" if loaded.dim() == 0 else "qweight"
+    shards.setdefault(0 if shard_id is None else shard_id, {})[key] = loaded
+
+
+def _register(layer: nn.Module) -> None:
+    """The two parameters the loader fills; their data is assembled after loading."""
+    shards: dict[int, dict[str, torch.Tensor]] = {}
+    for name in ("qweight", "qweight_type"):
+        param = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        param.weight_loader = _weight_loader  # type: ignore[attr-defined]
+        param.gguf_shards = shards  # type: ignore[attr-defined]
+        layer.register_parameter(name, param)
+    layer.register_parameter("weight", None)
+
+
+def _assemble(layer: nn.Module, cols: int, rows: int) -> list[Shard]:
+    shards: dict[int, dict[str, torch.Tensor]] = layer.qweight.gguf_shards
+    out: list[Shard] = []
+    for index in sorted(shards):
+        parts = shards[index]
+        if set(parts) != {"qweight", "qweight_type"}:
+            raise ValueError(f"GGUF shard {index} of a layer got {sorted(parts)}, not both qweight and qweight_type")
+        qtype = int(parts["qweight_type"])
+        if qtype not in SUPPORTED_TYPES:
+            raise ValueError(f"GGUF type {type_name(qtype)} is not supported by pagoda-quant-gguf")
+        values, nbytes = block_size(qtype)
+        blocks = parts["qweight"]
+        if cols % values or blocks.shape[1] != cols // values * nbytes:
+            raise ValueError(f"GGUF {type_name(qtype)} tensor of {blocks.shape[1]} bytes a row does not hold {cols} values")
+        if out and out[-1].qtype == qtype:  # rows of one type: one matrix
+            out[-1] = Shard(qtype, torch.cat([out[-1].blocks, blocks], dim=0))
+        else:
+            out.append(Shard(qtype, blocks.contiguous()))
+    if sum(s.rows for s in out) != rows:
+        raise ValueError(f"GGUF layer got {sum(s.rows for s in out)} rows, expected {rows}")
+    # the assembled blocks become the parameters' data (what the model's memory report counts)
+    layer.qweight.data = out[0].blocks if len(out) == 1 else torch.empty(0, dtype=torch.uint8)
+    layer.qweight_type.data = torch.tensor([s.qtype for s in out], dtype=torch.uint8)
+    del layer.qweight.gguf_shards, layer.qweight_type.gguf_shards
+    return out
+
+
+def matmul(shards: list[Shard], x: torch.Tensor, cols: int) -> torch.Tensor:
+    """``x`` [T, cols] times the rows of every shard, transposed: [T, rows] in float32 or x's dtype."""
+    outs = []
+    for shard in shards:
+        if kernels.supports(shard.qtype, x):
+            outs.append(kernels.matmul(x, shard.blocks, shard.qtype, cols))
+        else:
+            w = dequantize_blocks(shard.blocks, shard.qtype, cols).to(x.dtype)
+            outs.append(F.linear(x, w))
+    return outs[0] if len(outs) == 1 else torch.cat([o.to(x.dtype) for o in outs], dim=-1)
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],  # type: ignore[override]
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        _register(layer)
+        self.cols = input_size_per_partition
+        self.rows = sum(output_partition_sizes)
+        self.shards: list[Shard] = []
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.shards = _assemble(layer, self.cols, self.rows)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        lead = x.shape[:-1]
+        y = matmul(self.shards, x.reshape(-1, self.cols), self.cols).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, self.rows)
+
+
+class GGUFEmbeddingMethod(EmbeddingMethodBase):
+    """The vocabulary table in blocks: a lookup dequantizes only the rows it reads; as a tied head, a matmul on the blocks."""
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,  # type: ignore[override]
+                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        _register(layer)
+        self.rows, self.cols, self.dtype = num_embeddings, embedding_dim, params_dtype
+        self.shards: list[Shard] = []
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.shards = _assemble(layer, self.cols, self.rows)
+        if len(self.shards) != 1:
+            raise ValueError("a GGUF embedding table is one tensor of one type")
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        shard = self.shards[0]
+        rows = shard.blocks.index_select(0, input_ids.reshape(-1))
+        out = dequantize_blocks(rows, shard.qtype, self.cols).to(self.dtype)
+        return out.reshape(*input_ids.shape, self.cols)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        lead = x.shape[:-1]
+        y = matmul(self.shards, x.reshape(-1, self.cols), self.cols).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, self.rows)

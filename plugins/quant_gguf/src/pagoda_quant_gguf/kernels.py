@@ -1,0 +1,58 @@
+"""The CPU kernel on GGUF blocks (``csrc/gguf_gemm.cpp``), built once per machine through ``pagoda.cpp_extension``.
+
+``matmul`` serves decode and prefill; ``supports`` says whether a call can take it (a CPU tensor,
+a block type the kernel handles, the library built). Set ``PAGODA_GGUF_KERNEL=0`` to force the
+plain-torch reference path (dequantize per call) for A/B measurements.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pagoda.cpp_extension import CppExtension, ExtensionBuildError
+
+EXTENSION = CppExtension("pagoda_gguf_gemm", "pagoda_quant_gguf", ["csrc/gguf_gemm.cpp"])
+KERNEL_TYPES = frozenset(int(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0))
+KERNEL_ENV = "PAGODA_GGUF_KERNEL"
+
+_library: ModuleType | None = None
+
+
+def library() -> ModuleType | None:
+    """The compiled library, or None when it cannot be built here (the reason: ``EXTENSION.build_failure()``)."""
+    global _library
+    if _library is None and os.environ.get(KERNEL_ENV, "1") != "0":
+        try:
+            _library = EXTENSION.library()
+        except ExtensionBuildError:
+            return None
+    return _library
+
+
+def supports(qtype: int, x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and qtype in KERNEL_TYPES and x.shape[-1] % 32 == 0 and library() is not None
+
+
+def describe() -> str:
+    lib = library()
+    if lib is None:
+        return f"none ({EXTENSION.build_failure() or KERNEL_ENV + '=0'}): torch reference"
+    return f"{lib.pagoda_gguf_isa().decode()} for {', '.join(Q(t).name for t in sorted(KERNEL_TYPES))}"
+
+
+def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """``x`` [M, cols] times the block matrix (uint8 [N, bytes per row]), transposed: float32 [M, N]."""
+    lib = library()
+    assert lib is not None
+    x = x.to(torch.float32).contiguous()
+    n = blocks.shape[0]
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    status = lib.pagoda_gguf_matmul(qtype, blocks.data_ptr(), n, cols, x.data_ptr(), x.shape[0], y.data_ptr(),
+                                    torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"gguf kernel refused type {Q(qtype).name} with {cols} columns")
+    return y

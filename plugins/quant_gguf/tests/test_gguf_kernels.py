@@ -1,0 +1,92 @@
+"""The torch dequantizers against the gguf package's, and the C++ kernel (this CPU's path, the AVX2
+path built without AVX-512, and the portable one) against the torch reference."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from pagoda_quant_gguf import kernels
+from pagoda_quant_gguf.dequant import dequantize_blocks
+
+BASIC = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+# where each K-quant block keeps its f16 super-block scale(s) (ggml-common.h)
+K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def random_k_blocks(qtype: Q, rows: int, blocks_per_row: int) -> np.ndarray:
+    """Random K-quant blocks with small finite f16 scales (gguf 0.19 has no K-quant quantizer)."""
+    _, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, size=(rows, blocks_per_row, nbytes), dtype=np.uint8)
+    for offset in K_QUANT_SCALES[qtype]:
+        blocks[..., offset : offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, blocks_per_row * nbytes)
+
+
+@pytest.mark.parametrize("qtype", BASIC, ids=lambda q: q.name)
+def test_torch_dequant_equals_gguf(qtype: Q) -> None:
+    weight = np.random.default_rng(0).standard_normal((7, 256)).astype(np.float32)
+    blocks = quantize(weight, qtype)
+    ours = dequantize_blocks(torch.from_numpy(blocks), int(qtype), 256)
+    np.testing.assert_array_equal(ours.numpy(), dequantize(blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANT_SCALES), ids=lambda q: q.name)
+def test_k_quant_dequant_equals_gguf(qtype: Q) -> None:
+    blocks = random_k_blocks(qtype, 3, 2)
+    ours = dequantize_blocks(torch.from_numpy(blocks), int(qtype), 512)
+    np.testing.assert_array_equal(ours.numpy(), dequantize(blocks, qtype))
+
+
+def _case(qtype: Q, m: int, n: int = 45, k: int = 320) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rng = np.random.default_rng(m)
+    blocks = torch.from_numpy(quantize(rng.standard_normal((n, k)).astype(np.float32), qtype))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    reference = x @ dequantize_blocks(blocks, int(qtype), k).T
+    return blocks, x, reference
+
+
+def _close(y: torch.Tensor, reference: torch.Tensor) -> None:
+    # x is quantized to int8 per 32 values (as llama.cpp does): ~0.5% of the output's range, measured
+    err = float((y - reference).abs().max() / reference.abs().max())
+    assert err < 0.02, err
+
+
+@pytest.mark.parametrize("qtype", BASIC, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_kernel_matches_reference(qtype: Q, m: int) -> None:
+    blocks, x, reference = _case(qtype, m)
+    assert kernels.supports(int(qtype), x), kernels.describe()
+    _close(kernels.matmul(x, blocks, int(qtype), x.shape[1]), reference)
+
+
+@pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]],
+                         ids=["avx2", "portable"])
+def test_other_isa_builds_match_reference(tmp_path: Path, flags: list[str]) -> None:
+    library = ctypes.CDLL(str(kernels.EXTENSION.compile_to(tmp_path / "libgguf.so", flags)))
+    library.pagoda_gguf_isa.restype = ctypes.c_char_p
+    expected = "avx2" if "-mno-avx2" not in flags else "scalar"
+    assert library.pagoda_gguf_isa().decode() == expected
+    fn = library.pagoda_gguf_matmul
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_int]
+    for qtype in BASIC:
+        for m in (1, 5):
+            blocks, x, reference = _case(qtype, m)
+            y = torch.empty(m, blocks.shape[0])
+            assert fn(int(qtype), blocks.data_ptr(), blocks.shape[0], x.shape[1], x.data_ptr(), m, y.data_ptr(), 2) == 0
+            _close(y, reference)
+
+
+def test_kernel_refuses_what_it_cannot_run() -> None:
+    x = torch.randn(1, 256)
+    assert not kernels.supports(int(Q.Q6_K), x)  # no kernel: the torch reference runs it
+    assert not kernels.supports(int(Q.Q4_0), torch.randn(1, 48))  # not whole blocks
