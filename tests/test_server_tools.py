@@ -198,3 +198,19 @@ def test_bad_tool_flags_stop_the_start(start_server: Any, args: list[str], needl
     with pytest.raises(RuntimeError, match="exited") as info:
         start_server(args)
     assert needle in str(info.value)
+
+
+def test_sdk_parse_with_a_pydantic_function_tool(client: Any) -> None:
+    """The SDK's strict function tools (``openai.pydantic_function_tool``) come back as parsed pydantic objects."""
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=20)
+        days: int = Field(ge=1, le=7)
+
+    r = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],
+                                      tool_choice="required", max_tokens=80, temperature=0)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+    assert 1 <= call.function.parsed_arguments.days <= 7

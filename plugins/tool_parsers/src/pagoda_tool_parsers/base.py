@@ -57,7 +57,8 @@ class StreamingToolParser(ToolParser):
         # as vLLM: a marker that is a special token would be dropped by detokenizing, so keep special tokens; only
         # when one of this parser's markers is special here (otherwise the model's other special tokens would leak)
         tools_used = bool(getattr(request, "tools", None)) and getattr(request, "tool_choice", None) != "none"
-        added = getattr(self.model_tokenizer, "get_added_vocab", dict)() if self.model_tokenizer is not None else {}
+        added: dict[str, int] = (getattr(self.model_tokenizer, "get_added_vocab", dict)()
+                                 if self.model_tokenizer is not None else {})
         if tools_used and request.skip_special_tokens and any(m in added for m in self.markers):
             return request.model_copy(update={"skip_special_tokens": False})
         return request

@@ -97,11 +97,11 @@ def _required_schema(ctx: Any, tools: list[dict[str, Any]], parallel: bool) -> d
     defs: dict[str, Any] = {}
     for i, tool in enumerate(tools):
         parameters = dict(_parameters(ctx, tools, i))
-        for name, schema in parameters.pop("$defs", {}).items():
-            if name in defs and defs[name] != schema:
+        for name, definition in parameters.pop("$defs", {}).items():
+            if name in defs and defs[name] != definition:
                 raise APIError(f"tools define $defs {name!r} twice with different schemas, which tool_choice "
                                "'required' cannot combine", 400, f"tools[{i}].function.parameters")
-            defs[name] = schema
+            defs[name] = definition
         alternatives.append({"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                             "parameters": parameters},
                              "required": ["name", "parameters"]})
