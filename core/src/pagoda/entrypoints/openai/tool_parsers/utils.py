@@ -97,7 +97,9 @@ def scan_call_object(text: str, i: int, name_keys: Sequence[str] = ("name",),
                      argument_keys: Sequence[str] = ("arguments", "parameters")) -> CallScan:
     """Read the call object starting at ``text[i]`` (a ``{``) as far as the text goes."""
     out = CallScan()
-    if i >= len(text) or text[i] != "{":
+    if i >= len(text):
+        return out  # not started yet
+    if text[i] != "{":
         out.error = True
         return out
     n = len(text)
@@ -154,7 +156,9 @@ def scan_call_list(text: str, i: int, name_keys: Sequence[str] = ("name",),
                    argument_keys: Sequence[str] = ("arguments", "parameters")) -> tuple[list[CallScan], int | None, bool]:
     """Read a JSON array of call objects starting at ``text[i]`` (a ``[``): (calls so far, index after the closing
     bracket or None while open, error)."""
-    if i >= len(text) or text[i] != "[":
+    if i >= len(text):
+        return [], None, False  # not started yet
+    if text[i] != "[":
         return [], None, True
     calls: list[CallScan] = []
     j = i + 1
