@@ -107,6 +107,9 @@ def test_cli_refuses_bad_files_before_loading_a_model(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "destroy the input" in result.output
     result = runner.invoke(app, ["run-batch", "-i", str(src)])
     assert result.exit_code == 2 and "--output-file" in result.output
+    result = runner.invoke(app, ["run-batch", "-i", str(src), "-o", str(tmp_path / "o.jsonl"),
+                                 "--tool-call-parser", "nope"])
+    assert result.exit_code == 1 and "tool call parser 'nope' is not registered" in result.output
     assert not (tmp_path / "o.jsonl").exists()
 
 

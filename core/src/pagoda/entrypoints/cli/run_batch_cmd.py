@@ -19,6 +19,12 @@ def run_batch(
     chat_template: str | None = typer.Option(None, "--chat-template", help="Chat template file or inline Jinja."),
     trust_request_chat_template: bool = typer.Option(
         False, "--trust-request-chat-template", help="Accept a request line's own chat_template (arbitrary Jinja)."),
+    enable_auto_tool_choice: bool = typer.Option(
+        False, "--enable-auto-tool-choice", help='Answer tool_choice "auto" by parsing tool calls; needs --tool-call-parser.'),
+    tool_call_parser: str | None = typer.Option(
+        None, "--tool-call-parser", help="Tool-call parser: hermes, llama3_json, mistral, pythonic, or a plugin's."),
+    tool_parser_plugin: str | None = typer.Option(
+        None, "--tool-parser-plugin", help="Python file registering tool parsers (ToolParserManager.register_module)."),
     *,
     engine_args: EngineArgs,
 ) -> None:
@@ -29,6 +35,7 @@ def run_batch(
     from pagoda.entrypoints.openai.run_batch import check_files, run_batch_file
     from pagoda.entrypoints.openai.server_args import ServerArgs
     from pagoda.entrypoints.openai.serving_common import ServingContext
+    from pagoda.entrypoints.openai.tool_calls import resolve_tool_parser
     from pagoda.model_loader import ModelLoadError
     from pagoda.plugins import PluginError
     from pagoda.plugins.io_processors import get_io_processor
@@ -37,7 +44,8 @@ def run_batch(
     try:
         check_files(input_file, output_file)
         template = load_chat_template(chat_template)
-    except ValueError as exc:  # BatchFileError is one
+        tool_parser = resolve_tool_parser(enable_auto_tool_choice, tool_call_parser, tool_parser_plugin)
+    except (ValueError, OSError, ImportError) as exc:  # BatchFileError is a ValueError
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
     server_args = ServerArgs.model_validate({"chat_template": chat_template})
@@ -64,6 +72,8 @@ def run_batch(
             default_sampling=default_sampling(engine),
             supported_tasks=supported_tasks(engine),
             io_processor=io_processor,
+            enable_auto_tool_choice=enable_auto_tool_choice,
+            tool_parser=tool_parser,
         )
         # twice the scheduler's batch keeps it full without holding the whole file in flight
         summary = run_batch_file(ctx, input_file, output_file, max_in_flight=2 * engine_args.max_num_seqs)
