@@ -88,10 +88,6 @@ def test_hf_model_is_the_expected_class(pair: fc.ModelPair) -> None:
     assert type(pair.hf).__name__ == type(pair.model).__name__
 
 
-def test_load_weights_consumes_every_checkpoint_tensor(pair: fc.ModelPair) -> None:
-    fc.check_loads_every_checkpoint_tensor(pair)
-
-
 def test_norm_weights_hold_one_plus_the_checkpoint_weight(pair: fc.ModelPair) -> None:
     hf_params = dict(pair.hf.named_parameters())
     ours = dict(pair.model.named_parameters())
@@ -102,16 +98,8 @@ def test_norm_weights_hold_one_plus_the_checkpoint_weight(pair: fc.ModelPair) ->
         assert torch.equal(ours[name], 1.0 + hf_params[name].float()), name
 
 
-def test_single_prefill_matches_transformers(pair: fc.ModelPair) -> None:
-    fc.check_single_prefill(pair)
-
-
-def test_two_sequences_in_one_flat_batch(pair: fc.ModelPair) -> None:
-    fc.check_two_sequences_in_one_flat_batch(pair)
-
-
-def test_decode_steps_beside_a_chunked_prefill(pair: fc.ModelPair) -> None:
-    fc.check_decode_beside_chunked_prefill(pair)
+class TestPagedKV(fc.PagedKVScenarios):
+    """Load, prefill, two sequences in one flat batch, decode beside a chunked prefill: on every configuration."""
 
 
 def test_softcaps_and_windows_reach_the_layers() -> None:

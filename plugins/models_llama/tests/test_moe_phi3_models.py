@@ -98,18 +98,9 @@ def pair(request: pytest.FixtureRequest) -> fc.ModelPair:
     return _pair(request.param)
 
 
-def test_state_dict_loads_whole(pair: fc.ModelPair) -> None:
-    """transformers 5's state_dict (MoE experts as 3-D tensors) fills every parameter."""
-    assert not pair.model.tie_word_embeddings
-    fc.check_loads_every_checkpoint_tensor(pair)
-
-
-def test_single_prefill_matches_transformers(pair: fc.ModelPair) -> None:
-    fc.check_single_prefill(pair)
-
-
-def test_decode_steps_beside_a_chunked_prefill(pair: fc.ModelPair) -> None:
-    fc.check_decode_beside_chunked_prefill(pair)
+class TestPagedKV(fc.PagedKVScenarios):
+    """Every configuration: transformers 5's state_dict (MoE experts as 3-D tensors) loads whole; prefill, a
+    flat batch of two sequences (each token routed on its own) and decode beside a chunked prefill match."""
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen2-moe-shared-dense1", "phi3"])

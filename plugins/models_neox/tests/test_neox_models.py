@@ -72,20 +72,8 @@ def pair(request: pytest.FixtureRequest) -> fc.ModelPair:
     return _pair(request.param)
 
 
-def test_load_weights_consumes_every_checkpoint_tensor(pair: fc.ModelPair) -> None:
-    fc.check_loads_every_checkpoint_tensor(pair)
-
-
-def test_single_prefill_matches_transformers(pair: fc.ModelPair) -> None:
-    fc.check_single_prefill(pair)
-
-
-def test_two_sequences_in_one_flat_batch(pair: fc.ModelPair) -> None:
-    fc.check_two_sequences_in_one_flat_batch(pair)
-
-
-def test_decode_steps_beside_a_chunked_prefill(pair: fc.ModelPair) -> None:
-    fc.check_decode_beside_chunked_prefill(pair)
+class TestPagedKV(fc.PagedKVScenarios):
+    """Load, prefill, two sequences in one flat batch, decode beside a chunked prefill: on every configuration."""
 
 
 def test_saved_checkpoint_names_load(pair: fc.ModelPair, tmp_path: Path) -> None:

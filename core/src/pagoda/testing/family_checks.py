@@ -7,7 +7,7 @@ reference) and the engine's model loaded from its ``state_dict()``, and each
 ``check_*`` function runs one scenario through ``PagedKVHarness`` and asserts
 on the logits. Where ``pagoda.testing.model_parity.check_parity`` serves a
 checkpoint through the whole engine, these compare the model alone, step by
-step, so a failure points at a layer rather than at the engine.
+step, so a failure points at the model rather than at the engine around it.
 
 Typical use in a plugin's tests::
 
@@ -19,8 +19,8 @@ Typical use in a plugin's tests::
     def pair(request):
         return fc.ModelPair(*CONFIGS[request.param])
 
-    def test_single_prefill_matches_transformers(pair):
-        fc.check_single_prefill(pair)
+    class TestPagedKV(fc.PagedKVScenarios):  # the four scenarios below, on every configuration
+        pass
 
 The scenarios every configuration runs: ``check_loads_every_checkpoint_tensor``,
 ``check_single_prefill``, ``check_two_sequences_in_one_flat_batch`` and
@@ -124,9 +124,14 @@ class ModelPair:
 
 
 def check_loads_every_checkpoint_tensor(pair: ModelPair) -> None:
-    """``load_weights`` reports every tensor of transformers' state dict consumed (a tied LM head excepted)."""
+    """``load_weights`` reports every tensor of transformers' state dict consumed (a tied LM head excepted).
+
+    The model ties its LM head exactly when the config does, so an untied checkpoint's head is never skipped.
+    """
     expected = set(pair.state_names)
-    if getattr(pair.model, "tie_word_embeddings", False):
+    tied = bool(getattr(pair.model, "tie_word_embeddings", False))
+    assert tied == bool(getattr(pair.hf_config, "tie_word_embeddings", False))
+    if tied:
         expected.discard("lm_head.weight")
     assert pair.loaded == expected
 
@@ -192,3 +197,27 @@ def check_decode_beside_chunked_prefill(pair: ModelPair, atol: float = ATOL) -> 
         torch.testing.assert_close(logits[1:], b_ref[b_done : b_done + chunk], atol=atol, rtol=0)
         b_done += chunk
     assert b_done == 22 and a.num_cached == 18
+
+
+class PagedKVScenarios:
+    """The four scenarios as pytest tests, every one on every configuration of the module's ``pair`` fixture.
+
+    In a family's test module that defines a (parametrized) ``pair`` fixture returning a ``ModelPair``::
+
+        class TestPagedKV(fc.PagedKVScenarios):
+            pass
+
+    Not named ``Test*``, so pytest collects only the subclass.
+    """
+
+    def test_load_weights_consumes_every_checkpoint_tensor(self, pair: ModelPair) -> None:
+        check_loads_every_checkpoint_tensor(pair)
+
+    def test_single_prefill_matches_transformers(self, pair: ModelPair) -> None:
+        check_single_prefill(pair)
+
+    def test_two_sequences_in_one_flat_batch(self, pair: ModelPair) -> None:
+        check_two_sequences_in_one_flat_batch(pair)
+
+    def test_decode_steps_beside_a_chunked_prefill(self, pair: ModelPair) -> None:
+        check_decode_beside_chunked_prefill(pair)
