@@ -39,10 +39,13 @@ class DeviceCommunicatorBase:
         if dim < 0:
             dim += x.dim()
         x = x.contiguous()
-        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=self.group)
-        # [world, ..., d, ...] -> [..., world * d, ...]
-        return out.movedim(0, dim).reshape(*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1:])
+        # gathered along dim 0 ([world * d0, ...], as gloo and NCCL both take it), then moved to ``dim``
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(out, x, group=self.group)
+        if dim == 0:
+            return out
+        out = out.view(self.world_size, *x.shape).movedim(0, dim)
+        return out.reshape(*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1:])
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         """Send to group rank ``dst``."""

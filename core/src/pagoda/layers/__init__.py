@@ -8,12 +8,22 @@ from pagoda.layers.linear import Linear, LinearKernel, prepare_linear_layers
 from pagoda.layers.moe import FusedMoE, GatedMLP, fused_experts, fused_topk
 from pagoda.layers.norm import LayerNorm, RMSNorm
 from pagoda.layers.ops import TORCH_LAYER_OPS, LayerOps, LayerOpsModule, TorchLayerOps, bind_layer_ops
+from pagoda.layers.parallel_linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    check_tensor_parallel_support,
+)
 from pagoda.layers.rope_scaling import RopeConfig, rope_config_from_hf
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = [
     "TORCH_LAYER_OPS",
     "Activation",
+    "ColumnParallelLinear",
     "Embedding",
     "FusedMoE",
     "GatedMLP",
@@ -23,13 +33,20 @@ __all__ = [
     "LayerOpsModule",
     "Linear",
     "LinearKernel",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
     "PerHeadLayerNorm",
+    "QKVParallelLinear",
     "RMSNorm",
+    "ReplicatedLinear",
     "RopeConfig",
     "RotaryEmbedding",
+    "RowParallelLinear",
     "SiluAndMul",
     "TorchLayerOps",
+    "VocabParallelEmbedding",
     "bind_layer_ops",
+    "check_tensor_parallel_support",
     "fused_experts",
     "fused_topk",
     "gated_activation",

@@ -18,7 +18,7 @@ import torch
 from pagoda.attention import Attention, AttentionMetadata, AttentionSpec
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
-from pagoda.layers import bind_layer_ops, prepare_linear_layers
+from pagoda.layers import bind_layer_ops, check_tensor_parallel_support, prepare_linear_layers
 from pagoda.model_loader import iter_weights
 from pagoda.models.adapters import as_pooling_model
 from pagoda.models.registry import ModelChoice, ModelRegistry
@@ -142,6 +142,11 @@ class ModelRunner:
                 model = cls(self.hf_config, self.dtype, **init_kwargs)
         finally:
             torch.set_default_dtype(prev)
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            check_tensor_parallel_support(model, archs[0])
+            if getattr(self.config.resolved, "quant_config", None) is not None:
+                raise ValueError("quantized models run with tensor_parallel_size=1 only (the quantization "
+                                 "methods' weights are not split across ranks yet)")
         quant_config = self.config.resolved.quant_config
         keep_quantized = None
         if quant_config is not None:

@@ -19,13 +19,16 @@ from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
 from pagoda.layers import (
-    Embedding,
     FusedMoE,
     LayerOpsModule,
-    Linear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     SiluAndMul,
+    VocabParallelEmbedding,
     rope_config_from_hf,
 )
 from pagoda.models.interface import config_for
@@ -46,17 +49,19 @@ from pagoda_models_llama.weights import FUSED_PROJECTIONS, MIXTRAL_RENAMES, load
 class LlamaAttention(LayerOpsModule):  # self.ops rotates q and k
     def __init__(self, cfg: Any, options: DecoderOptions, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        if self.num_heads % self.num_kv_heads:
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
+        if total_heads % total_kv_heads:
             raise ValueError(
-                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+                f"num_attention_heads={total_heads} is not a multiple of num_key_value_heads={total_kv_heads}"
             )
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
+        # with tensor parallelism this rank's heads only (core's layers split them)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv_heads, options.qkv_bias, dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, options.qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, options.o_proj_bias, dtype)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, options.o_proj_bias, dtype)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
         self.attn = Attention(
@@ -112,8 +117,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         _check_activation(cfg)
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, options.mlp_bias, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, options.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
         self.act_fn = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -155,7 +160,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, options: DecoderOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, options, i, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(rope_config_from_hf(cfg), dtype)
@@ -190,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         self.options = self.decoder_options(cfg)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = LlamaModel(cfg, self.options, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, False, dtype)
         if self.tie_word_embeddings:
             # One tensor, two modules: parameters() lists it once, under the embedding's name.
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,0 +1,126 @@
+"""Tensor parallelism with the mp executor: greedy parity with transformers at TP=2, and a worker killed mid-run.
+
+Each test spawns two worker processes (gloo on loopback, float32, one thread each).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import transformers
+
+from pagoda.testing.model_parity import build_tiny_model, check_parity, mixed_prompts
+
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256)
+
+
+def test_llama_tp2_greedy_equals_transformers(tmp_path: Path) -> None:
+    # an odd vocabulary: the vocab-parallel embedding and LM head pad it to a multiple of the ranks
+    cfg = transformers.LlamaConfig(**SMALL, vocab_size=131, num_attention_heads=4, num_key_value_heads=2)
+    report = check_parity(build_tiny_model(cfg, seed=1), tmp_path, prompts=mixed_prompts(131, num_prompts=8, max_len=40),
+                          new_tokens=6, llm_kwargs=TP2)
+    assert report.num_tokens_compared > 40
+    assert report.num_cached_tokens > 0
+
+
+def test_qwen3_tp2_replicated_kv_head_greedy_equals_transformers(tmp_path: Path) -> None:
+    # one KV head for two ranks: it is replicated; qk-norm over each rank's heads; tied embeddings
+    cfg = transformers.Qwen3Config(**SMALL, vocab_size=128, num_attention_heads=4, num_key_value_heads=1,
+                                   head_dim=16, tie_word_embeddings=True)
+    report = check_parity(build_tiny_model(cfg, seed=2), tmp_path, prompts=mixed_prompts(128, num_prompts=8, max_len=40),
+                          new_tokens=6, llm_kwargs=TP2)
+    assert report.num_tokens_compared > 40
+
+
+def _tiny_llama(path: Path) -> Path:
+    from pagoda.testing.model_parity import save_tiny_model
+
+    cfg = transformers.LlamaConfig(**SMALL, vocab_size=128, num_attention_heads=4, num_key_value_heads=2)
+    return save_tiny_model(build_tiny_model(cfg), path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0): read its state
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_worker_killed_mid_generation_fails_requests_and_health(tmp_path: Path) -> None:
+    from pagoda import SamplingParams
+    from pagoda.config import EngineArgs
+    from pagoda.engine.core import prepare_engine_config
+    from pagoda.engine.core_client import EngineCoreOutputs, ThreadedClient
+    from pagoda.executor import ExecutorFailedError
+    from pagoda.scheduler.request import Request
+
+    model = _tiny_llama(tmp_path / "m")
+    config = EngineArgs(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                        num_kv_blocks=64, **TP2).create_engine_config()
+    platform = prepare_engine_config(config)
+    batches: list[EngineCoreOutputs] = []
+    dead = threading.Event()
+    client = ThreadedClient(config, platform, batches.append, lambda exc: dead.set())
+    executor = client.core.model_executor
+    pids = [p.pid for p in executor.workers]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        for i in range(3):
+            client.add_request(Request(f"r{i}", [1 + i, 2, 3], params, None, config.cache_config.block_size or 16))
+        client.start()
+        deadline = time.monotonic() + 60
+        while sum(len(b.outputs) for b in batches) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(len(b.outputs) for b in batches) >= 6, "no tokens before the kill"
+        os.kill(pids[1], signal.SIGKILL)
+        assert dead.wait(60), "the engine did not notice the dead worker"
+        failed = {rid: exc for b in batches for rid, exc in b.failed.items()}
+        assert set(failed) == {"r0", "r1", "r2"}
+        assert all(isinstance(exc, ExecutorFailedError) and "rank 1" in str(exc) for exc in failed.values())
+        assert isinstance(client.dead_error, ExecutorFailedError)
+        with pytest.raises(ExecutorFailedError, match="rank 1"):
+            client.core.check_health()
+    finally:
+        client.shutdown()
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "a worker process outlived the engine"
+
+
+def test_workers_exit_when_the_engine_process_dies(tmp_path: Path) -> None:
+    model = _tiny_llama(tmp_path / "m")
+    script = textwrap.dedent(f"""
+        import os
+        from pagoda import LLM
+        if __name__ == "__main__":
+            llm = LLM(model={str(model)!r}, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+                      num_kv_blocks=64, tensor_parallel_size=2, distributed_executor_backend="mp")
+            ex = llm.llm_engine.engine_core.core.model_executor
+            print("PIDS", *[p.pid for p in ex.workers], flush=True)
+            os._exit(0)  # no shutdown, no atexit: only the death pipe can stop the workers
+    """)
+    (tmp_path / "engine.py").write_text(script)
+    out = subprocess.run([sys.executable, str(tmp_path / "engine.py")], capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PIDS")), None)
+    assert line is not None, out.stderr[-3000:]
+    pids = [int(p) for p in line.split()[1:]]
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "worker processes outlived their engine"
