@@ -189,3 +189,36 @@ def test_llm_engine_refuses_data_parallel(tiny_model_dir: Any) -> None:
     path, _ = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="data_parallel_size > 1"):
         LLMEngine.from_engine_args(_args(path, data_parallel_size=2))
+
+
+def test_server_answers_503_when_its_engine_process_dies(start_server: Any) -> None:
+    """`pagoda serve` with the core in its own process: SIGKILL it mid-stream; the stream ends with an error
+    event, /health is 503, new requests are refused, and stopping the server leaves no process behind."""
+    import re
+
+    import httpx
+
+    server = start_server(["--max-model-len", "512"], env={"PAGODA_ENABLE_V1_MULTIPROCESSING": "1"})
+    server.log.flush()
+    found = re.search(r"engine core 0 runs in process (\d+)", open(server.log.name).read())
+    assert found, server.output()
+    core_pid = int(found.group(1))
+    assert httpx.get(server.url + "/health").status_code == 200
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        head = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in head)
+        os.kill(core_pid, signal.SIGKILL)
+        rest = list(lines)
+    errors = [line for line in rest if line.startswith("data: {") and '"error"' in line]
+    assert errors and "engine" in errors[0] and "503" in errors[0], rest[-5:]
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 503 and "died" in health.json()["error"]["message"]
+    late = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert late.status_code >= 500
+    server.stop()
+    assert server.proc.returncode is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(core_pid, 0)

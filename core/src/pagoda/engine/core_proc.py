@@ -98,6 +98,7 @@ def run_engine_core(
         except Exception:  # noqa: BLE001 - the socket may be the thing that broke
             pass
     finally:
+        core.shutdown()  # the workers, when they run in processes (or actors) of their own
         out.close(linger=1000)
         inp.close(linger=0)
         ctx.term()
@@ -164,8 +165,14 @@ class EngineCoreProc:
             try:
                 batch.outputs = core.step()
             except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
+                from pagoda.executor import ExecutorFailedError
+
                 logger.exception("engine step failed; failing the requests it ran")
                 err = portable_error(exc)
                 batch.failed = {rid: err for rid in core.fail_running()}
+                if isinstance(exc, ExecutorFailedError):
+                    # a worker is gone: report the requests it took down, then this engine is dead
+                    self.out.send(dumps("outputs", batch))
+                    raise
             batch.scheduler_stats = core.make_stats()
             self.out.send(dumps("outputs", batch))

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pagoda.engine.async_llm import AsyncLLM, EngineGenerateError, RequestStream
+from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import _SamplingFields
 from pagoda.entrypoints.openai.structured_outputs import structured_outputs_of
@@ -262,6 +262,9 @@ async def collect_finals(raw_request: Request, streams: list[RequestStream]) -> 
         await until_disconnected(raw_request, collect())
     except EngineGenerateError as exc:
         raise APIError(f"internal engine error: {exc}", 500) from None
+    except EngineDeadError as exc:
+        # the engine core (thread or process) is gone: /health says 503 too
+        raise APIError(f"the engine is dead: {exc}", 503) from None
     finally:
         for stream in streams:
             stream.abort()
@@ -277,6 +280,9 @@ async def sse_response_body(streams: list[RequestStream], events: AsyncGenerator
     except EngineGenerateError as exc:
         yield sse({"error": {"message": f"internal engine error: {exc}", "type": "InternalServerError", "param": None,
                              "code": 500}})
+    except EngineDeadError as exc:
+        yield sse({"error": {"message": f"the engine is dead: {exc}", "type": "ServiceUnavailableError",
+                             "param": None, "code": 503}})
     finally:
         await events.aclose()
         for stream in streams:
