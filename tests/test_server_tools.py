@@ -33,7 +33,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 @pytest.fixture(scope="module")
 def server(start_server: Any) -> Any:
     return start_server(["--max-model-len", "512", "--max-num-seqs", "8", "--max-n", "4",
-                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--trust-request-chat-template"])
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,16 @@ def test_tool_round_trip(client: Any) -> None:
                                            max_tokens=24, temperature=0).choices[0]
     assert final.message.content and not final.message.tool_calls
     assert final.finish_reason in ("stop", "length")
+
+
+def test_chat_template_receives_the_tools(server: Any) -> None:
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[-1].content }}"
+    r = httpx.post(server.url + "/tokenize", json={"messages": ASK, "tools": TOOLS, "chat_template": template,
+                                                   "add_generation_prompt": False}, timeout=60)
+    expected = httpx.post(server.url + "/tokenize", json={"prompt": "[get_weather][get_time]" + ASK[0]["content"],
+                                                          "add_special_tokens": False}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == expected.json()["tokens"]
 
 
 # -- tool_choice auto: the hermes parser on outputs fixed by a structured-outputs choice --------------------
