@@ -70,6 +70,27 @@ def test_completions_structured_outputs_and_guided_fields(server: Any) -> None:
             jsonschema.validate(json.loads(choice["text"]), SCHEMA)
 
 
+def test_response_format_structural_tag(server: Any) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+    # xgrammar's form: one tag that must be written, from the first token
+    forced = {"type": "structural_tag", "format": {"type": "tag", "begin": "<function=weather>",
+                                                   "content": {"type": "json_schema", "json_schema": schema},
+                                                   "end": "</function>"}}
+    r = _post(server, "/v1/chat/completions", _chat("What is the weather in Paris?", response_format=forced))
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["message"]["content"]
+    match = re.fullmatch(r"<function=weather>(.*)</function>", content, re.S)
+    assert match is not None, content
+    jsonschema.validate(json.loads(match.group(1)), schema)
+    # vLLM's (OpenAI-style) form: free text until a trigger, then the structure
+    triggered = {"type": "structural_tag", "triggers": ["<function="],
+                 "structures": [{"begin": "<function=weather>", "schema": schema, "end": "</function>"}]}
+    r = _post(server, "/v1/chat/completions", _chat("hi", max_tokens=10, response_format=triggered))
+    assert r.status_code == 200, r.text
+    r = _post(server, "/v1/chat/completions", _chat("hi", response_format={"type": "structural_tag", "triggers": []}))
+    assert r.status_code == 400 and "structural_tag" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"guided_json": {"type": "nope"}}, "invalid structured_outputs.json"),
     ({"guided_regex": "a(b"}, "invalid structured_outputs.regex"),

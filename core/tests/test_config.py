@@ -126,8 +126,9 @@ def test_every_engine_arg_belongs_to_exactly_one_section() -> None:
         for name in section.model_fields
     ]
     assert len(section_fields) == len(set(section_fields))
-    # structured_outputs_config is a whole section (as in vLLM), passed as is
-    assert set(section_fields) | {"structured_outputs_config"} == set(EngineArgs.model_fields)
+    # structured_outputs_config is a whole section (as in vLLM), passed as is; reasoning_parser (vLLM's flat
+    # --reasoning-parser) lands in it
+    assert set(section_fields) | {"structured_outputs_config", "reasoning_parser"} == set(EngineArgs.model_fields)
 
 
 def test_structured_outputs_config_from_args_and_cli_json() -> None:
@@ -136,6 +137,17 @@ def test_structured_outputs_config_from_args_and_cli_json() -> None:
     assert config.structured_outputs_config.backend == "xgrammar"
     with pytest.raises(ValueError):
         EngineArgs(structured_outputs_config={"backend": "xgrammar", "nope": 1})
+
+
+def test_reasoning_parser_lands_in_the_structured_outputs_section() -> None:
+    config = EngineArgs(reasoning_parser="qwen3").create_engine_config().structured_outputs_config
+    assert (config.reasoning_parser, config.enable_in_reasoning) == ("qwen3", False)
+    same = EngineArgs(reasoning_parser="qwen3", structured_outputs_config={"reasoning_parser": "qwen3",
+                                                                          "enable_in_reasoning": True})
+    assert same.create_engine_config().structured_outputs_config.enable_in_reasoning
+    with pytest.raises(ValueError, match="disagree"):
+        EngineArgs(reasoning_parser="qwen3",
+                   structured_outputs_config={"reasoning_parser": "deepseek_r1"}).create_engine_config()
 
 
 # -- CLI options derived from EngineArgs ----------------------------------------------------

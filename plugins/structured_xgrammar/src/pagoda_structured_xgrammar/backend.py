@@ -25,6 +25,24 @@ def _message(exc: Exception) -> str:
     return _LOG_PREFIX.sub("", str(exc).strip())
 
 
+def structural_tag_args(spec: str) -> tuple[Any, ...]:
+    """xgrammar's arguments for a structural tag: vLLM's (OpenAI-style) ``{"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}``, or xgrammar's own ``{"type": "structural_tag", "format": {...}}`` as it is."""
+    try:
+        tag = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise StructuredOutputError(f"invalid structured_outputs.structural_tag: not JSON ({exc})") from exc
+    if isinstance(tag, dict) and "structures" in tag:
+        try:
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            return items, list(tag["triggers"])
+        except (KeyError, TypeError) as exc:
+            raise StructuredOutputError("invalid structured_outputs.structural_tag: each structure needs begin, "
+                                        f"schema and end, and triggers a list ({type(exc).__name__}: {exc})") from exc
+    return (spec,)
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose sentences are exactly ``choices`` (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -87,7 +105,9 @@ class XgrammarBackend(StructuredOutputBackend):
                 compiled = self._compiler.compile_grammar(params.grammar)
             else:
                 assert params.structural_tag is not None
-                compiled = self._compiler.compile_structural_tag(params.structural_tag)
+                compiled = self._compiler.compile_structural_tag(*structural_tag_args(params.structural_tag))
+        except StructuredOutputError:
+            raise
         except (RuntimeError, ValueError, TypeError) as exc:
             raise StructuredOutputError(f"invalid structured_outputs.{kind}: {_message(exc)}") from exc
         return XgrammarGrammar(compiled)
@@ -111,7 +131,9 @@ class XgrammarBackend(StructuredOutputBackend):
                 xgr.Grammar.from_ebnf(params.grammar)
             elif kind == "structural_tag":
                 assert params.structural_tag is not None
-                xgr.Grammar.from_structural_tag(params.structural_tag)
+                xgr.Grammar.from_structural_tag(*structural_tag_args(params.structural_tag))
+        except StructuredOutputError:
+            raise
         except (RuntimeError, ValueError, TypeError) as exc:
             raise StructuredOutputError(f"invalid structured_outputs.{kind}: {_message(exc)}") from exc
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pagoda.entrypoints.openai.errors import APIError
@@ -24,7 +25,11 @@ def _from_response_format(response_format: dict[str, Any]) -> StructuredOutputsP
         if not isinstance(schema, dict):
             raise APIError('response_format "json_schema" needs json_schema.schema (an object)', 400, "response_format")
         return StructuredOutputsParams(json=schema)
-    raise APIError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+    if kind == "structural_tag":
+        # vLLM's: {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}, or
+        # xgrammar's {"type": "structural_tag", "format": {...}}; the backend reads it whole
+        return StructuredOutputsParams(structural_tag=json.dumps(response_format))
+    raise APIError(f"response_format type {kind!r} is not supported (text, json_object, json_schema, structural_tag)",
                    400, "response_format")
 
 

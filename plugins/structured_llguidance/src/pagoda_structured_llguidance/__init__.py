@@ -1,0 +1,1 @@
+"""pagoda's structured-outputs backend on llguidance (vLLM's backend name: ``guidance``)."""

@@ -1,0 +1,143 @@
+"""Compiles StructuredOutputsParams into llguidance grammars; one LLMatcher per request.
+
+llguidance builds the token-level parser lazily (no per-schema vocabulary pass), so "compiling" is
+parsing the grammar into its serialized form; masks are computed per step, for the batch in parallel
+on llguidance's own thread pool (LLExecutor, native code without the GIL).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from pagoda.structured_output import (
+    CompiledGrammar,
+    StructuredOutputBackend,
+    StructuredOutputError,
+    StructuredOutputMatcher,
+    StructuredOutputsParams,
+)
+
+
+def _json_text(value: str | dict[str, Any]) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def structural_tag_grammar(spec: str) -> str:
+    """vLLM's structural tag (``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``) as a grammar."""
+    try:
+        tag = json.loads(spec)
+        tags = [
+            llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=s["schema"], end=s["end"])
+            for s in tag["structures"]
+            for trigger in tag["triggers"]
+            if s["begin"].startswith(trigger)
+        ]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise StructuredOutputError(
+            'invalid structured_outputs.structural_tag: expected {"structures": [{"begin", "schema", "end"}, ...], '
+            f'"triggers": [...]}} ({type(exc).__name__}: {exc})') from exc
+    if not tags:
+        raise StructuredOutputError("invalid structured_outputs.structural_tag: no structure's begin starts with "
+                                    "one of the triggers")
+    return str(llguidance.StructTag.to_grammar(tags))
+
+
+def serialize_grammar(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar (its JSON form) for ``params``; the matcher reports errors in it."""
+    kind = params.kind
+    # vLLM's default: JSON may have whitespace where JSON allows it unless disable_any_whitespace
+    defaults = {"whitespace_flexible": not params.disable_any_whitespace}
+    try:
+        if kind == "json":
+            assert params.json is not None
+            return str(llguidance.LLMatcher.grammar_from_json_schema(_json_text(params.json), defaults=defaults))
+        if kind == "json_object":
+            return str(llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=defaults))
+        if kind == "regex":
+            assert params.regex is not None
+            return str(llguidance.grammar_from("regex", params.regex))
+        if kind == "choice":
+            assert params.choice is not None
+            return str(llguidance.grammar_from("choice", json.dumps(params.choice)))
+        if kind == "grammar":
+            # Lark (llguidance's native format) or GBNF
+            assert params.grammar is not None
+            return str(llguidance.grammar_from("grammar", params.grammar))
+        assert params.structural_tag is not None
+        return structural_tag_grammar(params.structural_tag)
+    except StructuredOutputError:
+        raise
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise StructuredOutputError(f"invalid structured_outputs.{kind}: {exc}") from exc
+
+
+def _check(params: StructuredOutputsParams, grammar: str, tokenizer: Any = None) -> None:
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        raise StructuredOutputError(f"invalid structured_outputs.{params.kind}: {error}")
+
+
+class GuidanceMatcher(StructuredOutputMatcher):
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if self.matcher.is_error():
+            raise StructuredOutputError(f"llguidance: {self.matcher.get_error()}")
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        for i, token in enumerate(token_ids):
+            if not self.matcher.consume_token(token):
+                # leave the matcher where it was before this call
+                if i:
+                    self.matcher.rollback(i)
+                return False
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+
+class GuidanceGrammar(CompiledGrammar):
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self.tokenizer = tokenizer
+        self.grammar = grammar
+
+    def new_matcher(self) -> StructuredOutputMatcher:
+        return GuidanceMatcher(self.tokenizer, self.grammar)
+
+
+class GuidanceBackend(StructuredOutputBackend):
+    name = "guidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        super().__init__(tokenizer, vocab_size)
+        # The model's vocabulary may be wider than the tokenizer's (padding rows): n_vocab masks those off.
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self._executor = llguidance.LLExecutor()
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        grammar = serialize_grammar(params)
+        # with the tokenizer: also finds grammars this vocabulary cannot produce
+        _check(params, grammar, self.ll_tokenizer)
+        return GuidanceGrammar(self.ll_tokenizer, grammar)
+
+    @classmethod
+    def validate(cls, params: StructuredOutputsParams) -> None:
+        _check(params, serialize_grammar(params))
+
+    def fill_bitmasks(self, matchers: Sequence[StructuredOutputMatcher], rows: Sequence[int],
+                      bitmask: torch.Tensor) -> None:
+        if len(matchers) == 1:
+            matchers[0].fill_bitmask(bitmask, rows[0])
+            return
+        pairs = [(m.matcher, row) for m, row in zip(matchers, rows) if isinstance(m, GuidanceMatcher)]
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
