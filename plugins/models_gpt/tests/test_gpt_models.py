@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, FalconConfig, GPT2Config, OPTConfig
 
 from pagoda.layers import get_alibi_slopes
@@ -101,11 +100,7 @@ class TestPagedKV(fc.PagedKVScenarios):
 
 def test_saved_checkpoint_names_load(pair: fc.ModelPair, tmp_path: Path) -> None:
     """``save_pretrained`` writes the names transformers saves (and drops tied copies); they load too."""
-    pair.hf.save_pretrained(tmp_path, safe_serialization=True)
-    saved = load_file(str(tmp_path / "model.safetensors"))
-    model = pair.cls(pair.hf_config, torch.float32)
-    model.load_weights(saved.items())
-    fc.check_prefill_matches_reference(pair, pair.tokens(9, seed=6), model)
+    fc.check_saved_checkpoint_loads(pair, tmp_path)
 
 
 def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

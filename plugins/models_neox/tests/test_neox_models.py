@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, PhiConfig, StableLmConfig
 
 from pagoda.testing import family_checks as fc
@@ -78,11 +77,7 @@ class TestPagedKV(fc.PagedKVScenarios):
 
 def test_saved_checkpoint_names_load(pair: fc.ModelPair, tmp_path: Path) -> None:
     """``save_pretrained`` writes the hub's names (GPT-NeoX: ``embed_out``, not ``lm_head``); they load too."""
-    pair.hf.save_pretrained(tmp_path, safe_serialization=True)
-    saved = load_file(str(tmp_path / "model.safetensors"))
-    model = pair.cls(pair.hf_config, torch.float32)
-    model.load_weights(saved.items())
-    fc.check_prefill_matches_reference(pair, pair.tokens(9, seed=6), model)
+    fc.check_saved_checkpoint_loads(pair, tmp_path)
 
 
 def test_gpt_neox_qkv_rows_are_interleaved_per_head() -> None:

@@ -25,7 +25,7 @@ Typical use in a plugin's tests::
 The scenarios every configuration runs: ``check_loads_every_checkpoint_tensor``,
 ``check_single_prefill``, ``check_two_sequences_in_one_flat_batch`` and
 ``check_decode_beside_chunked_prefill``. For a family's own cases (a checkpoint
-saved under other names, a model built another way):
+saved under other names, a model built another way): ``check_saved_checkpoint_loads``,
 ``check_prefill_matches_reference`` and its negative control
 ``check_prefill_differs_from_reference``. ``tokens``, ``run_step`` and
 ``prefill_logits`` are the pieces they are made of.
@@ -34,6 +34,7 @@ saved under other names, a model built another way):
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -163,6 +164,18 @@ def check_prefill_differs_from_reference(
     got = prefill_logits(pair.model if model is None else model, ids)
     diff = (got.float() - pair.reference_logits(ids)).abs().max().item()
     assert diff > min_diff, f"logits within {diff:.2e} of transformers': the change made no difference"
+
+
+def check_saved_checkpoint_loads(pair: ModelPair, path: Path) -> None:
+    """What transformers' ``save_pretrained`` writes (the hub's names: tied copies dropped, a family's own
+    spellings such as GPT-NeoX's ``embed_out``) loads into a fresh model, which then matches transformers."""
+    from safetensors.torch import load_file
+
+    pair.hf.save_pretrained(path, safe_serialization=True)
+    saved = load_file(str(path / "model.safetensors"))
+    model: Any = pair.cls(pair.hf_config, torch.float32)
+    model.load_weights(saved.items())
+    check_prefill_matches_reference(pair, pair.tokens(9, seed=6), model)
 
 
 def check_two_sequences_in_one_flat_batch(pair: ModelPair, atol: float = ATOL) -> None:
