@@ -124,20 +124,25 @@ def test_mistral_ids_are_nine_alphanumerics() -> None:
     assert len(info.tool_calls[0].id) == 9 and info.tool_calls[0].id.isalnum()
 
 
-class _Tokenizer:
-    def __init__(self, added: dict[str, int]) -> None:
-        self.added = added
+class _Token:
+    def __init__(self, content: str, special: bool) -> None:
+        self.content, self.special = content, special
 
-    def get_added_vocab(self) -> dict[str, int]:
-        return self.added
+
+class _Tokenizer:
+    """What adjust_request reads of a fast tokenizer: its added tokens and whether each is special."""
+
+    def __init__(self, added: dict[str, bool]) -> None:
+        self.added_tokens_decoder = {i: _Token(t, special) for i, (t, special) in enumerate(added.items())}
 
 
 def test_adjust_request_keeps_special_tokens_only_when_a_marker_is_one() -> None:
     cls = ToolParserManager.get_tool_parser("hermes")
-    assert cls(_Tokenizer({"<tool_call>": 5})).adjust_request(REQUEST).skip_special_tokens is False
-    assert cls(_Tokenizer({"<|im_end|>": 2})).adjust_request(REQUEST).skip_special_tokens is True
+    assert cls(_Tokenizer({"<tool_call>": True})).adjust_request(REQUEST).skip_special_tokens is False
+    # Qwen's <tool_call> is an added token that is not special: detokenizing keeps it anyway
+    assert cls(_Tokenizer({"<tool_call>": False, "<|im_end|>": True})).adjust_request(REQUEST).skip_special_tokens
     none = REQUEST.model_copy(update={"tool_choice": "none"})
-    assert cls(_Tokenizer({"<tool_call>": 5})).adjust_request(none).skip_special_tokens is True
+    assert cls(_Tokenizer({"<tool_call>": True})).adjust_request(none).skip_special_tokens is True
 
 
 def test_registered_through_the_plugin_manager() -> None:

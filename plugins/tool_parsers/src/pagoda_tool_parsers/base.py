@@ -57,11 +57,19 @@ class StreamingToolParser(ToolParser):
         # as vLLM: a marker that is a special token would be dropped by detokenizing, so keep special tokens; only
         # when one of this parser's markers is special here (otherwise the model's other special tokens would leak)
         tools_used = bool(getattr(request, "tools", None)) and getattr(request, "tool_choice", None) != "none"
-        added: dict[str, int] = (getattr(self.model_tokenizer, "get_added_vocab", dict)()
-                                 if self.model_tokenizer is not None else {})
-        if tools_used and request.skip_special_tokens and any(m in added for m in self.markers):
+        if tools_used and request.skip_special_tokens and any(m in self._special_tokens() for m in self.markers):
             return request.model_copy(update={"skip_special_tokens": False})
         return request
+
+    def _special_tokens(self) -> set[str]:
+        """The tokens detokenizing skips: added tokens marked special (an added token that is not special, such as
+        Qwen's ``<tool_call>``, stays in the text anyway)."""
+        tokenizer = self.model_tokenizer
+        if tokenizer is None:
+            return set()
+        special = {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+                   if getattr(t, "special", False)}
+        return special | set(getattr(tokenizer, "all_special_tokens", None) or [])
 
     def _update(self, reading: Reading) -> DeltaMessage | None:
         message = self._stream.update(*reading)
