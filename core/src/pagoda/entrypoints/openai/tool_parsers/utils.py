@@ -15,6 +15,7 @@ fine for tool calls (hundreds of tokens), not meant for long documents.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from pagoda.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, 
 from pagoda.entrypoints.openai.tool_parsers.abstract_tool_parser import make_tool_call_id
 
 _WS = " \t\n\r"
+_STRING_STOP = re.compile(r'["\\]')
+_STRUCTURE = re.compile(r'["{}\[\]]')
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -33,15 +36,16 @@ def _skip_ws(text: str, i: int) -> int:
 def _scan_string(text: str, i: int) -> int | None:
     """``text[i]`` is a quote: the index after the closing quote, None while the string is open."""
     j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    while True:
+        # jump to the next quote or backslash in C, not character by character in Python
+        m = _STRING_STOP.search(text, j)
+        if m is None:
+            return None
+        if m.group() == '"':
+            return m.end()
+        j = m.end() + 1  # the escaped character
+        if j > len(text):
+            return None
 
 
 def scan_value(text: str, i: int) -> int | None:
@@ -56,22 +60,21 @@ def scan_value(text: str, i: int) -> int | None:
     if c in "{[":
         depth = 0
         j = i
-        while j < len(text):
-            c = text[j]
+        while True:
+            m = _STRUCTURE.search(text, j)
+            if m is None:
+                return None
+            c = m.group()
             if c == '"':
-                end = _scan_string(text, j)
+                end = _scan_string(text, m.start())
                 if end is None:
                     return None
                 j = end
                 continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        return None
+            depth += 1 if c in "{[" else -1
+            if depth == 0:
+                return m.end()
+            j = m.end()
     j = i
     while j < len(text) and text[j] not in ",}]" + _WS:
         j += 1
