@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 from pagoda.config import EngineConfig
-from pagoda.distributed import init_distributed_environment
-from pagoda.distributed.communicator import DeviceCommunicatorBase
+from pagoda.distributed import get_tp_group, init_distributed_environment
+from pagoda.distributed.communicator import CommStats, DeviceCommunicatorBase
 from pagoda.platforms import Platform
 from pagoda.plugins.specs import import_object
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -95,8 +94,13 @@ class Worker:
             if tokens:
                 rows[rid].output_token_ids.extend(tokens)
 
-    def ping(self) -> str:
-        return "pong"
+    def get_comm_stats(self, reset: bool = True) -> dict[str, float]:
+        """Seconds and calls this rank spent in tensor-parallel collectives (benchmarks read it)."""
+        comm = get_tp_group().communicator
+        if comm is None:
+            return {"seconds": 0.0, "calls": 0}
+        out = {"seconds": comm.stats.seconds, "calls": comm.stats.calls}
+        if reset:
+            comm.stats = CommStats()
+        return out
 
-    def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "world_size": self.world_size}
