@@ -180,7 +180,7 @@ class StructuredOutputsConfig(_Config):
 
 
 def _default_structured_outputs_config() -> StructuredOutputsConfig:
-    return StructuredOutputsConfig(backend="auto")
+    return StructuredOutputsConfig(backend="auto", reasoning_parser="", enable_in_reasoning=False)
 
 
 class EngineConfig(_Config):
