@@ -128,7 +128,9 @@ def test_every_engine_arg_belongs_to_exactly_one_section() -> None:
     assert len(section_fields) == len(set(section_fields))
     # structured_outputs_config is a whole section (as in vLLM), passed as is; reasoning_parser (vLLM's flat
     # --reasoning-parser) lands in it
-    assert set(section_fields) | {"structured_outputs_config", "reasoning_parser"} == set(EngineArgs.model_fields)
+    # CacheConfig.cache_dtype is EngineArgs.kv_cache_dtype (vLLM's names on both sides)
+    flat = {"kv_cache_dtype" if name == "cache_dtype" else name for name in section_fields}
+    assert flat | {"structured_outputs_config", "reasoning_parser"} == set(EngineArgs.model_fields)
 
 
 def test_structured_outputs_config_from_args_and_cli_json() -> None:
@@ -222,3 +224,11 @@ def test_cli_invalid_value_names_the_field() -> None:
     assert result.exit_code != 0
     assert received == []
     assert "block_size" in str(result.exception) + result.output
+
+
+def test_kv_cache_dtype_is_vllms_engine_arg_for_cache_dtype() -> None:
+    config = EngineArgs(kv_cache_dtype="fp8_e5m2", calculate_kv_scales=True).create_engine_config()
+    assert config.cache_config.cache_dtype == "fp8_e5m2" and config.cache_config.calculate_kv_scales
+    assert EngineArgs(cache_dtype="fp8").kv_cache_dtype == "fp8"  # CacheConfig's name is taken too
+    with pytest.raises(ValidationError):
+        EngineArgs(kv_cache_dtype="fp4")

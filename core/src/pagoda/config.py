@@ -22,6 +22,8 @@ class _Config(BaseModel):
 
 
 DTypeName = Literal["auto", "float32", "float", "bfloat16", "float16", "half"]
+# pagoda.attention.kv_quant maps these to torch dtypes
+KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
 
 class ModelConfig(_Config):
@@ -61,7 +63,8 @@ class CacheConfig(_Config):
     num_kv_blocks: int | None = Field(None, gt=0, description="Override of the computed number of KV cache blocks (vLLM: num_gpu_blocks_override).")
     kv_cache_memory_bytes: int | None = Field(None, gt=0, description="Absolute KV cache budget in bytes.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of GPU memory the engine may use (GPU platforms).")
-    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="KV cache dtype; auto = the model dtype.")
+    cache_dtype: KVCacheDType = Field("auto", description="KV cache dtype (vLLM's --kv-cache-dtype): auto = the model dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store 1 byte per value (twice the tokens of a 16-bit cache in the same budget), scaled by per-layer k_scale / v_scale (1.0 unless calculate_kv_scales).")
+    calculate_kv_scales: bool = Field(False, description="fp8 KV cache: derive each layer's k_scale / v_scale from the first step's keys and values (max|k| / 200, max|v| / 100, as vLLM) instead of 1.0.")
 
 
 class SchedulerConfig(_Config):
@@ -74,15 +77,12 @@ class SchedulerConfig(_Config):
 
 class ParallelConfig(_Config):
     tensor_parallel_size: int = Field(1, gt=0, description="Tensor-parallel ranks: each linear layer, the attention heads and the vocabulary split across them.")
-    pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline-parallel stages (only 1 so far).")
+    pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline-parallel stages: the decoder layers split into consecutive groups, one per stage, activations passed from stage to stage (one micro-batch in flight).")
     data_parallel_size: int = Field(1, gt=0, description="Engine-core replicas behind one API server, each in its own process with its own copy of the model and KV cache; requests go to the least loaded (pagoda.engine.mp_client).")
     distributed_executor_backend: Literal["uni", "mp", "ray", "external_launcher"] | None = Field(None, description="What runs the workers: 'uni' = in the engine's process, 'mp' = one spawned process per rank on this machine, 'ray' = Ray actors, 'external_launcher' = ranks started by torchrun; None = 'uni' for one rank, else 'mp'.")
 
     @model_validator(mode="after")
     def _supported_layout(self) -> ParallelConfig:
-        # pagoda.executor checks the backend; what the model runner cannot split yet is refused here
-        if self.pipeline_parallel_size != 1:
-            raise ValueError("pipeline_parallel_size must be 1: pipeline parallelism is not implemented yet")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; world size {self.world_size} "
                              "(tensor_parallel_size x pipeline_parallel_size) needs 'mp', 'ray' or 'external_launcher'")
@@ -223,11 +223,15 @@ _SECTIONS: dict[str, type[_Config]] = {
 }
 
 
+# Section fields whose EngineArgs name differs (vLLM's names on both sides).
+_ENGINE_ARG_NAMES: dict[str, str] = {"cache_dtype": "kv_cache_dtype"}
+
+
 def _engine_arg_fields() -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for section in _SECTIONS.values():
         for name, info in section.model_fields.items():
-            fields[name] = (info.annotation, info)
+            fields[_ENGINE_ARG_NAMES.get(name, name)] = (info.annotation, info)
     return fields
 
 
@@ -273,7 +277,9 @@ class EngineArgs(_Config):
     num_kv_blocks: int | None = _field_of(CacheConfig, "num_kv_blocks")
     kv_cache_memory_bytes: int | None = _field_of(CacheConfig, "kv_cache_memory_bytes")
     gpu_memory_utilization: float = _field_of(CacheConfig, "gpu_memory_utilization")
-    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _field_of(CacheConfig, "cache_dtype")
+    # vLLM's EngineArgs name for CacheConfig.cache_dtype (the CLI's --kv-cache-dtype)
+    kv_cache_dtype: KVCacheDType = _field_of(CacheConfig, "cache_dtype")
+    calculate_kv_scales: bool = _field_of(CacheConfig, "calculate_kv_scales")
     max_num_seqs: int = _field_of(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int | None = _field_of(SchedulerConfig, "max_num_batched_tokens")
     enable_chunked_prefill: bool = _field_of(SchedulerConfig, "enable_chunked_prefill")
@@ -281,8 +287,8 @@ class EngineArgs(_Config):
     cuda_graph_sizes: list[int] | None = _field_of(SchedulerConfig, "cuda_graph_sizes")
     tensor_parallel_size: int = _field_of(ParallelConfig, "tensor_parallel_size")
     pipeline_parallel_size: int = _field_of(ParallelConfig, "pipeline_parallel_size")
-    data_parallel_size: int = _field_of(ParallelConfig, "data_parallel_size")
     distributed_executor_backend: Literal["uni", "mp", "ray", "external_launcher"] | None = _field_of(ParallelConfig, "distributed_executor_backend")
+    data_parallel_size: int = _field_of(ParallelConfig, "data_parallel_size")
     device: str = _field_of(DeviceConfig, "device")
     attention_backend: str | None = _field_of(DeviceConfig, "attention_backend")
     load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = _field_of(LoadConfig, "load_format")
@@ -308,12 +314,16 @@ class EngineArgs(_Config):
             data = dict(data)
             value = data.pop("num_gpu_blocks_override")
             data.setdefault("num_kv_blocks", value)
+        if isinstance(data, dict) and "cache_dtype" in data:
+            # CacheConfig's field name, also taken here
+            data = dict(data)
+            data.setdefault("kv_cache_dtype", data.pop("cache_dtype"))
         return data
 
     def create_engine_config(self) -> EngineConfig:
         values = self.model_dump()
         sections: dict[str, Any] = {
-            key: section(**{k: values[k] for k in section.model_fields})
+            key: section(**{k: values[_ENGINE_ARG_NAMES.get(k, k)] for k in section.model_fields})
             for key, section in _SECTIONS.items()
         }
         structured = self._structured_outputs_config_object(self.structured_outputs_config)

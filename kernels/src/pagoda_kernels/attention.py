@@ -10,6 +10,7 @@ from pagoda_kernels.attention_reference import (
     paged_prefill_attention_torch,
 )
 from pagoda_kernels.dispatch import Impl, use_triton
+from pagoda_kernels.kv_cache import check_kv_scales
 
 
 def paged_decode_attention(
@@ -23,6 +24,8 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     impl: Impl = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence ([num_seqs, num_heads, head_dim]) over its paged keys.
 
@@ -31,15 +34,18 @@ def paged_decode_attention(
     """
     if not use_triton(query.device, impl):
         return paged_decode_attention_torch(
-            query, kv_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, max_seq_len, num_splits
+            query, kv_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, max_seq_len, num_splits,
+            k_scale, v_scale,
         )
     from pagoda_kernels.triton_impl.decode import paged_decode_attention_triton
 
     check_paged_attention_args(query, kv_cache, block_tables, seq_lens)
     if query.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"decode query must have one row per sequence ({seq_lens.shape[0]}), got {query.shape[0]}")
+    check_kv_scales(kv_cache, k_scale, v_scale)
     return paged_decode_attention_triton(
-        query, kv_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, max_seq_len, num_splits
+        query, kv_cache, block_tables, seq_lens, scale, sliding_window, soft_cap, max_seq_len, num_splits,
+        k_scale, v_scale,
     )
 
 
@@ -54,6 +60,8 @@ def paged_prefill_attention(
     soft_cap: float | None = None,
     max_query_len: int | None = None,
     impl: Impl = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of flat queries [num_tokens, num_heads, head_dim] over cached + new keys.
 
@@ -62,7 +70,8 @@ def paged_prefill_attention(
     """
     if not use_triton(query.device, impl):
         return paged_prefill_attention_torch(
-            query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, soft_cap, max_query_len
+            query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, soft_cap, max_query_len,
+            k_scale, v_scale,
         )
     from pagoda_kernels.triton_impl.prefill import paged_prefill_attention_triton
 
@@ -71,6 +80,8 @@ def paged_prefill_attention(
         raise ValueError(
             f"query_start_loc must be [num_seqs + 1 = {seq_lens.shape[0] + 1}], got {tuple(query_start_loc.shape)}"
         )
+    check_kv_scales(kv_cache, k_scale, v_scale)
     return paged_prefill_attention_triton(
-        query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, soft_cap, max_query_len
+        query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, soft_cap, max_query_len,
+        k_scale, v_scale,
     )

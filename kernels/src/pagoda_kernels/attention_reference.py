@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from pagoda_kernels.kv_cache import check_kv_scales, dequantize_from_cache
+
 
 def check_paged_attention_args(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
@@ -75,9 +77,13 @@ def paged_prefill_attention_torch(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     max_query_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference varlen attention of flat queries over their paged (cached + new) keys."""
+    """Reference varlen attention of flat queries over their paged (cached + new) keys (an fp8
+    cache read back times ``k_scale`` / ``v_scale``)."""
     check_paged_attention_args(query, kv_cache, block_tables, seq_lens)
+    check_kv_scales(kv_cache, k_scale, v_scale)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -85,6 +91,7 @@ def paged_prefill_attention_torch(
         if hi == lo:
             continue
         key, value = gather_sequence_kv(kv_cache, block_tables[i], seq_len)
+        key, value = dequantize_from_cache(key, k_scale), dequantize_from_cache(value, v_scale)
         positions = torch.arange(seq_len - (hi - lo), seq_len, device=query.device)
         out[lo:hi] = attend(query[lo:hi], key, value, positions, scale, sliding_window, soft_cap)
     return out
@@ -100,6 +107,8 @@ def paged_decode_attention_torch(
     soft_cap: float | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference decode: sequence ``i`` has one query row, at position ``seq_lens[i] - 1``."""
     num_seqs = seq_lens.shape[0]
@@ -107,5 +116,6 @@ def paged_decode_attention_torch(
         raise ValueError(f"decode query must have one row per sequence ({num_seqs}), got {query.shape[0]}")
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     return paged_prefill_attention_torch(
-        query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, soft_cap
+        query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window, soft_cap,
+        k_scale=k_scale, v_scale=v_scale,
     )

@@ -234,7 +234,7 @@ def test_a_failed_build_is_a_reason_unsupported(monkeypatch: pytest.MonkeyPatch)
     from pagoda_attn_cpu import kernel as kernel_module
 
     broken = CppExtension("pagoda_test_broken_attn", "pagoda_attn_cpu", ["csrc/no_such_kernel.cpp"])
-    monkeypatch.setattr(kernel_module, "extension", lambda dtype, head_dim: broken)
+    monkeypatch.setattr(kernel_module, "extension", lambda dtype, head_dim, cache_dtype=None: broken)
     spec = AttentionSpec(
         num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, device_type="cpu", block_size=16
     )

@@ -39,6 +39,15 @@ class AttentionSpec:
     # head's scaled (and soft-capped) logits. None: no positional bias. The slopes themselves
     # reach ``forward`` as a tensor; here they tell a backend whether it must serve ALiBi.
     alibi_slopes: tuple[float, ...] | None = None
+    # What the KV cache stores when it is not ``dtype`` (``kv_cache_dtype``: pagoda.attention.kv_quant):
+    # float32 / bfloat16 / float16, or torch.float8_e4m3fn / float8_e5m2 for an fp8 cache, which
+    # ``forward`` quantizes and dequantizes with the layer's ``k_scale`` / ``v_scale``. None: ``dtype``.
+    kv_cache_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache holds."""
+        return self.kv_cache_dtype if self.kv_cache_dtype is not None else self.dtype
 
 
 @dataclass
@@ -89,6 +98,9 @@ class AttentionBackend:
     # copies; ``prepare`` and ``forward`` on it must not sync with the device,
     # read tensor values on the host, or pick shapes or kernels from the data.
     supports_cuda_graphs: ClassVar[bool] = False
+    # True when ``forward`` reads and writes an fp8 KV cache (spec.kv_cache_dtype float8_e4m3fn /
+    # float8_e5m2) with the k_scale / v_scale it is given; the selector refuses fp8 to the others.
+    supports_fp8_kv_cache: ClassVar[bool] = False
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
@@ -121,6 +133,8 @@ class AttentionBackend:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write the new K/V into ``kv_cache`` at ``slot_mapping``, then attend.
 
@@ -133,5 +147,10 @@ class AttentionBackend:
         ``alibi_slopes`` ([num_heads] float32, passed only when ``spec.alibi_slopes`` is set):
         head h's logit of a query at position p for a key at position j gets
         ``alibi_slopes[h] * (j - p)`` added after the scale and any soft cap.
+
+        ``k_scale`` / ``v_scale`` (0-d float32 tensors on the cache's device, passed only when the
+        cache is fp8): the cache stores saturate(k / k_scale) and reads back fp8 * k_scale
+        (``pagoda.attention.kv_quant``); a backend whose ``reasons_unsupported`` accepts an fp8
+        ``spec.kv_cache_dtype`` takes them.
         """
         raise NotImplementedError

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagoda.attention.interface import AttentionBackend, AttentionMetadata
+from pagoda.attention.kv_quant import K_SCALE_CONSTANT, V_SCALE_CONSTANT, is_fp8
 
 
 class Attention(nn.Module):
@@ -52,6 +53,14 @@ class Attention(nn.Module):
             self.register_buffer("alibi_slopes", slopes.clone(), persistent=False)
         self.backend: AttentionBackend | None = None
         self.kv_cache: torch.Tensor | None = None
+        # fp8 KV cache scales (vLLM's names): 1.0 unless calculate_kv_scales derives them from the
+        # first step the runner enables it for (then it turns itself off). 0-d float32 tensors on
+        # the cache's device, made by bind(), so a captured graph reads their current values.
+        self.calculate_kv_scales = False
+        self._k_scale: torch.Tensor | None = None
+        self._v_scale: torch.Tensor | None = None
+        self._k_scale_float = 1.0
+        self._v_scale_float = 1.0
 
     def alibi_slopes_tuple(self) -> tuple[float, ...] | None:
         """The slopes as ``AttentionSpec.alibi_slopes`` carries them."""
@@ -60,6 +69,21 @@ class Attention(nn.Module):
     def bind(self, backend: AttentionBackend, kv_cache: torch.Tensor) -> None:
         self.backend = backend
         self.kv_cache = kv_cache
+        if is_fp8(kv_cache.dtype) and (self._k_scale is None or self._k_scale.device != kv_cache.device):
+            self._k_scale = torch.tensor(self._k_scale_float, dtype=torch.float32, device=kv_cache.device)
+            self._v_scale = torch.tensor(self._v_scale_float, dtype=torch.float32, device=kv_cache.device)
+
+    @torch.no_grad()
+    def calc_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """vLLM's calculate_kv_scales: scale = max|x| / K_SCALE_CONSTANT (V_SCALE_CONSTANT), once."""
+        assert self._k_scale is not None and self._v_scale is not None
+        for scale, x, constant in ((self._k_scale, key, K_SCALE_CONSTANT), (self._v_scale, value, V_SCALE_CONSTANT)):
+            amax = x.detach().abs().max().float() if x.numel() else torch.zeros((), device=x.device)
+            # an all-zero input would give scale 0 (every later value saturates): keep 1.0 then
+            scale.copy_(torch.where(amax > 0, amax / constant, torch.ones_like(amax)))
+        self._k_scale_float = float(self._k_scale)
+        self._v_scale_float = float(self._v_scale)
+        self.calculate_kv_scales = False
 
     def forward(
         self,
@@ -74,6 +98,12 @@ class Attention(nn.Module):
         t = query.shape[0]
         # passed only when set, so a backend written before ALiBi keeps its signature
         extra = {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
+        if self._k_scale is not None and is_fp8(self.kv_cache.dtype):
+            if self.calculate_kv_scales:
+                self.calc_kv_scales(key, value)
+            # passed only for an fp8 cache, like alibi_slopes
+            extra["k_scale"] = self._k_scale
+            extra["v_scale"] = self._v_scale
         out = self.backend.forward(
             query.view(t, self.num_heads, self.head_dim),
             key.view(t, self.num_kv_heads, self.head_dim),

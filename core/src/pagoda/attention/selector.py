@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagoda import envs
 from pagoda.attention.interface import AttentionBackend, AttentionSpec
+from pagoda.attention.kv_quant import is_fp8
 from pagoda.platforms import Platform
 from pagoda.plugins import get_plugin_manager
 
@@ -23,7 +24,7 @@ def select_attention_backend(platform: Platform, spec: AttentionSpec, requested:
                 f"attention backend {requested!r} is not installed; installed: {', '.join(sorted(specs)) or 'none'}"
             )
         cls: type[AttentionBackend] = specs[requested].load()
-        reasons = cls.reasons_unsupported(spec)
+        reasons = _reasons(cls, spec)
         if reasons:
             raise AttentionBackendError(f"attention backend {requested!r} cannot serve this model here: {'; '.join(reasons)}")
         return cls
@@ -36,7 +37,7 @@ def select_attention_backend(platform: Platform, spec: AttentionSpec, requested:
             tried.append(f"{name}: does not run on {spec.device_type}")
             continue
         candidate: type[AttentionBackend] = specs[name].load()
-        reasons = candidate.reasons_unsupported(spec)
+        reasons = _reasons(candidate, spec)
         if not reasons:
             return candidate
         tried.append(f"{name}: {'; '.join(reasons)}")
@@ -45,3 +46,10 @@ def select_attention_backend(platform: Platform, spec: AttentionSpec, requested:
         + ("; ".join(tried) or "the platform prefers none")
         + ". Install one (e.g. pagoda-attn-torch) or pick one with --attention-backend."
     )
+
+
+def _reasons(cls: type[AttentionBackend], spec: AttentionSpec) -> list[str]:
+    reasons = cls.reasons_unsupported(spec)
+    if is_fp8(spec.cache_dtype) and not cls.supports_fp8_kv_cache:
+        reasons = [*reasons, f"an fp8 KV cache ({spec.cache_dtype}) is not implemented by this backend"]
+    return reasons

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 from pagoda.attention import Attention, AttentionMetadata, AttentionSpec
+from pagoda.attention.kv_quant import is_fp8, resolve_kv_cache_dtype
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
+from pagoda.distributed import get_pp_group
 from pagoda.layers import bind_layer_ops, check_tensor_parallel_support, prepare_linear_layers
 from pagoda.model_loader import iter_weights
 from pagoda.models.adapters import as_pooling_model
@@ -30,6 +32,7 @@ from pagoda.structured_output.backend import StructuredOutputBackend
 from pagoda.structured_output.manager import load_backend_class
 from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.pipeline_stage import follow_last_stage, send_to_next_stage, share_sampled_tokens, stage_inputs
 from pagoda.worker.sampling import RunnerSampler
 
 logger = logging.getLogger(__name__)
@@ -112,6 +115,8 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         # which implementation serves the model (pagoda.models.registry), set by load_model
         self.model_choice: ModelChoice | None = None
+        # this rank's pipeline group (one rank without pipeline parallelism)
+        self.pp = get_pp_group()
 
     # -- set-up --------------------------------------------------------------
     def load_model(self) -> None:
@@ -142,6 +147,9 @@ class ModelRunner:
                 model = cls(self.hf_config, self.dtype, **init_kwargs)
         finally:
             torch.set_default_dtype(prev)
+        if self.pp.world_size > 1 and (not getattr(model, "supports_pp", False) or self.runner_type != "generate"):
+            raise ValueError(f"{archs[0]} does not support pipeline parallelism (its model class does not set "
+                             "supports_pp; pooling models never do); run it with pipeline_parallel_size=1")
         if self.config.parallel_config.tensor_parallel_size > 1:
             check_tensor_parallel_support(model, archs[0])
             if getattr(self.config.resolved, "quant_config", None) is not None:
@@ -193,7 +201,13 @@ class ModelRunner:
             logits_soft_cap=layer.logits_soft_cap,
             causal=layer.causal,
             alibi_slopes=layer.alibi_slopes_tuple(),
+            kv_cache_dtype=self.kv_cache_dtype(),
         )
+
+    def kv_cache_dtype(self) -> torch.dtype | None:
+        """The KV cache's dtype when it is not the model's (``kv_cache_dtype``), else None."""
+        dtype = resolve_kv_cache_dtype(self.config.cache_config.cache_dtype, self.dtype)
+        return None if dtype == self.dtype else dtype
 
     def init_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int | None = None) -> MemoryReport:
         """Size (unless ``num_blocks`` is given: the ranks agreed on it) and allocate the KV cache."""
@@ -201,7 +215,10 @@ class ModelRunner:
         backend_cls = select_attention_backend(self.platform, spec, self.config.device_config.attention_backend)
         self.attn_backend = backend_cls(spec)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        cache_dtype = self.dtype if self.config.cache_config.cache_dtype == "auto" else getattr(torch, self.config.cache_config.cache_dtype)
+        cache_dtype = spec.cache_dtype
+        if self.config.cache_config.calculate_kv_scales and not is_fp8(cache_dtype):
+            raise ValueError(f"calculate_kv_scales computes fp8 KV cache scales; kv_cache_dtype="
+                             f"{self.config.cache_config.cache_dtype!r} is not fp8")
         elem = torch.empty((), dtype=cache_dtype).element_size()
         bytes_per_block = 2 * self.block_size * spec.num_kv_heads * spec.head_dim * elem * len(self.attn_layers)
 
@@ -239,8 +256,17 @@ class ModelRunner:
             self.config, self.text_config, self.batch, self.device)
         self.memory = MemoryReport(self.weights_bytes, activation, num_blocks * bytes_per_block, num_blocks, self.block_size, bytes_per_block)
         logger.info("%s", self.memory.describe())
+        if cache_dtype != self.dtype:
+            model_elem = torch.empty((), dtype=self.dtype).element_size()
+            logger.info("KV cache dtype %s (%s, %d byte(s) a value): the same budget holds %gx the blocks of a %s cache%s",
+                        self.config.cache_config.cache_dtype, cache_dtype, elem, model_elem / elem, self.dtype,
+                        "; k_scale / v_scale from the first step (calculate_kv_scales)" if self.config.cache_config.calculate_kv_scales
+                        else "; k_scale = v_scale = 1.0 (no calculate_kv_scales)" if is_fp8(cache_dtype) else "")
         # Last: graphs bake in the bound KV caches and the batch's block-table width (pooling never decodes).
-        self.graphs = create_decode_graphs(self) if self.runner_type == "generate" else None
+        self.graphs = create_decode_graphs(self) if self.runner_type == "generate" and self.pp.world_size == 1 else None
+        # after the profile and any graph capture: the scales come from the first real step
+        for layer in self.attn_layers:
+            layer.calculate_kv_scales = self.config.cache_config.calculate_kv_scales
         return self.memory
 
     @torch.inference_mode()
@@ -268,8 +294,10 @@ class ModelRunner:
         stats = self.platform.memory_stats()
         before = stats.get("peak_bytes", _rss_peak_bytes()) if stats else _rss_peak_bytes()
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, positions, md, **self._extra_inputs(torch.zeros_like(ids)))
-        if self.runner_type == "generate":
+        # a later pipeline stage profiles on zeros: nothing is sent between stages before the first step
+        hidden = self.model(ids, positions, md, **self._extra_inputs(torch.zeros_like(ids)),
+                            **stage_inputs(self.pp, self.model, num_tokens, self.dtype, self.device, receive=False))
+        if self.runner_type == "generate" and self.pp.is_last_rank:
             self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler_config.max_num_seqs):])
         self.platform.synchronize()
         stats = self.platform.memory_stats()
@@ -407,6 +435,7 @@ class ModelRunner:
             extra = {}
             if b.token_type_ids is not None:
                 extra = self._extra_inputs(torch.from_numpy(b.token_type_ids[token_rows, positions]).to(dev, non_blocking=True))
+            extra.update(stage_inputs(self.pp, self.model, total, self.dtype, dev, receive=True))
             hidden = self.model(
                 torch.from_numpy(input_ids).to(dev, non_blocking=True),
                 torch.from_numpy(positions).to(dev, non_blocking=True),
@@ -416,6 +445,9 @@ class ModelRunner:
         # Only requests whose known tokens are all computed after this step sample.
         samples = seq_lens >= b.num_tokens[rows]
         b.num_computed[rows] = seq_lens
+        if not self.pp.is_last_rank:
+            send_to_next_stage(self.pp, hidden)
+            return follow_last_stage(self.pp, b, req_ids, rows, samples)
         if self.runner_type == "pooling":
             return self._pool(hidden, req_ids, rows, cu, start, nsched, samples)
         sampler = self.sampler
@@ -443,6 +475,8 @@ class ModelRunner:
             if so.structured_output_request_ids:
                 logits = self._apply_grammar_bitmask(logits, [req_ids[i] for i in sample_idx], so)
             tokens = sampler.sample(logits, sample_rows, [req_ids[i] for i in sample_idx], result)
+            if self.pp.world_size > 1:
+                share_sampled_tokens(self.pp, tokens)
             # The runner keeps its own copy of each request's tokens for the next step's inputs.
             b.token_ids[sample_rows, b.num_tokens[sample_rows]] = tokens
             b.num_tokens[sample_rows] += 1

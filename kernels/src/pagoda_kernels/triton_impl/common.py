@@ -29,3 +29,26 @@ def load_paged_tile(
         + d[None, :]
     )
     return tl.load(ptrs, mask=valid[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def saturate_round_fp8(x, scale, FP8_MAX: tl.constexpr, E4M3: tl.constexpr):
+    """saturate(x / scale) rounded to nearest even onto the fp8 grid, as float32: its cast to fp8 is exact.
+
+    Rounding here, not in the cast, makes every backend agree bit for bit: Triton's interpreter
+    rounds a value that carries into the next exponent down instead (126.9 -> 64 in e4m3).
+    """
+    a = tl.minimum(tl.abs(x.to(tl.float32) / scale), FP8_MAX)
+    u = a.to(tl.int32, bitcast=True)
+    if E4M3:
+        # 3 mantissa bits: drop 20; subnormals are multiples of 2^-9 = ulp(2^14)
+        rounded = ((u + 0x7FFFF + ((u >> 20) & 1)) >> 20) << 20
+        sub = (a + 16384.0) - 16384.0
+        normal = a >= 0.015625
+    else:
+        # 2 mantissa bits: drop 21; subnormals are multiples of 2^-16 = ulp(2^7)
+        rounded = ((u + 0xFFFFF + ((u >> 21) & 1)) >> 21) << 21
+        sub = (a + 128.0) - 128.0
+        normal = a >= 0.00006103515625
+    r = tl.where(normal, rounded.to(tl.float32, bitcast=True), sub)
+    return tl.where(x < 0, -r, r)

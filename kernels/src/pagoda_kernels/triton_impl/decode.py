@@ -27,7 +27,7 @@ MAX_SPLITS = 32
 def _decode_kernel(
     query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale, soft_cap, sliding_window,
+    scale, soft_cap, sliding_window, k_scale_ptr, v_scale_ptr,
     stride_q_tok, stride_q_head,
     stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_bt_seq,
@@ -36,7 +36,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,7 +74,11 @@ def _decode_kernel(
                             stride_cache_block, stride_cache_tok, stride_cache_head, d, d_mask)
         v = load_paged_tile(cache_ptr + stride_cache_kv, bt_row, pos, valid, kv_head, block_size,
                             stride_cache_block, stride_cache_tok, stride_cache_head, d, d_mask)
-        if UPCAST:
+        if KV_FP8:
+            # an fp8 cache read back times its scales, in the query's dtype (as vLLM's Triton attention)
+            k = (k.to(tl.float32) * tl.load(k_scale_ptr)).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(v_scale_ptr)).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
@@ -152,8 +156,11 @@ def paged_decode_attention_triton(
     soft_cap: float | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
+    kv_fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     num_kv_heads = kv_cache.shape[3]
     out = torch.empty_like(query)
     if num_seqs == 0:
@@ -179,6 +186,7 @@ def paged_decode_attention_triton(
         query, kv_cache, block_tables, seq_lens, out,
         part_acc, part_max, part_sum,
         scale, soft_cap or 0.0, sliding_window or 0,
+        k_scale if kv_fp8 else query, v_scale if kv_fp8 else query,  # unread without fp8
         query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
@@ -189,6 +197,7 @@ def paged_decode_attention_triton(
         NUM_SPLITS=num_splits, USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         # The interpreter computes bf16/fp16 arithmetic wrongly; it runs fp32 tiles instead.
         UPCAST=interpreted, DOT_PRECISION="ieee" if query.dtype == torch.float32 or interpreted else "tf32",
+        KV_FP8=kv_fp8,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_seqs, num_heads)](

@@ -19,7 +19,7 @@ from pagoda_kernels.triton_impl.common import load_paged_tile, soft_cap_scores
 @triton.jit
 def _prefill_kernel(
     query_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    scale, soft_cap, sliding_window,
+    scale, soft_cap, sliding_window, k_scale_ptr, v_scale_ptr,
     stride_q_tok, stride_q_head,
     stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_bt_seq,
@@ -28,7 +28,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -72,7 +72,11 @@ def _prefill_kernel(
                             stride_cache_block, stride_cache_tok, stride_cache_head, d, d_mask)
         v = load_paged_tile(cache_ptr + stride_cache_kv, bt_row, k_pos, k_valid, kv_head, block_size,
                             stride_cache_block, stride_cache_tok, stride_cache_head, d, d_mask)
-        if UPCAST:
+        if KV_FP8:
+            # an fp8 cache read back times its scales, in the query's dtype (as vLLM's Triton attention)
+            k = (k.to(tl.float32) * tl.load(k_scale_ptr)).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(v_scale_ptr)).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
@@ -108,8 +112,11 @@ def paged_prefill_attention_triton(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     max_query_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
+    kv_fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
@@ -126,6 +133,7 @@ def paged_prefill_attention_triton(
     _prefill_kernel[grid](
         query, kv_cache, block_tables, query_start_loc, seq_lens, out,
         scale, soft_cap or 0.0, sliding_window or 0,
+        k_scale if kv_fp8 else query, v_scale if kv_fp8 else query,  # unread without fp8
         query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
@@ -136,5 +144,6 @@ def paged_prefill_attention_triton(
         BLOCK_M=block_m, BLOCK_N=block_n,
         USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         UPCAST=interpreted, DOT_PRECISION="ieee" if query.dtype == torch.float32 or interpreted else "tf32",
+        KV_FP8=kv_fp8,
     )
     return out

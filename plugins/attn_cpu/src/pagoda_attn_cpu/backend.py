@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 
 from pagoda.attention.interface import AttentionBackend, AttentionMetadata, AttentionSpec
+from pagoda.attention.kv_quant import is_fp8
 from pagoda_attn_cpu.kernel import PagedAttentionKernel, StepMetadata, build_failure, extension, kernel, step_metadata
 from pagoda_attn_torch.backend import TorchPagedAttentionBackend
 from pagoda_attn_torch.compute import attend_looped
@@ -59,15 +60,18 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     """
 
     name: ClassVar[str] = "cpu_paged"
+    # fp8 caches: written quantized and read with in-register conversion by the C++ kernel
+    supports_fp8_kv_cache: ClassVar[bool] = True
 
     def __init__(self, spec: AttentionSpec) -> None:
         reasons = self.reasons_unsupported(spec)
         if reasons:
             raise ValueError(f"cpu_paged attention cannot serve {spec}: " + "; ".join(reasons))
         AttentionBackend.__init__(self, spec)
-        self._kernel = kernel(spec.dtype, spec.head_dim)
-        logger.info("cpu_paged attention: C++ kernel %s (%s, head_dim %d)", extension(spec.dtype, spec.head_dim).name,
-                    spec.dtype, spec.head_dim)
+        self._fp8 = spec.cache_dtype if is_fp8(spec.cache_dtype) else None
+        self._kernel = kernel(spec.dtype, spec.head_dim, self._fp8)
+        logger.info("cpu_paged attention: C++ kernel %s (%s, head_dim %d, cache %s)",
+                    extension(spec.dtype, spec.head_dim, self._fp8).name, spec.dtype, spec.head_dim, spec.cache_dtype)
 
     @classmethod
     def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
@@ -81,7 +85,8 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             # the kernel's online softmax takes no per-head positional bias; torch_paged serves ALiBi models
             reasons.append("ALiBi (alibi_slopes) is not implemented by the C++ kernel")
         if not reasons:
-            failure = build_failure(spec.dtype, spec.head_dim)  # compiles on first use; cached per machine afterwards
+            fp8 = spec.cache_dtype if is_fp8(spec.cache_dtype) else None
+            failure = build_failure(spec.dtype, spec.head_dim, fp8)  # compiles on first use; cached per machine afterwards
             if failure is not None:
                 reasons.append(failure)
         return reasons
@@ -101,6 +106,8 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         step = metadata.extra.get(PLAN_KEY) if metadata.extra else None
         if step is None:
@@ -118,6 +125,9 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             raise ValueError(f"logits_soft_cap={logits_soft_cap} must be positive")
         cache_dtype = kv_cache.dtype
         use_sdpa = bool(step.sdpa_prefills) and sliding_window is None and logits_soft_cap is None
+        if self._fp8 is not None and cache_dtype == self._fp8:
+            return self._forward_fp8(query, key, value, kv_cache, step, scale, sliding_window, logits_soft_cap,
+                                     use_sdpa, k_scale, v_scale)
         # The model's activations are normally in the cache dtype already: no casts then.
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
         if q.stride(-1) != 1:
@@ -140,6 +150,37 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             for index, seq in enumerate(step.sdpa_prefills):
                 out[seq.row_start : seq.row_end] = attend_looped(
                     q, key, value, kv_cache, seq, index, step.sdpa_plan, scale, None, None
+                )
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def _forward_fp8(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     step: CpuStep, scale: float, sliding_window: int | None, logits_soft_cap: float | None,
+                     use_sdpa: bool, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+        """An fp8 cache: queries, keys and values stay in the model dtype; the kernel quantizes and dequantizes."""
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"an fp8 KV cache ({kv_cache.dtype}) needs the layer's k_scale and v_scale")
+        q = query if query.stride(-1) == 1 else query.contiguous()
+        dtype = self._kernel.dtype
+        out = self._kernel.attend(
+            q if q.dtype == dtype else q.to(dtype),
+            key if key.dtype == dtype else key.to(dtype),
+            value if value.dtype == dtype else value.to(dtype),
+            kv_cache,
+            step.kernel_seqs_args if use_sdpa else step.all_seqs_args,
+            float(scale),
+            int(sliding_window or 0),
+            float(logits_soft_cap or 0.0),
+            TILE_TOKENS,
+            float(k_scale),
+            float(v_scale),
+        )
+        if use_sdpa:
+            assert step.sdpa_plan is not None
+            # read back from the cache (dequantized), as every other token's attention sees it
+            for index, seq in enumerate(step.sdpa_prefills):
+                out[seq.row_start : seq.row_end] = attend_looped(
+                    q, key, value, kv_cache, seq, index, step.sdpa_plan, scale, None, None, k_scale=k_scale,
+                    v_scale=v_scale,
                 )
         return out if out.dtype == query.dtype else out.to(query.dtype)
 

@@ -32,13 +32,18 @@ def start_for_engine(config: Any) -> None:
         return
     from pagoda_attn_cpu.kernel import start_build
 
-    dtype, head_dim = target
+    dtype, head_dim, fp8 = target
     logger.debug("cpu_paged: building the %s kernel for head_dim %d in the background", dtype, head_dim)
-    start_build(dtype, head_dim)
+    if fp8 is None:
+        start_build(dtype, head_dim)
+    else:
+        start_build(dtype, head_dim, fp8)
 
 
-def _likely_kernel(config: Any) -> tuple[torch.dtype, int] | None:
+def _likely_kernel(config: Any) -> tuple[torch.dtype, int, torch.dtype | None] | None:
+    """(dtype the kernel computes in, head_dim, the fp8 cache dtype or None)."""
     from pagoda import envs
+    from pagoda.attention.kv_quant import is_fp8, resolve_kv_cache_dtype
     from pagoda.config import resolve_model
     from pagoda.platforms import current_platform
 
@@ -55,6 +60,8 @@ def _likely_kernel(config: Any) -> tuple[torch.dtype, int] | None:
     resolved = config.resolved_model
     text_config = resolved.text_config
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    cache_dtype = config.cache_config.cache_dtype
-    dtype = resolved.dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
-    return dtype, int(head_dim)
+    cache_dtype = resolve_kv_cache_dtype(config.cache_config.cache_dtype, resolved.dtype)
+    if is_fp8(cache_dtype):
+        # queries stay in the model dtype over an fp8 cache
+        return resolved.dtype, int(head_dim), cache_dtype
+    return cache_dtype, int(head_dim), None

@@ -1,6 +1,7 @@
 """The C++ kernel (``csrc/paged_attention.cpp``), built once per machine through ``pagoda.cpp_extension``.
 
-One library per (dtype, head_dim): the kernel's fast paths are templates over the head's
+One library per (dtype, cache dtype, head_dim), the cache dtype being the model's or fp8
+(float8_e4m3fn / float8_e5m2, quantized on write and converted in registers on read): the kernel's fast paths are templates over the head's
 vector count, and one dtype at one head_dim compiles in 3-5 s where all of them took ~15 s of
 CPU (see the source). The Python side checks shapes and dtypes and allocates the output; the
 library checks the metadata (every block id it reads, every slot it writes) and refuses a
@@ -19,6 +20,8 @@ from pagoda.cpp_extension.build import DEFAULT_CFLAGS
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_FP8_CODES = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+_FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 # Head dims with a register-resident path: 4, 8 or 16 whole vectors a head (64, 128, 256 with
 # AVX-512's 16 floats a vector; 32, 64, 128 with 8). Each gets its own library; the others share
 # one with the generic path only.
@@ -26,29 +29,43 @@ _FAST_HEAD_DIMS = (32, 64, 128, 256)
 _ERROR_BYTES = 512
 
 _lock = threading.Lock()
-_extensions: dict[tuple[torch.dtype, int], CppExtension] = {}
+_extensions: dict[tuple[torch.dtype, torch.dtype, int], CppExtension] = {}
 
 
-def extension(dtype: torch.dtype, head_dim: int) -> CppExtension:
-    """The library for this cache dtype and head_dim (not built yet: ``start()`` or ``library()`` builds it)."""
+def _cache_code(dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+    if cache_dtype == dtype:
+        return _DTYPE_CODES[dtype]
+    if cache_dtype in _FP8_CODES:
+        return _FP8_CODES[cache_dtype]
+    raise ValueError(f"cpu_paged attention has no kernel for a {cache_dtype} cache under a {dtype} model "
+                     "(the cache holds the model dtype, float8_e4m3fn or float8_e5m2)")
+
+
+def extension(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None) -> CppExtension:
+    """The library for this model dtype, head_dim and cache dtype (None: the model's); not built yet:
+    ``start()`` or ``library()`` builds it."""
     if dtype not in _DTYPE_CODES:
         raise ValueError(f"cpu_paged attention has no kernel for {dtype} (float32, bfloat16, float16)")
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
+    cache_code = _cache_code(dtype, cache_dtype)
     fast = head_dim if head_dim in _FAST_HEAD_DIMS else 0
     with _lock:
-        ext = _extensions.get((dtype, fast))
+        ext = _extensions.get((dtype, cache_dtype, fast))
         if ext is None:
-            name = f"pagoda_attn_cpu_{_DTYPE_NAMES[dtype]}_d{fast}"
-            flags = (f"-DPAGODA_ATTN_DTYPE={_DTYPE_CODES[dtype]}", f"-DPAGODA_ATTN_HEAD_DIM={fast}")
+            suffix = f"_kv{_FP8_NAMES[cache_dtype]}" if cache_dtype in _FP8_NAMES else ""
+            name = f"pagoda_attn_cpu_{_DTYPE_NAMES[dtype]}{suffix}_d{fast}"
+            flags = (f"-DPAGODA_ATTN_DTYPE={_DTYPE_CODES[dtype]}", f"-DPAGODA_ATTN_CACHE={cache_code}",
+                     f"-DPAGODA_ATTN_HEAD_DIM={fast}")
             ext = CppExtension(name, "pagoda_attn_cpu", ["csrc/paged_attention.cpp"], cflags=(*DEFAULT_CFLAGS, *flags))
-            _extensions[(dtype, fast)] = ext
+            _extensions[(dtype, cache_dtype, fast)] = ext
         return ext
 
 
-
-def build_failure(dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the kernel for this dtype and head_dim is unusable here, or None once it is built (building it if needed)."""
+def build_failure(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None) -> str | None:
+    """Why the kernel for this dtype, head_dim and cache dtype is unusable here, or None once it is built
+    (building it if needed)."""
     try:
-        return extension(dtype, head_dim).build_failure()
+        return extension(dtype, head_dim, cache_dtype).build_failure()
     except ValueError as exc:
         return str(exc)
 
@@ -92,10 +109,12 @@ def step_metadata(
 class PagedAttentionKernel:
     """``pagoda_paged_attention`` of one library: argument checks in Python, the work (GIL released) in C++."""
 
-    def __init__(self, library: ModuleType, dtype: torch.dtype) -> None:
+    def __init__(self, library: ModuleType, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> None:
         self._fn = library.pagoda_paged_attention
         self._code = _DTYPE_CODES[dtype]
         self.dtype = dtype
+        self.cache_dtype = dtype if cache_dtype is None else cache_dtype
+        self._cache_code = _cache_code(dtype, self.cache_dtype)
         self._errors = threading.local()
 
     def __call__(
@@ -113,15 +132,18 @@ class PagedAttentionKernel:
         window: int,
         soft_cap: float,
         tile_tokens: int,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Writes the new K/V (slot -1: skipped), then attends the sequences in ``seq_ids``.
 
         query [tokens, heads, head_dim] (head_dim contiguous); key/value [tokens, kv_heads, head_dim];
         kv_cache [2, blocks, block_size, kv_heads, head_dim] contiguous; int32 host-side metadata
         (slot_mapping int64). Returns [tokens, heads, head_dim]; rows past the last sequence are zero.
+        An fp8 cache stores saturate(k / k_scale), saturate(v / v_scale) and reads them back scaled.
         """
         metadata = step_metadata(slot_mapping, query_start, seq_lens, block_tables, seq_ids)
-        return self.attend(query, key, value, kv_cache, metadata, scale, window, soft_cap, tile_tokens)
+        return self.attend(query, key, value, kv_cache, metadata, scale, window, soft_cap, tile_tokens, k_scale, v_scale)
 
     def attend(
         self,
@@ -134,11 +156,15 @@ class PagedAttentionKernel:
         window: int,
         soft_cap: float,
         tile_tokens: int,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """As ``__call__``, with the metadata from ``step_metadata`` (its tensors alive)."""
         dtype = self.dtype
-        if query.dtype is not dtype or key.dtype is not dtype or value.dtype is not dtype or kv_cache.dtype is not dtype:
-            raise RuntimeError(f"query, key, value and kv_cache must share one dtype ({dtype} for this kernel)")
+        if query.dtype is not dtype or key.dtype is not dtype or value.dtype is not dtype:
+            raise RuntimeError(f"query, key and value must share one dtype ({dtype} for this kernel)")
+        if kv_cache.dtype is not self.cache_dtype:
+            raise RuntimeError(f"kv_cache must be {self.cache_dtype} for this kernel, got {kv_cache.dtype}")
         if not (query.is_cpu and key.is_cpu and value.is_cpu and kv_cache.is_cpu):
             raise RuntimeError("cpu_paged attention runs on CPU tensors")
         q_strides, k_strides, v_strides = query.stride(), key.stride(), value.stride()
@@ -172,7 +198,7 @@ class PagedAttentionKernel:
         out = torch.empty(tokens, heads, head_dim, dtype=dtype)
         error = self._error_buffer()
         status = self._fn(
-            self._code,
+            self._code, self._cache_code, k_scale, v_scale,
             query.data_ptr(), tokens, heads, head_dim, q_strides[0], q_strides[1],
             key.data_ptr(), k_strides[0], k_strides[1],
             value.data_ptr(), v_strides[0], v_strides[1],
@@ -194,21 +220,23 @@ class PagedAttentionKernel:
         return buffer
 
 
-_kernels: dict[tuple[torch.dtype, int], PagedAttentionKernel] = {}
+_kernels: dict[tuple[torch.dtype, int, torch.dtype | None], PagedAttentionKernel] = {}
 
 
-def kernel(dtype: torch.dtype, head_dim: int) -> PagedAttentionKernel:
-    """The kernel for this cache dtype and head_dim; builds it (or waits for its build) on first use.
+def kernel(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None) -> PagedAttentionKernel:
+    """The kernel for this model dtype, head_dim and cache dtype (None: the model's); builds it (or waits
+    for its build) on first use.
 
     Raises ExtensionBuildError when it cannot be built."""
-    key = (dtype, head_dim)
+    key = (dtype, head_dim, cache_dtype)
     found = _kernels.get(key)
     if found is None:
-        found = _kernels[key] = PagedAttentionKernel(extension(dtype, head_dim).library(), dtype)
+        found = _kernels[key] = PagedAttentionKernel(extension(dtype, head_dim, cache_dtype).library(), dtype, cache_dtype)
     return found
 
 
-def start_build(dtype: torch.dtype, head_dim: int) -> None:
-    """Begin building the kernel for this dtype and head_dim in the background (nothing for an uncovered dtype)."""
-    if dtype in _DTYPE_CODES:
-        extension(dtype, head_dim).start()
+def start_build(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None) -> None:
+    """Begin building the kernel for this dtype, head_dim and cache dtype in the background (nothing for an
+    uncovered dtype)."""
+    if dtype in _DTYPE_CODES and (cache_dtype is None or cache_dtype == dtype or cache_dtype in _FP8_CODES):
+        extension(dtype, head_dim, cache_dtype).start()

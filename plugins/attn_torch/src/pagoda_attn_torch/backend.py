@@ -23,6 +23,7 @@ class TorchPagedAttentionBackend(AttentionBackend):
     """
 
     name: ClassVar[str] = "torch_paged"
+    supports_fp8_kv_cache: ClassVar[bool] = True
 
     def __init__(self, spec: AttentionSpec) -> None:
         reasons = self.reasons_unsupported(spec)
@@ -75,19 +76,23 @@ class TorchPagedAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         plan = self._plan_of(metadata)
         self._check_cache(kv_cache, key)
         num_tokens, num_heads, head_dim = query.shape
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         if not plan.causal:
-            return self._forward_bidirectional(query, key, value, kv_cache, plan, scale, logits_soft_cap, alibi_slopes)
-        write_kv(key, value, kv_cache, plan)
+            return self._forward_bidirectional(query, key, value, kv_cache, plan, scale, logits_soft_cap, alibi_slopes,
+                                               **scales)
+        write_kv(key, value, kv_cache, plan, **scales)
 
         groups = plan.batched
         if len(groups) == 1 and groups[0].result_index is None and not plan.looped:
             # Every row is one decode, in order: the batched result is the output.
             out = attend_batched(query, kv_cache, groups[0], 0, plan, scale, sliding_window, logits_soft_cap,
-                                 alibi_slopes)
+                                 alibi_slopes, **scales)
             return out.reshape(num_tokens, num_heads, head_dim)
 
         out = query.new_empty(num_tokens, num_heads, head_dim)
@@ -95,38 +100,40 @@ class TorchPagedAttentionBackend(AttentionBackend):
             out[plan.num_real_tokens :].zero_()
         for index, group in enumerate(groups):
             padded = attend_batched(query, kv_cache, group, index, plan, scale, sliding_window, logits_soft_cap,
-                                    alibi_slopes)
+                                    alibi_slopes, **scales)
             assert group.result_index is not None and group.output_rows is not None  # only the in-order case lacks them
             real = padded.reshape(-1, num_heads, head_dim).index_select(0, group.result_index)
             out.index_copy_(0, group.output_rows, real)
         for index, seq in enumerate(plan.looped):
             out[seq.row_start : seq.row_end] = attend_looped(
-                query, key, value, kv_cache, seq, index, plan, scale, sliding_window, logits_soft_cap, alibi_slopes
-            )
+                query, key, value, kv_cache, seq, index, plan, scale, sliding_window, logits_soft_cap, alibi_slopes,
+                **scales)
         return out
 
     @staticmethod
     def _forward_bidirectional(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                                plan: StepPlan, scale: float, logits_soft_cap: float | None,
-                               alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                               alibi_slopes: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         if plan.looped:
             # only a sequence on top of cached tokens reads the cache back
-            write_kv(key, value, kv_cache, plan)
+            write_kv(key, value, kv_cache, plan, **scales)
         # else nothing is written: a bidirectional sequence is computed whole in its step and never
         # extended, so no later step reads its K/V
         num_tokens, num_heads, head_dim = query.shape
         if not plan.looped and len(plan.dense) == 1 and plan.dense[0].num_seqs * plan.dense[0].seq_len == num_tokens:
             # one run covers the batch (equal-length prompts): its result is the output, no copy
-            return attend_dense(query, key, value, kv_cache, plan.dense[0], scale, logits_soft_cap)
+            return attend_dense(query, key, value, kv_cache, plan.dense[0], scale, logits_soft_cap, **scales)
         out = query.new_empty(num_tokens, num_heads, head_dim)
         if plan.num_real_tokens < num_tokens:
             out[plan.num_real_tokens :].zero_()
         for run in plan.dense:
             out[run.row_start : run.row_start + run.num_seqs * run.seq_len] = attend_dense(
-                query, key, value, kv_cache, run, scale, logits_soft_cap, alibi_slopes)
+                query, key, value, kv_cache, run, scale, logits_soft_cap, alibi_slopes, **scales)
         for index, seq in enumerate(plan.looped):
             out[seq.row_start : seq.row_end] = attend_looped(
-                query, key, value, kv_cache, seq, index, plan, scale, None, logits_soft_cap, alibi_slopes)
+                query, key, value, kv_cache, seq, index, plan, scale, None, logits_soft_cap, alibi_slopes, **scales)
         return out
 
     @staticmethod

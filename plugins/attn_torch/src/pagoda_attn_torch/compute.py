@@ -8,14 +8,16 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from pagoda.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from pagoda_attn_torch.plan import BatchedGroup, DenseRun, LoopedSequence, StepPlan
 
 # dtype -> additive mask broadcastable to [batch, heads, queries, keys]; built lazily, cached per step.
 MaskFor = Callable[[torch.dtype], torch.Tensor]
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan) -> None:
-    """Store the new tokens' K/V at their slots (rows with slot -1 are skipped)."""
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Store the new tokens' K/V at their slots (rows with slot -1 are skipped); fp8: scaled, saturated."""
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     key_slots = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_slots = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -23,8 +25,21 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, pla
         key, value = key[: plan.num_tokens], value[: plan.num_tokens]
     else:
         key, value = key.index_select(0, plan.write_rows), value.index_select(0, plan.write_rows)
-    key_slots.index_copy_(0, plan.write_slots, key.to(kv_cache.dtype))
-    value_slots.index_copy_(0, plan.write_slots, value.to(kv_cache.dtype))
+    key = quantize_kv(key, kv_cache.dtype, _scale(k_scale, kv_cache))
+    value = quantize_kv(value, kv_cache.dtype, _scale(v_scale, kv_cache))
+    _bytes(key_slots).index_copy_(0, plan.write_slots, _bytes(key))
+    _bytes(value_slots).index_copy_(0, plan.write_slots, _bytes(value))
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 for the copies torch has no fp8 kernel for (index_copy_, index_select on CPU)."""
+    return x.view(torch.uint8) if is_fp8(x.dtype) else x
+
+
+def _scale(scale: torch.Tensor | None, kv_cache: torch.Tensor) -> torch.Tensor | float:
+    if scale is None and is_fp8(kv_cache.dtype):
+        raise ValueError(f"an fp8 KV cache ({kv_cache.dtype}) needs the layer's k_scale and v_scale")
+    return 1.0 if scale is None else scale
 
 
 def attend_batched(
@@ -37,6 +52,8 @@ def attend_batched(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for the batched group -> [num_seqs, max_query_len, num_heads, head_dim]."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -44,10 +61,10 @@ def attend_batched(
     gathered_shape = (group.block_ids.numel(), block_size, num_kv_heads, head_dim)
     k_buf = plan.buffer(f"batched_k{group_index}", gathered_shape, kv_cache.dtype, kv_cache.device)
     v_buf = plan.buffer(f"batched_v{group_index}", gathered_shape, kv_cache.dtype, kv_cache.device)
-    torch.index_select(kv_cache[0], 0, group.block_ids, out=k_buf)
-    torch.index_select(kv_cache[1], 0, group.block_ids, out=v_buf)
-    keys = k_buf.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_buf.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    torch.index_select(_bytes(kv_cache[0]), 0, group.block_ids, out=_bytes(k_buf))
+    torch.index_select(_bytes(kv_cache[1]), 0, group.block_ids, out=_bytes(v_buf))
+    keys = _read(k_buf, query.dtype, k_scale).view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = _read(v_buf, query.dtype, v_scale).view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
 
     rows = query if group.query_rows is None else query.index_select(0, group.query_rows)
     queries = rows.view(n, max_q, -1, head_dim).transpose(1, 2)  # [n, heads, max_q, head_dim]
@@ -69,6 +86,8 @@ def attend_looped(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for one long prefill -> [new tokens, num_heads, head_dim]."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -81,10 +100,10 @@ def attend_looped(
         gathered_shape = (seq.block_ids.numel(), block_size, num_kv_heads, head_dim)
         k_buf = plan.buffer(f"looped_k{index}", gathered_shape, kv_cache.dtype, kv_cache.device)
         v_buf = plan.buffer(f"looped_v{index}", gathered_shape, kv_cache.dtype, kv_cache.device)
-        torch.index_select(kv_cache[0], 0, seq.block_ids, out=k_buf)
-        torch.index_select(kv_cache[1], 0, seq.block_ids, out=v_buf)
-        keys = k_buf.view(-1, num_kv_heads, head_dim)[: seq.seq_len]
-        values = v_buf.view(-1, num_kv_heads, head_dim)[: seq.seq_len]
+        torch.index_select(_bytes(kv_cache[0]), 0, seq.block_ids, out=_bytes(k_buf))
+        torch.index_select(_bytes(kv_cache[1]), 0, seq.block_ids, out=_bytes(v_buf))
+        keys = _read(k_buf.view(-1, num_kv_heads, head_dim)[: seq.seq_len], query.dtype, k_scale)
+        values = _read(v_buf.view(-1, num_kv_heads, head_dim)[: seq.seq_len], query.dtype, v_scale)
     queries = query[rows].transpose(0, 1).unsqueeze(0)
     keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
 
@@ -103,13 +122,21 @@ def attend_dense(
     scale: float,
     logits_soft_cap: float | None,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bidirectional attention over whole sequences of one length -> [num_seqs * seq_len, heads, head_dim]."""
     n, length = run.num_seqs, run.seq_len
     rows = slice(run.row_start, run.row_start + n * length)
     # through the cache dtype, as if read back from the cache (a no-op when the dtypes agree)
-    keys = key[rows].to(kv_cache.dtype).view(n, length, key.shape[1], key.shape[2]).transpose(1, 2)
-    values = value[rows].to(kv_cache.dtype).view(n, length, value.shape[1], value.shape[2]).transpose(1, 2)
+    keys, values = key[rows], value[rows]
+    if is_fp8(kv_cache.dtype):
+        keys = _read(quantize_kv(keys, kv_cache.dtype, _scale(k_scale, kv_cache)), query.dtype, k_scale)
+        values = _read(quantize_kv(values, kv_cache.dtype, _scale(v_scale, kv_cache)), query.dtype, v_scale)
+    else:
+        keys, values = keys.to(kv_cache.dtype), values.to(kv_cache.dtype)
+    keys = keys.view(n, length, key.shape[1], key.shape[2]).transpose(1, 2)
+    values = values.view(n, length, value.shape[1], value.shape[2]).transpose(1, 2)
     queries = query[rows].view(n, length, query.shape[1], query.shape[2]).transpose(1, 2)
     bias = None
     if alibi_slopes is not None:
@@ -117,6 +144,15 @@ def attend_dense(
         bias = _alibi_bias(alibi_slopes, (positions - positions.unsqueeze(-1)).float()[None, None])
     out = _attend(queries, keys, values, None, scale, logits_soft_cap, causal=False, bias=bias)
     return out.transpose(1, 2).reshape(n * length, query.shape[1], query.shape[2])
+
+
+def _read(cached: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Gathered cache rows as attention reads them: fp8 dequantized to the query dtype; others as they are."""
+    if not is_fp8(cached.dtype):
+        return cached
+    if scale is None:
+        raise ValueError(f"an fp8 KV cache ({cached.dtype}) needs the layer's k_scale and v_scale")
+    return dequantize_kv(cached, dtype, scale)
 
 
 def _attend(

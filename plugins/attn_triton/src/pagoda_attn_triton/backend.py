@@ -30,6 +30,8 @@ NUM_SPLITS_KEY = "triton_decode_num_splits"
 class TritonPagedAttentionBackend(AttentionBackend):
     name = "triton_paged"
     supports_cuda_graphs = True
+    # fp8 caches: quantized by the write kernel, dequantized (times k_scale / v_scale) as tiles load
+    supports_fp8_kv_cache = True
 
     @classmethod
     def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
@@ -78,21 +80,24 @@ class TritonPagedAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = metadata.num_tokens
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         # Rows past num_tokens are padding. (Graph replays pass num_tokens = the padded
         # size instead: their padding rows have slot -1, so nothing is written for them.)
-        reshape_and_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], impl="triton")
+        reshape_and_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], impl="triton", **scales)
         if metadata.is_all_decode:
             splits = (metadata.extra or {}).get(NUM_SPLITS_KEY)
             out = paged_decode_attention(
                 query[:n], kv_cache, metadata.block_tables, metadata.seq_lens, scale,
-                sliding_window, logits_soft_cap, metadata.max_seq_len, splits, impl="triton",
+                sliding_window, logits_soft_cap, metadata.max_seq_len, splits, impl="triton", **scales,
             )
         else:
             out = paged_prefill_attention(
                 query[:n], kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale,
-                sliding_window, logits_soft_cap, metadata.max_query_len, impl="triton",
+                sliding_window, logits_soft_cap, metadata.max_query_len, impl="triton", **scales,
             )
         if query.shape[0] == n:
             return out

@@ -32,6 +32,13 @@
 // for. PAGODA_ATTN_DTYPE: 0 float32, 1 bfloat16, 2 float16. PAGODA_ATTN_HEAD_DIM: the one head_dim
 // the library serves, on its register-resident path where it has one; 0: any head_dim, on the
 // generic path (head_dims without a fast path share that library).
+//
+// fp8 KV cache (PAGODA_ATTN_CACHE 3: float8_e4m3fn, 4: float8_e5m2; else the cache holds the model
+// dtype): queries and the output stay in the model dtype; new K/V are stored as saturate(x / scale)
+// rounded to nearest even (torch's float -> float8 rounding), and cached rows are converted to
+// float32 in registers as they are read: an fp8 byte becomes a binary16 bit pattern (e5m2 is the
+// top byte of a binary16; e4m3 shifted into one reads its value / 256) and one vcvtph2ps widens
+// W of them. k_scale (and the 256) fold into the query scale, v_scale into the output's 1 / sum.
 #include <omp.h>
 #include <pagoda/python.h>
 #include <pagoda/simd.h>
@@ -46,11 +53,21 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #if !defined(PAGODA_ATTN_DTYPE) || PAGODA_ATTN_DTYPE < 0 || PAGODA_ATTN_DTYPE > 2
 #error "build with -DPAGODA_ATTN_DTYPE=0, 1 or 2 (float32, bfloat16, float16)"
 #endif
 #if !defined(PAGODA_ATTN_HEAD_DIM)
 #define PAGODA_ATTN_HEAD_DIM 0
+#endif
+#if !defined(PAGODA_ATTN_CACHE)
+#define PAGODA_ATTN_CACHE PAGODA_ATTN_DTYPE
+#endif
+#if PAGODA_ATTN_CACHE != PAGODA_ATTN_DTYPE && PAGODA_ATTN_CACHE != 3 && PAGODA_ATTN_CACHE != 4
+#error "PAGODA_ATTN_CACHE is the model dtype's code, or 3 / 4 (fp8 e4m3 / e5m2)"
 #endif
 
 namespace {
@@ -179,6 +196,139 @@ inline int64_t widened_index(int64_t d, int64_t dim) {
   return d;
 }
 
+// -- fp8 cache elements ---------------------------------------------------------------------------
+
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+struct fp8_e5m2 {
+  uint8_t bits;
+};
+template <typename C>
+constexpr bool kIsFp8 = std::is_same_v<C, fp8_e4m3> || std::is_same_v<C, fp8_e5m2>;
+// Decoded values (the binary16 reading of the byte) are the fp8 value divided by this.
+template <typename C>
+constexpr float kFp8Factor = std::is_same_v<C, fp8_e4m3> ? 256.0f : 1.0f;
+
+// The binary16 bit pattern whose value is the fp8 value / kFp8Factor: e4m3's exponent (bias 7) and
+// 3 mantissa bits land in binary16's (bias 15) fields, so the value is 2^-8 of the true one,
+// subnormals included; e5m2 has binary16's exponent and is its top byte.
+template <typename C>
+PAGODA_INLINE uint16_t fp8_half_bits(uint8_t b) {
+  if constexpr (std::is_same_v<C, fp8_e4m3>) {
+    return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
+  } else {
+    return static_cast<uint16_t>(b << 8);
+  }
+}
+
+// W fp8 bytes as W floats (each the fp8 value / kFp8Factor), converted in registers.
+template <typename C>
+PAGODA_INLINE vfloat load_fp8(const uint8_t* p) {
+#if PAGODA_W16
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i h;
+  if constexpr (std::is_same_v<C, fp8_e4m3>) {
+    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+  } else {
+    h = _mm256_slli_epi16(w, 8);
+  }
+  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(h));
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i h;
+  if constexpr (std::is_same_v<C, fp8_e4m3>) {
+    h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                     _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+  } else {
+    h = _mm_slli_epi16(w, 8);
+  }
+  return reinterpret_cast<vfloat>(_mm256_cvtph_ps(h));
+#else
+  float lanes[W];
+  for (int j = 0; j < W; ++j) lanes[j] = pagoda::half_to_float(fp8_half_bits<C>(p[j]));
+  return loadv(lanes);
+#endif
+}
+
+typedef uint8_t vu8 __attribute__((vector_size(W)));
+
+// W floats (already divided by the scale) stored as fp8: saturated to the largest finite value,
+// rounded to nearest even, as torch rounds float32 to float8 (which gives NaN past the range instead).
+template <typename C>
+PAGODA_INLINE void store_fp8(uint8_t* dst, vfloat x) {
+  constexpr bool e4m3 = std::is_same_v<C, fp8_e4m3>;
+  constexpr float kMax = e4m3 ? 448.0f : 57344.0f;
+  constexpr int kDropped = e4m3 ? 20 : 21;  // float32 mantissa bits the format drops
+  constexpr uint32_t kRebias = e4m3 ? (120u << 3) : (112u << 2);  // exponent bias 127 -> 7 (15)
+  constexpr float kMinNormal = e4m3 ? 0x1p-6f : 0x1p-14f;
+  // Below the smallest normal a value rounds to a multiple of the subnormal step, which is the ulp of kMagic.
+  constexpr float kMagic = e4m3 ? 0x1p14f : 0x1p7f;
+  const vuint bits = reinterpret_cast<vuint>(x);
+  const vuint sign = (bits >> 24) & 0x80u;
+  vfloat a = reinterpret_cast<vfloat>(bits & 0x7FFFFFFFu);
+  a = a > kMax ? splat(kMax) : a;
+  const vuint u = reinterpret_cast<vuint>(a);
+  const vuint normal = ((u + ((1u << (kDropped - 1)) - 1u) + ((u >> kDropped) & 1u)) >> kDropped) - kRebias;
+  const vuint subnormal = reinterpret_cast<vuint>(a + kMagic) - pagoda::float_to_bits(kMagic);
+  const vuint code = (a < kMinNormal ? subnormal : normal) | sign;
+  const vu8 bytes = __builtin_convertvector(code, vu8);
+  std::memcpy(dst, &bytes, sizeof(bytes));
+}
+
+// W elements of a model-dtype row as floats, in their natural order.
+PAGODA_INLINE vfloat load_elems(const float* p) { return loadv(p); }
+PAGODA_INLINE vfloat load_elems(const bf16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+PAGODA_INLINE vfloat load_elems(const half* p) {
+#if PAGODA_W16
+  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  return reinterpret_cast<vfloat>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  float lanes[W];
+  for (int j = 0; j < W; ++j) lanes[j] = static_cast<float>(p[j]);
+  return loadv(lanes);
+#endif
+}
+
+// A new K or V row of the model dtype into the fp8 cache: saturate(x / scale).
+template <typename C, typename T>
+inline void store_fp8_row(uint8_t* dst, const T* src, int64_t n, float scale) {
+  const vfloat s = splat(scale);
+  int64_t d = 0;
+  for (; d + W <= n; d += W) store_fp8<C>(dst + d, load_elems(src + d) / s);
+  if (d < n) {
+    float lanes[W] = {};
+    uint8_t bytes[W];
+    for (int64_t i = d; i < n; ++i) lanes[i - d] = static_cast<float>(src[i]);
+    store_fp8<C>(bytes, loadv(lanes) / s);
+    std::memcpy(dst + d, bytes, static_cast<size_t>(n - d));
+  }
+}
+
+// An fp8 cache row widened to float32 (the fp8 value / kFp8Factor), zero-padded (the generic path).
+template <typename C>
+inline void widen_fp8_row(const C* src, float* dst, int64_t dim, int64_t padded) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(src);
+  int64_t d = 0;
+  for (; d + W <= dim; d += W) storev(dst + d, load_fp8<C>(bytes + d));
+  for (; d < dim; ++d) dst[d] = pagoda::half_to_float(fp8_half_bits<C>(bytes[d]));
+  std::fill(dst + dim, dst + padded, 0.0f);
+}
+inline void widen_row(const fp8_e4m3* src, float* dst, int64_t dim, int64_t padded) {
+  widen_fp8_row(src, dst, dim, padded);
+}
+inline void widen_row(const fp8_e5m2* src, float* dst, int64_t dim, int64_t padded) {
+  widen_fp8_row(src, dst, dim, padded);
+}
+// A model-dtype row as float32 in natural element order (queries meeting an fp8 cache).
+template <typename T>
+inline void widen_row_natural(const T* src, float* dst, int64_t dim, int64_t padded) {
+  for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
+  std::fill(dst + dim, dst + padded, 0.0f);
+}
+
 #if defined(__AVX512BF16__) && PAGODA_W16
 #define PAGODA_BF16_DOT 1
 // A bf16 dot product instruction (vdpbf16ps): products of bf16 pairs are exact in float32, so
@@ -226,14 +376,17 @@ struct Layout {
   float scale;
   int64_t window;  // 0: none
   float soft_cap;  // 0: none
+  float v_mult;    // the output's factor: v_scale x kFp8Factor for an fp8 cache, else 1
 };
 
-// Everything an item reads and writes.
-template <typename T>
+// Everything an item reads and writes: queries and output in the model dtype T, the cache in C.
+template <typename T, typename C = T>
 struct Inputs {
+  using Elem = T;
+  using CacheElem = C;
   const T* query;
-  const T* key_cache;
-  const T* value_cache;
+  const C* key_cache;
+  const C* value_cache;
   const int32_t* block_tables;
   const int32_t* query_start;
   const int32_t* seq_lens;
@@ -246,19 +399,21 @@ struct Inputs {
 
 // Writes one finished row: normalized into the output, or as a part's partial result.
 // `index(d)` is where the accumulator holds element d.
-template <typename T, typename Index>
-inline void finish_row(const WorkItem& item, const Inputs<T>& in, int64_t token, int64_t head, const float* acc,
+template <class In, typename Index>
+inline void finish_row(const WorkItem& item, const In& in, int64_t token, int64_t head, const float* acc,
                        float row_max, float row_sum, Index index) {
+  using T = typename In::Elem;
   const int64_t dim = in.L.head_dim;
+  const float v_mult = in.L.v_mult;
   if (item.part >= 0) {
     float* dst = in.partials + (item.part * in.L.num_heads + head) * (dim + 2);
-    for (int64_t d = 0; d < dim; ++d) dst[d] = acc[index(d)];
+    for (int64_t d = 0; d < dim; ++d) dst[d] = acc[index(d)] * v_mult;
     dst[dim] = row_max;
     dst[dim + 1] = row_sum;
     return;
   }
   T* dst = in.out + token * in.L.out_token_stride + head * dim;
-  const float inv = 1.0f / row_sum;  // > 0: every query sees at least its own key
+  const float inv = v_mult / row_sum;  // row_sum > 0: every query sees at least its own key
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t d = 0; d < dim; ++d) dst[d] = acc[index(d)] * inv;
   } else {
@@ -499,6 +654,16 @@ struct Float32Keys {
   static PAGODA_INLINE vfloat first(Vec q, Vec k) { return q * k; }
   static PAGODA_INLINE vfloat dot(vfloat acc, Vec q, Vec k) { return acc + q * k; }
 };
+// fp8 rows read in place, W elements a vector converted in registers (values / kFp8Factor).
+template <typename C>
+struct Fp8Keys {
+  using Elem = uint8_t;
+  using Vec = vfloat;
+  static constexpr int kElems = W;
+  static PAGODA_INLINE Vec load(const uint8_t* p) { return load_fp8<C>(p); }
+  static PAGODA_INLINE vfloat first(Vec q, Vec k) { return q * k; }
+  static PAGODA_INLINE vfloat dot(vfloat acc, Vec q, Vec k) { return acc + q * k; }
+};
 #if PAGODA_BF16_DOT
 struct Bf16Keys {
   using Elem = uint16_t;
@@ -545,10 +710,10 @@ PAGODA_INLINE RowVectors<RB> score_tree(const typename Keys::Vec (&q)[RB][NV], c
 // at one position), `dp` floats apart in q and acc: online-softmax update of their max, sum and
 // accumulator, W keys at a time, each K/V vector loaded once for all RB rows. `keys` and
 // `values` are float32 rows `stride` floats apart; NV vectors per row.
-template <int NV, int RB, bool SoftCap>
-inline void attend_rows(const float* q, float* acc, int64_t dp, float* row_max, float* row_sum, const float* keys,
-                        const float* values, int64_t stride, int64_t lo, int64_t hi, float soft_cap,
-                        const KeyPrefetch& pf) {
+template <class Keys, int NV, int RB, bool SoftCap>
+inline void attend_rows(const float* q, float* acc, int64_t dp, float* row_max, float* row_sum,
+                        const typename Keys::Elem* keys, const typename Keys::Elem* values, int64_t stride,
+                        int64_t lo, int64_t hi, float soft_cap, const KeyPrefetch& pf) {
   vfloat qv[RB][NV];
 #pragma GCC unroll 4
   for (int i = 0; i < RB; ++i) {
@@ -557,7 +722,7 @@ inline void attend_rows(const float* q, float* acc, int64_t dp, float* row_max, 
   }
   for (int64_t c0 = lo - lo % W; c0 <= hi; c0 += W) {
     const int64_t jlo = std::max(lo, c0), jhi = std::min(hi, c0 + W - 1);
-    const RowVectors<RB> scores = score_tree<Float32Keys, NV, RB, W>(qv, keys, stride, c0, jlo, jhi, pf);
+    const RowVectors<RB> scores = score_tree<Keys, NV, RB, W>(qv, keys, stride, c0, jlo, jhi, pf);
     float weights[RB][W];
     vfloat a[RB][NV];
 #pragma GCC unroll 4
@@ -569,10 +734,10 @@ inline void attend_rows(const float* q, float* acc, int64_t dp, float* row_max, 
       for (int v = 0; v < NV; ++v) a[i][v] = loadv(acc + i * dp + v * W) * correction;
     }
     for (int64_t j = jlo; j <= jhi; ++j) {
-      prefetch_key<(NV * W * 4 + 63) / 64, true>(pf, j);
+      prefetch_key<(NV * W * static_cast<int>(sizeof(typename Keys::Elem)) + 63) / 64, true>(pf, j);
       vfloat value[NV];
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) value[v] = loadv(values + j * stride + v * W);
+      for (int v = 0; v < NV; ++v) value[v] = Keys::load(values + j * stride + v * W);
 #pragma GCC unroll 4
       for (int i = 0; i < RB; ++i) {
         const vfloat w = splat(weights[i][j - c0]);
@@ -590,12 +755,12 @@ inline void attend_rows(const float* q, float* acc, int64_t dp, float* row_max, 
 
 // attend_rows for RB = min(4, rows) rows, with or without a soft cap: each variant a
 // straight-line kernel without calls in its loops (a call would spill the vector registers).
-template <int NV>
+template <int NV, class Keys = Float32Keys>
 inline void attend_group(int64_t rows, const float* q, float* acc, int64_t dp, float* row_max, float* row_sum,
-                         const float* keys, const float* values, int64_t stride, int64_t lo, int64_t hi,
-                         float soft_cap, const KeyPrefetch& pf) {
+                         const typename Keys::Elem* keys, const typename Keys::Elem* values, int64_t stride,
+                         int64_t lo, int64_t hi, float soft_cap, const KeyPrefetch& pf) {
 #define PAGODA_ROWS(RB, CAP) \
-  attend_rows<NV, RB, CAP>(q, acc, dp, row_max, row_sum, keys, values, stride, lo, hi, soft_cap, pf)
+  attend_rows<Keys, NV, RB, CAP>(q, acc, dp, row_max, row_sum, keys, values, stride, lo, hi, soft_cap, pf)
   if (soft_cap > 0.0f) {
     switch (rows) {
       case 1: PAGODA_ROWS(1, true); break;
@@ -646,15 +811,17 @@ inline int64_t lines_per_key(int64_t head_dim, int64_t element_size) { return (h
 
 // A tile of query tokens (or one decode) over the item's KV heads, reading float32 rows in place
 // or widening each block's rows into a float32 buffer first.
-template <typename T, int NV>
-void attend_item(const WorkItem& item, const Inputs<T>& in, ReadAhead& ahead, std::vector<float>& scratch,
+template <typename T, typename C, int NV>
+void attend_item(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahead, std::vector<float>& scratch,
                  std::vector<const char*>& lines) {
   const Layout& L = in.L;
   const int64_t dim = L.head_dim;
   const int64_t nv = NV > 0 ? NV : (dim + W - 1) / W;
   const int64_t dp = nv * W;  // padded head_dim
-  // float32 rows of a head_dim that fills whole vectors are read in place; others are widened per block.
-  const bool in_place = std::is_same_v<T, float> && dp == dim;
+  // float32 and fp8 rows of a head_dim that fills whole vectors are read in place (fp8 converted in
+  // registers); others are widened per block.
+  constexpr bool kFp8Cache = kIsFp8<C>;
+  const bool in_place = (std::is_same_v<C, float> || (kFp8Cache && NV > 0)) && dp == dim;
   const int64_t G = L.group, BS = L.block_size;
   const int64_t num_tokens = item.token_end - item.token_begin;
   const int64_t heads = item.kv_end - item.kv_begin;
@@ -678,7 +845,12 @@ void attend_item(const WorkItem& item, const Inputs<T>& in, ReadAhead& ahead, st
       for (int64_t g = 0; g < G; ++g) {
         const int64_t head = (item.kv_begin + h) * G + g;
         float* dst = q + (h * head_rows + t * G + g) * dp;
-        widen_row(in.query + (item.token_begin + t) * L.q_token_stride + head * L.q_head_stride, dst, dim, dp);
+        const T* src = in.query + (item.token_begin + t) * L.q_token_stride + head * L.q_head_stride;
+        if constexpr (kFp8Cache) {
+          widen_row_natural(src, dst, dim, dp);  // the fp8 rows are read in natural order
+        } else {
+          widen_row(src, dst, dim, dp);
+        }
         for (int64_t d = 0; d < dim; ++d) dst[d] *= L.scale;
       }
     }
@@ -691,7 +863,7 @@ void attend_item(const WorkItem& item, const Inputs<T>& in, ReadAhead& ahead, st
   const KeySpan span = key_span(item, in.query_start, in.seq_lens, L);
   const int32_t* table = in.block_tables + item.seq * L.block_table_stride;
   const int64_t stride = in_place ? L.cache_token_stride : dp;
-  const int64_t rate = lines_per_key(dim, sizeof(T));
+  const int64_t rate = lines_per_key(dim, sizeof(C));
   if (lines.size() < static_cast<size_t>(BS * rate)) lines.resize(static_cast<size_t>(BS * rate));
 
   for (int64_t b = span.lo / BS; b * BS <= span.hi; ++b) {
@@ -701,11 +873,11 @@ void attend_item(const WorkItem& item, const Inputs<T>& in, ReadAhead& ahead, st
     const int64_t union_lo = std::max(block_start, span.lo) - block_start;
     const int64_t union_hi = std::min(block_start + BS - 1, span.hi) - block_start;
     for (int64_t h = 0; h < heads; ++h) {
-      const T* key_src = in.key_cache + block_base + h * dim;
-      const T* value_src = in.value_cache + block_base + h * dim;
+      const C* key_src = in.key_cache + block_base + h * dim;
+      const C* value_src = in.value_cache + block_base + h * dim;
       const float* keys = key_buf;
       const float* values = value_buf;
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<C, float>) {
         if (in_place) {
           keys = key_src;
           values = value_src;
@@ -738,8 +910,15 @@ void attend_item(const WorkItem& item, const Inputs<T>& in, ReadAhead& ahead, st
             const int64_t row = first_row + g;
             float* const qr = q + row * dp;
             float* const ar = acc + row * dp;
-            attend_group<NV>(std::min<int64_t>(4, G - g), qr, ar, dp, row_max + row, row_sum + row, keys, values,
-                             stride, lo, hi, L.soft_cap, pf);
+            if constexpr (kFp8Cache) {  // NV > 0: whole vectors, always in place
+              attend_group<NV, Fp8Keys<C>>(std::min<int64_t>(4, G - g), qr, ar, dp, row_max + row, row_sum + row,
+                                           reinterpret_cast<const uint8_t*>(key_src),
+                                           reinterpret_cast<const uint8_t*>(value_src), stride, lo, hi, L.soft_cap,
+                                           pf);
+            } else {
+              attend_group<NV>(std::min<int64_t>(4, G - g), qr, ar, dp, row_max + row, row_sum + row, keys, values,
+                               stride, lo, hi, L.soft_cap, pf);
+            }
             pf.lines = nullptr;  // the group's first rows prefetched the block
           }
         } else {
@@ -759,10 +938,14 @@ void attend_item(const WorkItem& item, const Inputs<T>& in, ReadAhead& ahead, st
         const int64_t head = (item.kv_begin + h) * G + g;
         if (item.part < 0) {
           T* dst = in.out + (item.token_begin + t) * L.out_token_stride + head * dim;
-          store_row(dst, acc + row * dp, dim, 1.0f / row_sum[row]);
+          if constexpr (kFp8Cache) {
+            store_row<T>(dst, acc + row * dp, dim, L.v_mult / row_sum[row]);  // natural order (the generic template)
+          } else {
+            store_row(dst, acc + row * dp, dim, 1.0f / row_sum[row]);
+          }
         } else {
           finish_row(item, in, item.token_begin + t, head, acc + row * dp, row_max[row], row_sum[row],
-                     [dim](int64_t d) { return widened_index<T>(d, dim); });
+                     [dim](int64_t d) { return kFp8Cache ? d : widened_index<T>(d, dim); });
         }
       }
     }
@@ -992,8 +1175,9 @@ Plan plan_items(const int32_t* query_start, const int32_t* seq_lens, const int32
 }
 
 // The output rows of the split decodes from their parts' partial results.
-template <typename T>
-void merge_splits(const Plan& plan, const Inputs<T>& in) {
+template <class In>
+void merge_splits(const Plan& plan, const In& in) {
+  using T = typename In::Elem;
   const int64_t dim = in.L.head_dim, row_floats = dim + 2;
   std::vector<float> acc(static_cast<size_t>(dim));
   for (const Split& split : plan.splits) {
@@ -1023,8 +1207,8 @@ constexpr int kHeadVectors = kHeadDim % W == 0 && (kHeadDim / W == 4 || kHeadDim
                                  ? static_cast<int>(kHeadDim / W)
                                  : 0;
 
-template <typename T, int NV>
-void run_items(const std::vector<WorkItem>& items, int threads, const Inputs<T>& in) {
+template <typename T, typename C, int NV>
+void run_items(const std::vector<WorkItem>& items, int threads, const Inputs<T, C>& in) {
   const int64_t n = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next_item{0};
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -1033,13 +1217,13 @@ void run_items(const std::vector<WorkItem>& items, int threads, const Inputs<T>&
     static thread_local std::vector<float> scratch;
     static thread_local std::vector<const char*> lines;
     ItemQueue queue(items.data(), n, next_item);
-    ReadAhead ahead(queue, in.key_cache, in.value_cache, in.block_tables, in.query_start, in.seq_lens, in.L, sizeof(T));
+    ReadAhead ahead(queue, in.key_cache, in.value_cache, in.block_tables, in.query_start, in.seq_lens, in.L, sizeof(C));
     for (int64_t pos = 0;; ++pos) {
       const WorkItem* item = queue.at(pos);
       if (item == nullptr) break;
       ahead.catch_up(pos, kReadAheadPairs);
 #if PAGODA_BF16_DOT
-      if constexpr (std::is_same_v<T, bf16>) {
+      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>) {
         if constexpr (kHeadDim == 64 || kHeadDim == 128) {
           if (item->token_end - item->token_begin == 1 && in.L.head_dim == kHeadDim) {
             attend_decode_bf16<kHeadDim / 32>(*item, in, ahead, scratch, lines);
@@ -1049,26 +1233,26 @@ void run_items(const std::vector<WorkItem>& items, int threads, const Inputs<T>&
         }
       }
 #endif
-      attend_item<T, NV>(*item, in, ahead, scratch, lines);
+      attend_item<T, C, NV>(*item, in, ahead, scratch, lines);
       queue.pop();
     }
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void run_attention(const void* query, const void* kv_cache, int64_t cache_half_stride, const int32_t* block_tables,
                    const int32_t* query_start, const int32_t* seq_lens, const int32_t* seq_ids, int64_t num_ids,
                    void* out, const Layout& L, int64_t tile_tokens, int threads) {
   const Plan plan = plan_items(query_start, seq_lens, seq_ids, num_ids, L, tile_tokens, threads);
   std::vector<float> partials(static_cast<size_t>(plan.parts * L.num_heads * (L.head_dim + 2)));
-  const T* k = static_cast<const T*>(kv_cache);
-  const Inputs<T> in{static_cast<const T*>(query), k, k + cache_half_stride, block_tables, query_start, seq_lens,
+  const C* k = static_cast<const C*>(kv_cache);
+  const Inputs<T, C> in{static_cast<const T*>(query), k, k + cache_half_stride, block_tables, query_start, seq_lens,
                      static_cast<T*>(out), partials.data(), L};
   // Whole vectors per head row known at compile time keep a row's accumulators in registers.
   if constexpr (kHeadVectors != 0) {
-    run_items<T, kHeadVectors>(plan.items, plan.threads, in);
+    run_items<T, C, kHeadVectors>(plan.items, plan.threads, in);
   } else {
-    run_items<T, 0>(plan.items, plan.threads, in);
+    run_items<T, C, 0>(plan.items, plan.threads, in);
   }
   merge_splits(plan, in);
 }
@@ -1129,9 +1313,10 @@ int check_metadata(const int32_t* qs, const int32_t* sl, int64_t num_seqs, const
 //   slot_mapping int64 [num_slots]; query_start int32 [num_seqs + 1]; seq_lens int32 [num_seqs];
 //   block_tables contiguous int32 [table_rows, table_columns]; seq_ids int32 [num_ids];
 //   out contiguous [num_tokens, num_heads, head_dim]. dtype: 0 float32, 1 bfloat16, 2 float16.
+//   cache_dtype: the same code, or 3 fp8 e4m3 / 4 fp8 e5m2 with k_scale / v_scale (else ignored: 1).
 // Returns 0, or 1 with the reason in `error` (nothing written) when the metadata does not fit.
 PAGODA_EXPORT int pagoda_paged_attention(
-    int dtype, const void* query, int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t q_token,
+    int dtype, int cache_dtype, float k_scale, float v_scale, const void* query, int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t q_token,
     int64_t q_head, const void* key, int64_t k_token, int64_t k_head, const void* value, int64_t v_token,
     int64_t v_head, void* kv_cache, int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
     const int64_t* slot_mapping, int64_t num_slots, const int32_t* query_start, const int32_t* seq_lens,
@@ -1140,12 +1325,21 @@ PAGODA_EXPORT int pagoda_paged_attention(
     char* error, int64_t error_size) {
   const Refusal refuse(error, error_size);
   if (dtype != PAGODA_ATTN_DTYPE) return refuse("this library serves dtype code %d, not %d", PAGODA_ATTN_DTYPE, dtype);
+  if (cache_dtype != PAGODA_ATTN_CACHE) {
+    return refuse("this library serves cache dtype code %d, not %d", PAGODA_ATTN_CACHE, cache_dtype);
+  }
+  constexpr bool kFp8 = PAGODA_ATTN_CACHE >= 3;
+  if (kFp8 && !(k_scale > 0.0f && v_scale > 0.0f && std::isfinite(k_scale) && std::isfinite(v_scale))) {
+    return refuse("fp8 KV cache scales must be finite and positive (k_scale %g, v_scale %g)", (double)k_scale,
+                  (double)v_scale);
+  }
   if (tile_tokens <= 0) return refuse("tile_tokens must be positive");
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return refuse("query and kv_cache heads do not fit");
   if (kHeadDim != 0 && head_dim != kHeadDim) {
     return refuse("this library serves head_dim %lld, not %lld", (long long)kHeadDim, (long long)head_dim);
   }
-  const int64_t es = dtype == 0 ? 4 : 2;
+  const int64_t es = dtype == 0 ? 4 : 2;  // query, key, value and out
+  const int64_t ces = kFp8 ? 1 : es;       // the cache
   const int64_t cache_slots = num_blocks * block_size;
   const int64_t writes = std::min<int64_t>(num_slots, num_tokens);
   for (int64_t t = 0; t < writes; ++t) {
@@ -1159,16 +1353,43 @@ PAGODA_EXPORT int pagoda_paged_attention(
     return 1;
   }
 
+#if PAGODA_ATTN_DTYPE == 0
+  using Elem = float;
+#elif PAGODA_ATTN_DTYPE == 1
+  using Elem = bf16;
+#else
+  using Elem = half;
+#endif
+#if PAGODA_ATTN_CACHE == 3
+  using CacheElem = fp8_e4m3;
+#elif PAGODA_ATTN_CACHE == 4
+  using CacheElem = fp8_e5m2;
+#else
+  using CacheElem = Elem;
+#endif
+
   // New K/V first: a query attends to its own token and the new ones before it.
-  const int64_t row_bytes = num_kv_heads * head_dim * es;
+  const int64_t row_bytes = num_kv_heads * head_dim * ces;
   char* k_dst = static_cast<char*>(kv_cache);
-  char* v_dst = k_dst + num_blocks * block_size * num_kv_heads * head_dim * es;
+  char* v_dst = k_dst + num_blocks * block_size * num_kv_heads * head_dim * ces;
   const struct {
     const void* base;
     int64_t token, head;
     char* dst;
-  } sources[2] = {{key, k_token, k_head, k_dst}, {value, v_token, v_head, v_dst}};
+    float scale;
+  } sources[2] = {{key, k_token, k_head, k_dst, k_scale}, {value, v_token, v_head, v_dst, v_scale}};
   for (const auto& src : sources) {
+    if constexpr (kFp8) {
+      const auto* base = static_cast<const Elem*>(src.base);
+      for (int64_t t = 0; t < writes; ++t) {
+        if (slot_mapping[t] < 0) continue;
+        auto* d = reinterpret_cast<uint8_t*>(src.dst + slot_mapping[t] * row_bytes);
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          store_fp8_row<CacheElem>(d + h * head_dim, base + t * src.token + h * src.head, head_dim, src.scale);
+        }
+      }
+      continue;
+    }
     const auto* base = static_cast<const char*>(src.base);
     const int64_t token_bytes = src.token * es, head_bytes = src.head * es;
     const bool dense_row = num_kv_heads == 1 || head_bytes == head_dim * es;
@@ -1189,19 +1410,15 @@ PAGODA_EXPORT int pagoda_paged_attention(
     std::memset(static_cast<char*>(out) + real_tokens * num_heads * head_dim * es, 0,
                 (num_tokens - real_tokens) * num_heads * head_dim * es);
   }
+  // fp8: k_scale (and the decoding factor) scale the queries, v_scale the output.
+  const float k_mult = kFp8 ? k_scale * kFp8Factor<CacheElem> : 1.0f;
+  const float v_mult = kFp8 ? v_scale * kFp8Factor<CacheElem> : 1.0f;
   const Layout L{num_heads, num_kv_heads, head_dim, block_size, num_heads / num_kv_heads,
                  q_token, q_head, num_heads * head_dim,
                  block_size * num_kv_heads * head_dim, num_kv_heads * head_dim, table_columns,
-                 scale, window, soft_cap};
+                 scale * k_mult, window, soft_cap, v_mult};
   const int64_t cache_half = num_blocks * block_size * num_kv_heads * head_dim;
-#if PAGODA_ATTN_DTYPE == 0
-  using Elem = float;
-#elif PAGODA_ATTN_DTYPE == 1
-  using Elem = bf16;
-#else
-  using Elem = half;
-#endif
-  run_attention<Elem>(query, kv_cache, cache_half, block_tables, query_start, seq_lens, seq_ids, num_ids, out, L,
+  run_attention<Elem, CacheElem>(query, kv_cache, cache_half, block_tables, query_start, seq_lens, seq_ids, num_ids, out, L,
                       tile_tokens, threads);
   return 0;
 }
