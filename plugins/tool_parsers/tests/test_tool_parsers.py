@@ -170,3 +170,16 @@ def test_tool_parser_plugin_file_registers_a_parser(tmp_path: Any) -> None:
         ToolParserManager.tool_parsers.pop("shouty", None)
     with pytest.raises(KeyError, match="not registered"):
         ToolParserManager.get_tool_parser("shouty")
+
+
+@pytest.mark.parametrize(("name", "output"), [
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}</tool_call>"),
+    ("llama3_json", '{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}]"),
+    ("pythonic", "[f(a=" + "[" * 100_000 + "]" * 100_000 + ")]"),
+])
+def test_deeply_nested_output_is_not_a_crash(name: str, output: str) -> None:
+    info = _parser(name).extract_tool_calls(output, REQUEST)
+    assert not info.tools_called and info.content == output
+    # streaming reads brackets without recursion: it gets through (what it sends is not checked here)
+    _stream(name, [output[:50_000], output[50_000:]])

@@ -32,7 +32,7 @@ class Hermes2ProToolParser(StreamingToolParser):
             raw = [decoder.raw_decode((closed or open_).strip())[0]
                    for closed, open_ in self.tool_call_regex.findall(model_output)]
             calls = [self.tool_call(c["name"], c.get("arguments", c.get("parameters"))) for c in raw]
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError):
             # not the format after all: the text is the answer (as vLLM)
             return self.not_called(model_output)
         content = model_output[: model_output.find(self.tool_call_start_token)]

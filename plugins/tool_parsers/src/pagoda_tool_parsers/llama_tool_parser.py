@@ -40,7 +40,7 @@ class Llama3JsonToolParser(StreamingToolParser):
                 if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                     return self.not_called(model_output)
                 calls.append(self.tool_call(obj["name"], obj.get("arguments", obj.get("parameters"))))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return self.not_called(model_output)
         if not calls:
             return self.not_called(model_output)

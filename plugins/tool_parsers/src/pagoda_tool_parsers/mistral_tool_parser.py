@@ -53,7 +53,7 @@ class MistralToolParser(StreamingToolParser):
                     if not sep or not name.strip():
                         return self.not_called(model_output)
                     calls.append(self.tool_call(name.strip(), json.loads(arguments)))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError):
             return self.not_called(model_output)
         if not calls:
             return self.not_called(model_output)

@@ -220,7 +220,7 @@ class ChoiceToolCalls:
         elif kind == "required":
             try:
                 parsed = json.loads(text)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 parsed = None  # cut short (max_tokens, a stop string): the text is all there is
             if isinstance(parsed, list):
                 calls = [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in parsed
