@@ -1,6 +1,7 @@
-"""Tensor parallelism with the mp executor: greedy parity with transformers at TP=2, and a worker killed mid-run.
+"""Tensor and pipeline parallelism with the mp executor: greedy parity with transformers at TP=2, PP=2 and
+TP=2 x PP=2, and a worker killed mid-run.
 
-Each test spawns two worker processes (gloo on loopback, float32, one thread each).
+Each test spawns two worker processes (four for TP=2 x PP=2; gloo on loopback, float32).
 """
 
 from __future__ import annotations
@@ -39,6 +40,35 @@ def test_qwen3_tp2_replicated_kv_head_greedy_equals_transformers(tmp_path: Path)
     report = check_parity(build_tiny_model(cfg, seed=2), tmp_path, prompts=mixed_prompts(128, num_prompts=8, max_len=40),
                           new_tokens=6, llm_kwargs=TP2)
     assert report.num_tokens_compared > 40
+
+
+PP2 = {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+def test_llama_pp2_uneven_stages_greedy_equals_transformers(tmp_path: Path) -> None:
+    # 3 layers on 2 stages: layers 0-1 and the embedding on the first, layer 2, the norm and the LM head on the last
+    cfg = transformers.LlamaConfig(**{**SMALL, "num_hidden_layers": 3}, vocab_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    report = check_parity(build_tiny_model(cfg, seed=3), tmp_path, prompts=mixed_prompts(128, num_prompts=8, max_len=40),
+                          new_tokens=6, llm_kwargs=PP2)
+    assert report.num_tokens_compared > 40
+
+
+def test_qwen3_pp2_tied_lm_head_greedy_equals_transformers(tmp_path: Path) -> None:
+    # tied embeddings: the last stage has no embedding and loads the LM head from its checkpoint tensor
+    cfg = transformers.Qwen3Config(**SMALL, vocab_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=16, tie_word_embeddings=True)
+    report = check_parity(build_tiny_model(cfg, seed=4), tmp_path, prompts=mixed_prompts(128, num_prompts=8, max_len=40),
+                          new_tokens=6, llm_kwargs=PP2)
+    assert report.num_tokens_compared > 40
+
+
+def test_llama_tp2_pp2_greedy_equals_transformers(tmp_path: Path) -> None:
+    # four ranks: two stages of two tensor-parallel ranks each
+    cfg = transformers.LlamaConfig(**SMALL, vocab_size=131, num_attention_heads=4, num_key_value_heads=2)
+    report = check_parity(build_tiny_model(cfg, seed=5), tmp_path, prompts=mixed_prompts(131, num_prompts=8, max_len=40),
+                          new_tokens=4, llm_kwargs={**TP2, **PP2})
+    assert report.num_tokens_compared > 25
 
 
 def _tiny_llama(path: Path) -> Path:

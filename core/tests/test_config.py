@@ -47,9 +47,12 @@ def test_validation_errors_name_the_field_and_why(kwargs: dict[str, Any], field:
     assert why in str(caught.value)
 
 
-def test_pipeline_parallelism_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValidationError, match="pipeline parallelism is not implemented yet"):
-        EngineArgs(pipeline_parallel_size=2).create_engine_config()
+def test_world_size_is_tensor_times_pipeline_ranks() -> None:
+    parallel = EngineArgs(tensor_parallel_size=2, pipeline_parallel_size=3).create_engine_config().parallel_config
+    assert parallel.world_size == 6
+    assert parallel.executor_backend == "mp"
+    with pytest.raises(ValidationError, match="world size 2"):
+        EngineArgs(pipeline_parallel_size=2, distributed_executor_backend="uni").create_engine_config()
 
 
 def test_executor_backend_defaults_and_refusals() -> None:

@@ -67,13 +67,27 @@ class DeviceCommunicatorBase:
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         """Send to group rank ``dst``."""
+        t0 = time.perf_counter()
         dist.send(x.contiguous(), self.ranks[dst], group=self.group)
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.calls += 1
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         """Receive a tensor of known shape and dtype from group rank ``src``."""
         out = torch.empty(shape, dtype=dtype, device=self.device)
+        t0 = time.perf_counter()
         dist.recv(out, self.ranks[src], group=self.group)
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.calls += 1
         return out
+
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Group rank ``src``'s ``x`` into ``x`` on every rank, in place."""
+        t0 = time.perf_counter()
+        dist.broadcast(x, self.ranks[src], group=self.group)
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.calls += 1
+        return x
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -99,5 +99,5 @@ class Executor(ABC):
 
     @property
     def output_rank(self) -> int:
-        """The rank that returns sampled tokens (every tensor-parallel rank samples the same)."""
-        return 0
+        """The rank that returns sampled tokens: the last pipeline stage's first tensor-parallel rank."""
+        return self.parallel_config.world_size - self.parallel_config.tensor_parallel_size

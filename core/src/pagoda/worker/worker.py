@@ -39,8 +39,9 @@ class Worker:
 
     @property
     def is_output_rank(self) -> bool:
-        """The rank whose step results go back to the engine (every rank computes the same tokens)."""
-        return self.rank == 0
+        """The rank whose step results go back to the engine: the last pipeline stage's first
+        tensor-parallel rank (every rank of that stage samples the same tokens)."""
+        return self.rank == self.world_size - self.config.parallel_config.tensor_parallel_size
 
     def init_device(self) -> None:
         if self.world_size > 1 and not self.in_engine_process:
@@ -53,7 +54,8 @@ class Worker:
                 raise ValueError("a worker of a multi-rank layout needs a distributed_init_method")
             cls = self.communicator_cls()
             init_distributed_environment(self.world_size, self.rank, self.distributed_init_method, cls,
-                                         self.platform.device(), self.config.parallel_config.tensor_parallel_size)
+                                         self.platform.device(), self.config.parallel_config.tensor_parallel_size,
+                                         self.config.parallel_config.pipeline_parallel_size)
 
     def communicator_cls(self) -> type[DeviceCommunicatorBase]:
         ref = self.platform.get_device_communicator_cls()

@@ -11,13 +11,15 @@ QKV output, so q, k and v reach the attention layer as strided views of it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
+from pagoda.distributed import get_pp_group
+from pagoda.distributed.pipeline import IntermediateTensors, PPMissingLayer, make_layers
 from pagoda.layers import (
     FusedMoE,
     LayerOpsModule,
@@ -160,19 +162,38 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, options: DecoderOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, options, i, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # with pipeline parallelism this stage's part only: the embedding on the first, the norm on the last
+        pp = get_pp_group()
+        self.is_last_stage = pp.is_last_rank
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype) if pp.is_first_rank else PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            cfg.num_hidden_layers, lambda i: LlamaDecoderLayer(cfg, options, i, dtype))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if pp.is_last_rank else PPMissingLayer()
         self.rotary_emb = RotaryEmbedding(rope_config_from_hf(cfg), dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         cos, sin = self.rotary_emb.cos_sin(positions)  # gathered once per step, shared by all layers
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        if intermediate_tensors is None:
+            hidden = self.embed_tokens(input_ids)
+        else:  # a later pipeline stage continues the previous one's residual stream
+            hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(hidden, residual, cos, sin, metadata)
+        if not self.is_last_stage:
+            assert residual is not None  # every stage holds at least one layer
+            return IntermediateTensors(hidden_states=hidden, residual=residual)
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
+
+
+def _with_lm_head_from_embedding(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A tied checkpoint's embedding also as ``lm_head.weight`` (for a last pipeline stage without the embedding)."""
+    for name, tensor in weights:
+        yield name, tensor
+        if name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor
 
 
 class LlamaForCausalLM(nn.Module):
@@ -184,6 +205,8 @@ class LlamaForCausalLM(nn.Module):
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # FusedMoE reads per-expert token counts on the host, which a CUDA graph cannot capture
     supports_cuda_graphs: bool = True
+    # pipeline parallelism (vLLM's SupportsPP): make_layers, PPMissingLayer, IntermediateTensors
+    supports_pp: bool = True
     # load_weights calls a quantization method's weight_loader (pagoda.quantization.model)
     supports_quant: bool = True
 
@@ -195,8 +218,14 @@ class LlamaForCausalLM(nn.Module):
         self.options = self.decoder_options(cfg)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = LlamaModel(cfg, self.options, dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, False, dtype)
-        if self.tie_word_embeddings:
+        pp = get_pp_group()
+        # a tied LM head on a last stage that is not also the first loads its own copy of the embedding
+        self.lm_head_from_embedding = self.tie_word_embeddings and pp.is_last_rank and not pp.is_first_rank
+        if self.lm_head_from_embedding:
+            self.tie_word_embeddings = False
+        self.lm_head: nn.Module = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size, False, dtype)
+                                   if pp.is_last_rank else PPMissingLayer())
+        if self.tie_word_embeddings and pp.is_last_rank:
             # One tensor, two modules: parameters() lists it once, under the embedding's name.
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -209,16 +238,25 @@ class LlamaForCausalLM(nn.Module):
         """Longest context the RoPE table covers; the engine's max_model_len must not exceed it."""
         return self.model.rotary_emb.max_positions
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, metadata, intermediate_tensors)
+
+    def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
+        """What a stage receives from the previous one (vLLM's name): the hidden states and the residual."""
+        hidden = self.config.hidden_size
+        return IntermediateTensors(hidden_states=torch.zeros(num_tokens, hidden, dtype=dtype, device=device),
+                                   residual=torch.zeros(num_tokens, hidden, dtype=dtype, device=device))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # In the model dtype: the sampler widens only when it must (not for a greedy argmax).
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.lm_head_from_embedding:
+            weights = _with_lm_head_from_embedding(weights)
         loaded = load_llama_weights(self, weights)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and isinstance(self.lm_head, ParallelLMHead):
             # Materialising from the meta device (to_empty) gives each module its own tensor: tie again.
             self.lm_head.weight = self.model.embed_tokens.weight
         return loaded

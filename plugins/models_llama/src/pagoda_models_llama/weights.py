@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagoda.distributed.pipeline import is_pp_missing_parameter
+
 if TYPE_CHECKING:
     from pagoda_models_llama.llama import LlamaForCausalLM
 
@@ -144,6 +146,8 @@ def load_llama_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, tor
             for piece_name, piece in _split_stacked_experts(loader.rename(name), tensor):
                 found = loader.target(piece_name)
                 if found is None:
+                    if is_pp_missing_parameter(piece_name, model):
+                        continue  # another pipeline stage holds it
                     raise ValueError(f"checkpoint weight {name!r} matches no parameter of {type(model).__name__}")
                 param_name, shard, target = found
                 weight_loader = getattr(loader.params[param_name], "weight_loader", None)
