@@ -10,6 +10,8 @@ split per projection. All are undone here, so the tensors equal what
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,7 +273,8 @@ def _dequantized_tensors(
         kind = conversion.role.kind
         if _stored_as_blocks(conversion, keep_quantized):
             tensor_type = conversion.sources[0].tensor_type
-            blocks = torch.cat([tensor_blocks(gguf_file, t) for t in conversion.sources], dim=0)
+            parts = [tensor_blocks(gguf_file, t) for t in conversion.sources]
+            blocks = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if conversion.op == "split_qkv":
                 for (name, _), part in zip(conversion.outputs, blocks.chunk(3, dim=0)):
                     yield from _as_stored(name, tensor_type, part.contiguous())
@@ -315,6 +318,20 @@ def _dequantized_tensors(
             weight = weight.t().contiguous()
         name, shape = conversion.outputs[0]
         yield name, weight.reshape(shape)
+    if keep_quantized is not None:
+        release_pages(gguf_file)
+
+
+def release_pages(gguf_file: GGUFFile) -> None:
+    """Drop the file's pages from this process's resident set once every tensor is copied out.
+
+    The parsed file stays cached (metadata) with its mapping, so the pages read during a load
+    would stay counted in the process's memory; they stay in the OS page cache either way.
+    """
+    mapping = gguf_file.blob.base
+    if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        with contextlib.suppress(OSError):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def gguf_dtype(path: Path) -> torch.dtype | None:
