@@ -133,6 +133,35 @@ def test_worker_killed_mid_generation_fails_requests_and_health(tmp_path: Path) 
     assert not any(_alive(p) for p in pids), "a worker process outlived the engine"
 
 
+def test_hung_worker_times_out_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda import SamplingParams
+    from pagoda.config import EngineArgs
+    from pagoda.engine.core import EngineCore, prepare_engine_config
+    from pagoda.executor import ExecutorFailedError
+    from pagoda.scheduler.request import Request
+
+    monkeypatch.setenv("PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS", "10")
+    config = EngineArgs(model=str(_tiny_llama(tmp_path / "m")), skip_tokenizer_init=True, dtype="float32",
+                        max_model_len=256, num_kv_blocks=64, **TP2).create_engine_config()
+    core = EngineCore(config, prepare_engine_config(config))
+    pids = [p.pid for p in core.model_executor.workers]
+    try:
+        core.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+                                 None, core.block_size))
+        assert core.step(), "the first step produced nothing"
+        os.kill(pids[1], signal.SIGSTOP)  # alive but silent: no sentinel fires, only the timeout can tell
+        started = time.monotonic()
+        with pytest.raises(ExecutorFailedError, match=r"did not answer execute_model within 10 s \(hung\)"):
+            while core.has_work():
+                core.step()
+        assert time.monotonic() - started < 60
+        with pytest.raises(ExecutorFailedError, match="hung"):
+            core.check_health()
+    finally:
+        core.shutdown()
+    assert not any(_alive(p) for p in pids), "a hung worker outlived the engine's shutdown"
+
+
 def test_workers_exit_when_the_engine_process_dies(tmp_path: Path) -> None:
     model = _tiny_llama(tmp_path / "m")
     script = textwrap.dedent(f"""

@@ -134,6 +134,10 @@ _VARIABLES: list[EnvVar[Any]] = [
     EnvVar("PAGODA_DISABLE_CACHE", "bool", False,
            "Turn the on-disk cache off (GGUF conversions are redone, kernels rebuilt each process).",
            _CORE, _bool),
+    EnvVar("PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS", "int", 300,
+           "Seconds the mp executor waits for its workers to finish one step before it declares them hung, "
+           "fails the requests in flight and stops every worker (as VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).",
+           _CORE, _positive_int),
     EnvVar("PAGODA_ENABLE_V1_MULTIPROCESSING", "bool", False,
            "On: AsyncLLM (the server) runs the engine core in its own process (MPClient) instead of a "
            "thread of the API process (as VLLM_ENABLE_V1_MULTIPROCESSING); data_parallel_size > 1 always does.",
@@ -185,6 +189,7 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns
     PAGODA_API_KEY: str | None
     PAGODA_CACHE_ROOT: Path | None
     PAGODA_DISABLE_CACHE: bool
+    PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS: int
     PAGODA_ENABLE_V1_MULTIPROCESSING: bool
     PAGODA_CPU_THREADS: int | None
     PAGODA_CPU_KVCACHE_SPACE: float | None

@@ -27,9 +27,11 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.distributed import get_open_port
 from pagoda.executor.abstract import Executor, ExecutorFailedError
+from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,9 @@ class MultiprocExecutor(Executor):
                     [p.pid for p in self.workers], init_method)
 
     # -- the rpc -----------------------------------------------------------------------
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """As ``Executor.collective_rpc``; ``timeout`` seconds without every reply fails the executor (hung)."""
         self.check_health()
         payload = pickle.dumps((method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
         try:
@@ -89,7 +93,15 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(payload)
         except OSError as exc:
             self._fail(f"could not reach a worker: {exc!r}")
-        return self._gather(timeout=None, what=method)
+        return self._gather(timeout=timeout, what=method)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # a worker that stops answering (deadlocked collective, stopped process) must not hang the engine
+        outputs = self.collective_rpc("execute_model", (scheduler_output,),
+                                      timeout=float(envs.PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS))
+        out = outputs[self.output_rank]
+        assert out is not None, "the output rank returned no step result"
+        return out
 
     def _gather(self, timeout: float | None, what: str) -> list[Any]:
         """Every rank's reply, in rank order; a death, an error or a timeout fails the executor."""
@@ -99,7 +111,7 @@ class MultiprocExecutor(Executor):
         while pending:
             ready = wait([*pending.values(), *sentinels], timeout)
             if not ready:
-                self._fail(f"workers {sorted(pending)} did not answer {what} within {timeout} s")
+                self._fail(f"workers {sorted(pending)} did not answer {what} within {timeout:.0f} s (hung)")
             for rank, conn in list(pending.items()):
                 if conn not in ready:
                     continue
