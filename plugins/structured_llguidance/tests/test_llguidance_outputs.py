@@ -39,8 +39,9 @@ def _json_params(schema: dict[str, Any], temperature: float, seed: int) -> Sampl
 
 
 def test_json_schemas_validate_at_temperature_0_and_1(llm: LLM) -> None:
+    # every other one of the 50 schemas the xgrammar plugin runs (the suite's time), each at temperature 0 and 1
     prompts, params, schemas = [], [], []
-    for i, schema in enumerate(SCHEMAS):
+    for i, schema in enumerate(SCHEMAS[::2]):
         for temperature in (0.0, 1.0):
             prompts.append(f"Answer in JSON matching this schema: {json.dumps(schema)}")
             params.append(_json_params(schema, temperature, seed=i))

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 from pagoda.structured_output import (
     CompiledGrammar,
@@ -53,7 +56,7 @@ def serialize_grammar(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON form) for ``params``; the matcher reports errors in it."""
     kind = params.kind
     # vLLM's default: JSON may have whitespace where JSON allows it unless disable_any_whitespace
-    defaults = {"whitespace_flexible": not params.disable_any_whitespace}
+    defaults: JsonCompileOptions = {"whitespace_flexible": not params.disable_any_whitespace}
     try:
         if kind == "json":
             assert params.json is not None
@@ -89,6 +92,8 @@ class GuidanceMatcher(StructuredOutputMatcher):
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         if self.matcher.is_error():
             raise StructuredOutputError(f"llguidance: {self.matcher.get_error()}")
+        self._stop_tokens = set(tokenizer.eos_tokens)
+        self._last_token: int | None = None
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         for i, token in enumerate(token_ids):
@@ -97,13 +102,18 @@ class GuidanceMatcher(StructuredOutputMatcher):
                 if i:
                     self.matcher.rollback(i)
                 return False
+        if token_ids:
+            self._last_token = token_ids[-1]
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return bool(self.matcher.is_stopped())
+        # As xgrammar's: terminated once the stop token is accepted. llguidance stops as soon as the grammar is
+        # complete, its mask then allowing only EOS; ending the request there would hide the last real token,
+        # which the engine takes for the stop token and leaves out of the text.
+        return bool(self.matcher.is_stopped()) and self._last_token in self._stop_tokens
 
 
 class GuidanceGrammar(CompiledGrammar):
