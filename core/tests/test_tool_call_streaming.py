@@ -10,7 +10,7 @@ import pytest
 
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.tool_calls import ChatToolCalls
-from pagoda.entrypoints.openai.tool_parsers import ToolCallDeltaStream, partial_marker_len, scan_call_list
+from pagoda.entrypoints.openai.tool_parsers import ScanMemo, ToolCallDeltaStream, partial_marker_len, scan_call_list
 
 REQUEST = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
                                 tools=[{"type": "function", "function": {"name": "f"}},
@@ -30,6 +30,17 @@ def test_scan_reads_each_prefix_as_a_prefix_of_the_final_reading() -> None:
         for partial, whole in zip(calls, final):
             assert whole.arguments.startswith(partial.arguments)
             assert partial.name in (None, whole.name)
+
+
+def test_a_memo_resumes_scans_and_reads_the_same_as_a_fresh_scan() -> None:
+    memo = ScanMemo()
+    for cut in range(len(OUTPUT) + 1):
+        with_memo = scan_call_list(OUTPUT[:cut], 0, ("name",), ("parameters",), memo)
+        assert with_memo == scan_call_list(OUTPUT[:cut], 0, ("name",), ("parameters",))
+    # a text that does not extend the last one starts over
+    other = OUTPUT.replace('"s"', '"t"')
+    assert scan_call_list(other, 0, ("name",), ("parameters",), memo) == \
+        scan_call_list(other, 0, ("name",), ("parameters",))
 
 
 def test_scan_refuses_what_is_not_a_list_of_call_objects() -> None:

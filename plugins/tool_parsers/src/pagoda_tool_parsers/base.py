@@ -16,6 +16,7 @@ from pagoda.entrypoints.openai.tool_parsers import (
     DeltaMessage,
     ExtractedToolCallInformation,
     FunctionCall,
+    ScanMemo,
     ToolCall,
     ToolCallDeltaStream,
     ToolParser,
@@ -41,6 +42,8 @@ class StreamingToolParser(ToolParser):
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
         self._stream = ToolCallDeltaStream(self.make_id)
+        # the output only grows while streaming: scans resume where the last reading stopped
+        self.memo = ScanMemo()
 
     def make_id(self) -> str:
         return make_tool_call_id()

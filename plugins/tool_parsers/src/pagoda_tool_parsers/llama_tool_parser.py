@@ -60,7 +60,7 @@ class Llama3JsonToolParser(StreamingToolParser):
                 i += 1
             if i >= len(text) or text[i] != "{":
                 break
-            scan = scan_call_object(text, i)
+            scan = scan_call_object(text, i, memo=self.memo)
             calls.append((scan.name, scan.arguments))
             if scan.error or scan.end is None:
                 break

@@ -70,7 +70,7 @@ class MistralToolParser(StreamingToolParser):
             if i >= len(text):
                 break
             if text[i] == "[":
-                scans, end, error = scan_call_list(text, i, ("name",), ("arguments", "parameters"))
+                scans, end, error = scan_call_list(text, i, ("name",), ("arguments", "parameters"), self.memo)
                 calls += [(s.name, s.arguments) for s in scans]
                 if error or end is None:
                     break
@@ -86,7 +86,7 @@ class MistralToolParser(StreamingToolParser):
             if j >= len(text):
                 calls.append((name, ""))
                 break
-            end_or_none = scan_value(text, j)
+            end_or_none = scan_value(text, j, self.memo)
             calls.append((name, text[j: len(text) if end_or_none is None else end_or_none]))
             if end_or_none is None:
                 break

@@ -26,6 +26,7 @@ from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, DeltaMessage
 from pagoda.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagoda.entrypoints.openai.tool_parsers import (
+    ScanMemo,
     ToolCallDeltaStream,
     ToolParser,
     ToolParserManager,
@@ -183,13 +184,13 @@ def _delta_json(delta: DeltaMessage) -> dict[str, Any]:
     return out
 
 
-def _required_calls(text: str) -> list[tuple[str | None, str]] | None:
+def _required_calls(text: str, memo: ScanMemo) -> list[tuple[str | None, str]] | None:
     """The calls read so far from a ``"required"`` output (an array of {"name", "parameters"}); None if it is not
     one (the constraint makes that happen only when a stop string or max_tokens cut it)."""
     start = len(text) - len(text.lstrip())
     if start == len(text):
         return []
-    calls, _end, error = scan_call_list(text, start, ("name",), ("parameters",))
+    calls, _end, error = scan_call_list(text, start, ("name",), ("parameters",), memo)
     if error:
         return None
     return [(c.name, c.arguments) for c in calls]
@@ -204,6 +205,7 @@ class ChoiceToolCalls:
         self.text = ""
         self.token_ids: list[int] = []
         self.stream = ToolCallDeltaStream()
+        self.memo = ScanMemo()
         self.tools_called = False
 
     # -- whole answers -----------------------------------------------------------------------------
@@ -266,7 +268,7 @@ class ChoiceToolCalls:
             message = self.stream.update("", [(self.request.function_name, self.text)])
             return _delta_json(message) if message is not None else {}
         if kind == "required":
-            calls = _required_calls(self.text)
+            calls = _required_calls(self.text, self.memo)
             if calls is None:
                 return {}
             message = self.stream.update("", calls)

@@ -15,6 +15,7 @@ from pagoda.entrypoints.openai.tool_parsers.abstract_tool_parser import (
 )
 from pagoda.entrypoints.openai.tool_parsers.utils import (
     CallScan,
+    ScanMemo,
     ToolCallDeltaStream,
     partial_marker_len,
     scan_call_list,
@@ -29,6 +30,7 @@ __all__ = [
     "DeltaToolCall",
     "ExtractedToolCallInformation",
     "FunctionCall",
+    "ScanMemo",
     "ToolCall",
     "ToolCallDeltaStream",
     "ToolParser",

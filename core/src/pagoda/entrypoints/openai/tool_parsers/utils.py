@@ -8,8 +8,9 @@ fragments sent to the client join up to exactly what the model wrote: nothing
 is re-serialized from a partial parse and nothing sent needs taking back.
 ``ToolCallDeltaStream`` turns successive readings into the deltas to send.
 
-Each reading scans the whole text again: quadratic in the output, which is
-fine for tool calls (hundreds of tokens), not meant for long documents.
+Each reading walks the text again, but a ``ScanMemo`` lets the scan of an
+argument value resume where the previous reading stopped, so a stream costs
+about the same per token however long its calls grow.
 """
 
 from __future__ import annotations
@@ -48,11 +49,33 @@ def _scan_string(text: str, i: int) -> int | None:
             return None
 
 
-def scan_value(text: str, i: int) -> int | None:
+class ScanMemo:
+    """Where ``scan_value`` got to in containers of a text that only grows (a stream's output so far), so the
+    next reading resumes there instead of re-reading each value from its start. One per stream; a text that
+    does not extend the last one seen clears it."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        # value start -> (index to resume at, bracket depth there, end once complete)
+        self._states: dict[int, tuple[int, int, int | None]] = {}
+
+    def get(self, text: str, i: int) -> tuple[int, int, int | None] | None:
+        if text is not self._text:
+            if not text.startswith(self._text):
+                self._states.clear()
+            self._text = text
+        return self._states.get(i)
+
+    def put(self, i: int, resume_at: int, depth: int, end: int | None) -> None:
+        self._states[i] = (resume_at, depth, end)
+
+
+def scan_value(text: str, i: int, memo: ScanMemo | None = None) -> int | None:
     """The index after the JSON value starting at ``text[i]``; None while it may still grow.
 
     Only brackets and strings are tracked (no full validation): callers that need
-    a valid value ``json.loads`` the span once it is complete.
+    a valid value ``json.loads`` the span once it is complete. ``memo`` (for a text
+    that only grows) makes a container's scan resume where the last one stopped.
     """
     c = text[i]
     if c == '"':
@@ -60,19 +83,30 @@ def scan_value(text: str, i: int) -> int | None:
     if c in "{[":
         depth = 0
         j = i
+        state = memo.get(text, i) if memo is not None else None
+        if state is not None:
+            if state[2] is not None:
+                return state[2]
+            j, depth = state[0], state[1]
         while True:
             m = _STRUCTURE.search(text, j)
             if m is None:
+                if memo is not None:
+                    memo.put(i, len(text), depth, None)
                 return None
             c = m.group()
             if c == '"':
                 end = _scan_string(text, m.start())
                 if end is None:
+                    if memo is not None:
+                        memo.put(i, m.start(), depth, None)  # the open string is read again next time
                     return None
                 j = end
                 continue
             depth += 1 if c in "{[" else -1
             if depth == 0:
+                if memo is not None:
+                    memo.put(i, m.end(), 0, m.end())
                 return m.end()
             j = m.end()
     j = i
@@ -97,7 +131,8 @@ class CallScan:
 
 
 def scan_call_object(text: str, i: int, name_keys: Sequence[str] = ("name",),
-                     argument_keys: Sequence[str] = ("arguments", "parameters")) -> CallScan:
+                     argument_keys: Sequence[str] = ("arguments", "parameters"),
+                     memo: ScanMemo | None = None) -> CallScan:
     """Read the call object starting at ``text[i]`` (a ``{``) as far as the text goes."""
     out = CallScan()
     if i >= len(text):
@@ -139,7 +174,7 @@ def scan_call_object(text: str, i: int, name_keys: Sequence[str] = ("name",),
         j = _skip_ws(text, j + 1)
         if j >= n:
             return out
-        value_end = scan_value(text, j)
+        value_end = scan_value(text, j, memo)
         if key in argument_keys and not seen_arguments:
             seen_arguments = True
             out.arguments = text[j: n if value_end is None else value_end]
@@ -156,7 +191,8 @@ def scan_call_object(text: str, i: int, name_keys: Sequence[str] = ("name",),
 
 
 def scan_call_list(text: str, i: int, name_keys: Sequence[str] = ("name",),
-                   argument_keys: Sequence[str] = ("arguments", "parameters")) -> tuple[list[CallScan], int | None, bool]:
+                   argument_keys: Sequence[str] = ("arguments", "parameters"),
+                   memo: ScanMemo | None = None) -> tuple[list[CallScan], int | None, bool]:
     """Read a JSON array of call objects starting at ``text[i]`` (a ``[``): (calls so far, index after the closing
     bracket or None while open, error)."""
     if i >= len(text):
@@ -177,7 +213,7 @@ def scan_call_list(text: str, i: int, name_keys: Sequence[str] = ("name",),
             continue
         if c != "{":
             return calls, None, True
-        scan = scan_call_object(text, j, name_keys, argument_keys)
+        scan = scan_call_object(text, j, name_keys, argument_keys, memo)
         calls.append(scan)
         if scan.error:
             return calls, None, True
