@@ -1,4 +1,4 @@
-"""Per-step cost of tensor parallelism: TP=N with the mp executor vs TP=1 in-process, collectives timed apart.
+"""Per-step cost of tensor (and pipeline) parallelism: TP=N with the mp executor vs TP=1, communication timed apart.
 
     python -m benchmarks.distributed_tp --model tiny --tp 2 --rounds 3
     python -m benchmarks.distributed_tp --model default --tp 3 --rounds 2   # SmolLM2-135M: 9 heads, 3 KV heads
@@ -34,7 +34,7 @@ def _tiny_model(path: Path) -> str:
     return str(save_tiny_model(build_tiny_model(cfg), path))
 
 
-def _engine(model: str | None, tp: int, dtype: str, backend: str, threads: int | None = None) -> Any:
+def _engine(model: str | None, tp: int, dtype: str, backend: str, threads: int | None = None, pp: int = 1) -> Any:
     from pagoda.config import EngineArgs
     from pagoda.engine.core import EngineCore, prepare_engine_config
 
@@ -43,7 +43,7 @@ def _engine(model: str | None, tp: int, dtype: str, backend: str, threads: int |
     if threads is not None:
         os.environ["PAGODA_CPU_THREADS"] = str(threads)
     try:
-        return _build(EngineArgs, EngineCore, prepare_engine_config, model, tp, dtype, backend)
+        return _build(EngineArgs, EngineCore, prepare_engine_config, model, tp, dtype, backend, pp)
     finally:
         os.environ.pop("PAGODA_CPU_THREADS", None)
         if before is not None:
@@ -51,8 +51,8 @@ def _engine(model: str | None, tp: int, dtype: str, backend: str, threads: int |
 
 
 def _build(EngineArgs: Any, EngineCore: Any, prepare_engine_config: Any, model: str | None, tp: int, dtype: str,
-           backend: str) -> Any:
-    args = EngineArgs(model=model, tensor_parallel_size=tp, distributed_executor_backend=backend,
+           backend: str, pp: int) -> Any:
+    args = EngineArgs(model=model, tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend=backend,
                       dtype=dtype, max_model_len=512, num_kv_blocks=256, skip_tokenizer_init=model is not None,
                       quantization="none" if model is None else None)
     config = args.create_engine_config()
@@ -70,7 +70,7 @@ def _workload(core: Any, seqs: int, prompt: int, decode: int, seed: int) -> dict
     for i in range(seqs):
         ids = [rng.randrange(vocab) for _ in range(prompt)]
         core.add_request(Request(f"s{seed}-{i}", ids, params, None, core.block_size))
-    tp = core.config.parallel_config.tensor_parallel_size
+    tp = core.config.parallel_config.world_size
     produced: dict[str, int] = {}
     prefill = 0.0
     decode_steps: list[float] = []
@@ -103,6 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="'tiny' (a random 2-layer Llama), 'default' (SmolLM2-135M) or a path")
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=0, help="also run pipeline_parallel_size=PP (one rank per stage)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=64)
@@ -119,6 +120,8 @@ def main() -> None:
             "TP1 mp 1t": _engine(model, 1, a.dtype, "mp", threads=1),
             f"TP{a.tp} mp": _engine(model, a.tp, a.dtype, "mp"),
         }
+        if a.pp > 1:
+            engines[f"PP{a.pp} mp"] = _engine(model, 1, a.dtype, "mp", pp=a.pp)
         try:
             for core in engines.values():
                 _workload(core, 2, 8, 4, seed=-1)  # warm-up (kernel builds, first-touch pages)

@@ -124,10 +124,10 @@ class MultiprocExecutor(Executor):
                     self._fail(f"worker rank {rank} failed in {what}:\n{value}")
                 results[rank] = value
             for obj in ready:
-                rank = sentinels.get(obj)  # type: ignore[call-overload]
+                dead = sentinels.get(obj) if isinstance(obj, int) else None
                 # a rank that exited with its reply still unread is read on the next pass
-                if rank is not None and rank in pending and not pending[rank].poll():
-                    self._fail(self._death_message(rank, what))
+                if dead is not None and dead in pending and not pending[dead].poll():
+                    self._fail(self._death_message(dead, what))
         return results
 
     def _death_message(self, rank: int, what: str) -> str:

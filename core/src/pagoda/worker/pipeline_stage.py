@@ -32,7 +32,10 @@ def stage_inputs(pp: GroupCoordinator, model: Any, num_tokens: int, dtype: torch
     return {"intermediate_tensors": tensors}
 
 
-def send_to_next_stage(pp: GroupCoordinator, tensors: IntermediateTensors) -> None:
+def send_to_next_stage(pp: GroupCoordinator, tensors: Any) -> None:
+    """Send a stage's ``IntermediateTensors`` (what its model returned) to the next stage."""
+    if not isinstance(tensors, IntermediateTensors):
+        raise TypeError(f"a stage before the last must return IntermediateTensors, got {type(tensors).__name__}")
     for key in sorted(tensors):
         pp.send_next(tensors[key])
 

@@ -13,7 +13,7 @@ import logging
 import os
 
 from pagoda.config import EngineConfig
-from pagoda.distributed import get_tp_group, init_distributed_environment
+from pagoda.distributed import get_pp_group, get_tp_group, init_distributed_environment
 from pagoda.distributed.communicator import CommStats, DeviceCommunicatorBase
 from pagoda.platforms import Platform
 from pagoda.plugins.specs import import_object
@@ -97,12 +97,14 @@ class Worker:
                 rows[rid].output_token_ids.extend(tokens)
 
     def get_comm_stats(self, reset: bool = True) -> dict[str, float]:
-        """Seconds and calls this rank spent in tensor-parallel collectives (benchmarks read it)."""
-        comm = get_tp_group().communicator
-        if comm is None:
-            return {"seconds": 0.0, "calls": 0}
-        out = {"seconds": comm.stats.seconds, "calls": comm.stats.calls}
-        if reset:
-            comm.stats = CommStats()
+        """Seconds and calls this rank spent in tensor- and pipeline-parallel communication (benchmarks read it)."""
+        out = {"seconds": 0.0, "calls": 0}
+        for group in (get_tp_group(), get_pp_group()):
+            comm = group.communicator
+            if comm is None:
+                continue
+            out["seconds"] += comm.stats.seconds
+            out["calls"] += comm.stats.calls
+            if reset:
+                comm.stats = CommStats()
         return out
-
