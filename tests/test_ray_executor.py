@@ -1,7 +1,7 @@
 """distributed_executor_backend='ray' on a local Ray cluster bound to loopback (started and stopped here).
 
-Greedy tokens equal transformers' (float32); a killed rank fails the requests in flight with a clear error
-and leaves no actor behind. Skipped only where ray cannot be imported (it is in the test extra).
+Greedy tokens equal transformers' (float32) for a tiny Llama at TP=2 and a tiny Qwen3 at TP=2 x PP=2; a
+killed rank fails the requests in flight with a clear error and leaves no actor behind. Skipped only where ray cannot be imported (it is in the test extra).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def local_ray() -> Any:
-    """A private Ray cluster on 127.0.0.1 for this module: no dashboard, one logical CPU per rank of TP=2."""
+    """A private Ray cluster on 127.0.0.1 for this module: no dashboard, one logical CPU per rank of TP=2 x PP=2."""
     # a small object store: a step's SchedulerOutput is a few KB
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, object_store_memory=100 * 2**20,
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=4, object_store_memory=100 * 2**20,
              logging_level="WARNING")
     yield ray
     ray.shutdown()
@@ -32,11 +32,6 @@ def local_ray() -> Any:
 def _prompts(vocab: int, n: int = 4) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(n)]
-
-
-def _llm(path: Any, tp: int) -> LLM:
-    return LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256, num_kv_blocks=256,
-               tensor_parallel_size=tp, distributed_executor_backend="ray")
 
 
 def _all_dead(actors: list[Any]) -> bool:
@@ -49,21 +44,12 @@ def _all_dead(actors: list[Any]) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def ray_llm(local_ray: Any, tiny_model_dir: Any) -> Any:
-    """One engine for the module (actors are slow to start on 2 cores); the last test kills its rank."""
-    path, hf_model = tiny_model_dir("llama")
-    llm = _llm(path, tp=1)
-    yield llm, hf_model
-    llm.llm_engine.engine_core.shutdown()
+def _llm(path: Any, tp: int, pp: int = 1) -> LLM:
+    return LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256, num_kv_blocks=256,
+               tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_executor_backend="ray")
 
 
-def test_ray_greedy_matches_transformers(ray_llm: Any, hf_greedy: Any, divergence_is_a_tie: Any) -> None:
-    from pagoda.executor.ray_executor import RayDistributedExecutor
-
-    llm, hf_model = ray_llm
-    executor = llm.llm_engine.engine_core.core.model_executor
-    assert isinstance(executor, RayDistributedExecutor) and len(executor.workers) == 1
+def _check_greedy(llm: LLM, hf_model: Any, hf_greedy: Any, divergence_is_a_tie: Any) -> None:
     prompts = _prompts(hf_model.config.vocab_size)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -73,22 +59,47 @@ def test_ray_greedy_matches_transformers(ray_llm: Any, hf_greedy: Any, divergenc
         assert got == expected or divergence_is_a_tie(hf_model, p, got, expected), (p, got, expected)
 
 
-def test_ray_killed_rank_fails_the_requests(ray_llm: Any) -> None:
-    llm, _ = ray_llm
+def test_ray_tp2_greedy_matches_transformers_then_a_killed_rank_fails_the_requests(
+        local_ray: Any, tiny_model_dir: Any, hf_greedy: Any, divergence_is_a_tie: Any) -> None:
+    """One engine for both checks: Ray actors are slow to start on 2 cores."""
+    from pagoda.executor.ray_executor import RayDistributedExecutor
+
+    path, hf_model = tiny_model_dir("llama")
+    llm = _llm(path, tp=2)
     engine = llm.llm_engine
     executor = engine.engine_core.core.model_executor
     actors = list(executor.workers)
-    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    for i in range(3):
-        engine.add_request(f"r{i}", {"prompt_token_ids": [1, 2, 3 + i]}, params)
-    engine.step()
-    engine.step()
-    ray.kill(actors[0])
-    with pytest.raises(ExecutorFailedError, match="rank 0 .*died"):
-        for _ in range(50):
-            engine.step()
-    # every actor killed, the placement group gone, the test's cluster left running (the executor joined it)
-    assert _all_dead(actors) and not executor.workers and executor.pg is None
-    assert ray.is_initialized()
-    with pytest.raises(ExecutorFailedError):
-        engine.engine_core.core.check_health()
+    try:
+        assert isinstance(executor, RayDistributedExecutor) and len(actors) == 2
+        _check_greedy(llm, hf_model, hf_greedy, divergence_is_a_tie)
+
+        params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(f"r{i}", {"prompt_token_ids": [1, 2, 3 + i]}, params)
+        engine.step()
+        engine.step()
+        ray.kill(actors[1])
+        with pytest.raises(ExecutorFailedError, match=r"worker rank [01] .*(died|failed)"):
+            for _ in range(50):
+                engine.step()
+        # every actor killed, the placement group gone, the test's cluster left running (the executor joined it)
+        assert _all_dead(actors) and not executor.workers and executor.pg is None
+        assert ray.is_initialized()
+        with pytest.raises(ExecutorFailedError):
+            engine.engine_core.core.check_health()
+    finally:
+        engine.engine_core.shutdown()
+
+
+def test_ray_tp2_pp2_greedy_matches_transformers(local_ray: Any, tiny_model_dir: Any, hf_greedy: Any,
+                                                 divergence_is_a_tie: Any) -> None:
+    path, hf_model = tiny_model_dir("qwen3")
+    llm = _llm(path, tp=2, pp=2)
+    executor = llm.llm_engine.engine_core.core.model_executor
+    actors = list(executor.workers)
+    try:
+        assert len(actors) == 4 and executor.output_rank == 2
+        _check_greedy(llm, hf_model, hf_greedy, divergence_is_a_tie)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert _all_dead(actors) and executor.pg is None
