@@ -172,11 +172,21 @@ def test_quantize_model_installs_methods_and_loads_through_weight_loaders() -> N
     torch.testing.assert_close(model.qkv_proj(x), x @ (q.float() * scales[:, None]).T)
 
 
-def test_family_without_quant_support_is_refused() -> None:
-    class Plain(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = Linear(4, 4, False, torch.float32)
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = Linear(4, 4, False, torch.float32)
 
+
+def test_family_without_quant_support_is_refused() -> None:
     with pytest.raises(ValueError, match="Plain does not load quantized weights"):
         quantize_model(Plain(), Int8RowConfig(ignore=[]))
+
+
+def test_family_without_quant_support_loads_dequantized_when_the_method_was_only_detected() -> None:
+    # a GGUF file's method found from its tensor types: the family loads it dequantized, as before
+    config = Int8RowConfig(ignore=[])
+    config.dequantize_unsupported = True
+    model = Plain()
+    assert quantize_model(model, config) == set()
+    assert model.proj.quant_method is None and checkpoint_module_filter(model, set()) is None

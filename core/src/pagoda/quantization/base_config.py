@@ -93,6 +93,10 @@ class QuantizationConfig(ABC):
 
     def __init__(self) -> None:
         self.packed_modules_mapping = {}
+        # Set by resolve_quantization for a GGUF file's method found from its tensor types (not asked
+        # for): a model family that cannot hold quantized layers then loads the file dequantized, as
+        # GGUF files always loaded, instead of failing.
+        self.dequantize_unsupported = False
 
     @classmethod
     @abstractmethod

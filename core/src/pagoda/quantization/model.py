@@ -14,6 +14,7 @@ parameter's ``weight_loader(param, loaded_weight, shard_id)`` where the paramete
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,8 @@ from torch import nn
 from pagoda.layers.embedding import Embedding
 from pagoda.layers.linear import Linear
 from pagoda.quantization.base_config import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig
+
+logger = logging.getLogger(__name__)
 
 
 class TiedEmbeddingLinearMethod(LinearMethodBase):
@@ -46,9 +49,14 @@ def quantize_model(model: nn.Module, quant_config: QuantizationConfig) -> set[st
     ValueError when the model's family does not load quantized weights.
     """
     if not getattr(model, "supports_quant", False):
+        if quant_config.dequantize_unsupported:
+            logger.warning("%s does not hold quantized layers (its model family does not declare supports_quant): "
+                           "the %s weights are dequantized at load", type(model).__name__, quant_config.get_name())
+            return set()
+        hint = " (quantization='none' loads a GGUF file dequantized)" if quant_config.dequantizable else ""
         raise ValueError(
             f"{type(model).__name__} does not load quantized weights (its model family does not declare "
-            f"supports_quant); {quant_config.get_name()!r} cannot run it"
+            f"supports_quant); {quant_config.get_name()!r} cannot run it{hint}"
         )
     quant_config.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", {}) or {})
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, Embedding) and m.weight is not None}
@@ -112,12 +120,14 @@ def _trim_heap() -> None:
     trim(0)
 
 
-def checkpoint_module_filter(model: nn.Module, quantized: set[str]) -> Callable[[str], bool]:
-    """``keep(hf_param_name)``: whether a checkpoint tensor belongs to a quantized layer.
+def checkpoint_module_filter(model: nn.Module, quantized: set[str]) -> Callable[[str], bool] | None:
+    """``keep(hf_param_name)``: whether a checkpoint tensor belongs to a quantized layer (None: no layer is).
 
     Checkpoint names use the unfused layers (``q_proj``); the model's ``packed_modules_mapping``
     maps them onto its fused ones (``qkv_proj``).
     """
+    if not quantized:
+        return None
     fused_of = {part: fused for fused, parts in (getattr(model, "packed_modules_mapping", {}) or {}).items()
                 for part in parts}
 

@@ -107,6 +107,7 @@ def resolve_quantization(
     if why is not None:
         raise ValueError(why)
     quant_config = cls.from_config(config)
+    quant_config.dequantize_unsupported = requested is None and cls.dequantizable
     act_dtypes = quant_config.get_supported_act_dtypes()
     if dtype not in act_dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in act_dtypes)
