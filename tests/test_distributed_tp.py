@@ -14,6 +14,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import transformers
@@ -183,3 +184,36 @@ def test_workers_exit_when_the_engine_process_dies(tmp_path: Path) -> None:
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), "worker processes outlived their engine"
+
+
+def test_server_health_503_when_a_tp_worker_dies(tmp_path: Path, start_server: Any) -> None:
+    """`pagoda serve --tensor-parallel-size 2`: SIGKILL rank 1 mid-stream; the stream ends with an error event,
+    /health is 503, and stopping the server leaves no worker behind."""
+    import re
+
+    import httpx
+
+    from pagoda.testing.tiny_tokenizer import save_tiny_tokenizer
+
+    model = _tiny_llama(tmp_path / "m")
+    save_tiny_tokenizer(model, 128)
+    server = start_server([str(model), "--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "256"])
+    found = re.search(r"mp executor: 2 worker processes \(pids \[(\d+), (\d+)\]\)", server.output())
+    assert found, server.output()
+    pids = [int(found.group(1)), int(found.group(2))]
+    body = {"prompt": "w5 w6 w7", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        head = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in head)
+        os.kill(pids[1], signal.SIGKILL)
+        rest = list(lines)
+    errors = [line for line in rest if line.startswith("data: {") and '"error"' in line]
+    assert errors and "rank 1" in errors[0], rest[-5:]
+    health = httpx.get(server.url + "/health", timeout=30)
+    assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+    server.stop()
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
