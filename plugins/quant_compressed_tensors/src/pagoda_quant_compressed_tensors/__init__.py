@@ -1,0 +1,1 @@
+"""pagoda quantization plugin for int8 compressed-tensors checkpoints (see docs/quantization.md)."""
