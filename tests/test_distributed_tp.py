@@ -217,3 +217,53 @@ def test_server_health_503_when_a_tp_worker_dies(tmp_path: Path, start_server: A
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids)
+
+
+def test_torchrun_external_launcher_tp2_equals_transformers(tmp_path: Path) -> None:
+    """torchrun starts two engines, one rank each (vLLM's external_launcher); both produce transformers' tokens."""
+    import json
+
+    import torch
+
+    from pagoda.distributed import get_open_port
+
+    cfg = transformers.LlamaConfig(**SMALL, vocab_size=128, num_attention_heads=4, num_key_value_heads=2)
+    hf_model = build_tiny_model(cfg, seed=6)
+    from pagoda.testing.model_parity import save_tiny_model
+
+    model = save_tiny_model(hf_model, tmp_path / "m")
+    prompts = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 50))]
+    script = tmp_path / "spmd.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os
+        from pagoda import LLM, SamplingParams
+        llm = LLM(model={str(model)!r}, skip_tokenizer_init=True, dtype="float32", max_model_len=256, num_kv_blocks=64,
+                  tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+        outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}],
+                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        print("RESULT", os.environ["RANK"], json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+    """))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(get_open_port()), str(script)]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    results = {int(ln.split()[1]): json.loads(ln.split(" ", 2)[2]) for ln in out.stdout.splitlines() if ln.startswith("RESULT")}
+    assert set(results) == {0, 1}, out.stdout[-2000:] + out.stderr[-4000:]
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(gen[0, len(p):].tolist())
+    assert results[0] == results[1] == expected
+
+
+def test_external_launcher_without_torchrun_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda import LLM
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="torchrun"):
+        LLM(model=str(_tiny_llama(tmp_path / "m")), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
+            num_kv_blocks=64, tensor_parallel_size=2, distributed_executor_backend="external_launcher")

@@ -25,6 +25,7 @@ _BACKENDS: dict[str, str] = {
     "uni": "pagoda.executor.uniproc_executor:UniProcExecutor",
     "mp": "pagoda.executor.multiproc_executor:MultiprocExecutor",
     "ray": "pagoda.executor.ray_executor:RayDistributedExecutor",
+    "external_launcher": "pagoda.executor.external_launcher:ExecutorWithExternalLauncher",
 }
 
 
@@ -39,9 +40,6 @@ class Executor(ABC):
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
         backend = config.parallel_config.executor_backend
-        if backend == "external_launcher":
-            raise ValueError("distributed_executor_backend='external_launcher' (ranks started by torchrun) "
-                             "is not implemented yet; use 'mp' on one machine")
         ref = _BACKENDS.get(backend)
         if ref is None:
             raise ValueError(f"unknown distributed_executor_backend {backend!r} (one of {', '.join(_BACKENDS)})")
