@@ -159,6 +159,55 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float
   }
   for (int r = 0; r < MB; ++r) out[r] = hsum(acc[r]) + corr[r];
 }
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// Decode (one row of x): 4 weight rows at a time. The rows' scales (and minimums) convert in one
+// vcvtph2ps, the x block loads once, and the 4 independent accumulators hide the FMA latency that a
+// single row's chain of blocks waits on (measured 1.2x over one row at a time on the loaded 2-vCPU Zen 4).
+template <int T>
+inline void dot_4rows(const uint8_t* w, int64_t row_bytes, int64_t nb, const int8_t* xq, const float* xd,
+                      const float* xs, float* out) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  __m256 corr = _mm256_setzero_ps();
+  alignas(32) float scale[8];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk[4];
+    for (int r = 0; r < 4; ++r) blk[r] = w + r * row_bytes + b * Layout<T>::bytes;
+    // lanes 0-3: the rows' d; 4-7: their m (Q4_1 / Q5_1), else zero: the bytes after d are quants,
+    // and as f16 they may be denormals, whose float arithmetic takes microcode assists (measured 25x slower)
+    constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
+    const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi16(
+        static_cast<short>(load_u16(blk[0])), static_cast<short>(load_u16(blk[1])), static_cast<short>(load_u16(blk[2])),
+        static_cast<short>(load_u16(blk[3])), has_min ? static_cast<short>(load_u16(blk[0] + 2)) : short(0),
+        has_min ? static_cast<short>(load_u16(blk[1] + 2)) : short(0),
+        has_min ? static_cast<short>(load_u16(blk[2] + 2)) : short(0),
+        has_min ? static_cast<short>(load_u16(blk[3] + 2)) : short(0)));
+    _mm256_store_ps(scale, _mm256_mul_ps(dm, _mm256_set1_ps(xd[b])));
+    if constexpr (T == kQ4_0) corr = _mm256_fmadd_ps(dm, _mm256_set1_ps(-8.f * xs[b]), corr);
+    else if constexpr (T == kQ5_0) corr = _mm256_fmadd_ps(dm, _mm256_set1_ps(-16.f * xs[b]), corr);
+    else if constexpr (T == kQ4_1 || T == kQ5_1) corr = _mm256_fmadd_ps(dm, _mm256_set1_ps(xs[b]), corr);
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+    for (int r = 0; r < 4; ++r) {
+      __m256i p;
+      if constexpr (T == kQ8_0) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + 2));
+        p = dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      } else {
+        p = dot_u8s8(unpack<T>(blk[r]), xv);
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(scale + r), acc[r]);
+    }
+  }
+  alignas(32) float c[8];
+  _mm256_store_ps(c, corr);
+  const int offset = (T == kQ4_1 || T == kQ5_1) ? 4 : 0;
+  for (int r = 0; r < 4; ++r) out[r] = hsum(acc[r]) + (T == kQ8_0 ? 0.f : c[offset + r]);
+}
 #else
 template <int T>
 inline int value(const uint8_t* blk, int j) {
@@ -202,7 +251,16 @@ void matmul(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const floa
   const int64_t grain = M >= 4 ? 4 : 32;
   pagoda::parallel_for(0, N, grain, threads, [&](int64_t lo, int64_t hi) {
     float out[4];
-    for (int64_t n = lo; n < hi; ++n) {
+    int64_t n = lo;
+#if defined(GGUF_AVX2)
+    if (M == 1 && T != kQ8_0) {
+      for (; n + 4 <= hi; n += 4) {
+        dot_4rows<T>(w + n * row_bytes, row_bytes, nb, xq, xd, xs, out);
+        for (int r = 0; r < 4; ++r) y[n + r] = out[r];
+      }
+    }
+#endif
+    for (; n < hi; ++n) {
       const uint8_t* row = w + n * row_bytes;
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) {
