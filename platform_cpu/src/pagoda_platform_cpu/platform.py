@@ -167,12 +167,14 @@ class CpuPlatform(Platform):
         if config.cache_config.block_size is None:
             config.cache_config.block_size = self.default_block_size
         sc = config.scheduler_config
+        # first: the other libraries compile while the budget below waits for the matmul's
+        start_kernel_builds()
         if sc.max_num_batched_tokens is None and sc.enable_chunked_prefill:
             # The smallest step at which this CPU's matmul is near its best rate (gemm_tuning):
             # 512 where it is there already (a bigger step only stalls the running decodes longer),
-            # more where the curve still climbs (full-512-bit AVX-512 cores).
+            # more where the curve still climbs (full-512-bit AVX-512 cores). Cached after the
+            # first start; on a fresh cache it waits for the matmul's build (~2 s) and measures.
             sc.max_num_batched_tokens = self._step_budget(config)
-        start_kernel_builds()
 
     def _step_budget(self, config: EngineConfig) -> int:
         import torch
