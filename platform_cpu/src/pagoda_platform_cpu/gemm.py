@@ -5,7 +5,9 @@ float32 on AVX-512F, bfloat16 on AVX512_BF16 (``vdpbf16ps``). It beats both the 
 oneDNN's packed matmul at every row count measured (figures in the source), so where the CPU
 has it, it serves every linear layer of its dtypes alone, from one packed copy of each weight;
 see ``pagoda_platform_cpu.platform`` for the choice and ``pagoda_platform_cpu.linear`` for the
-paths other CPUs take.
+paths other CPUs take. The register-tile height, any row counts handed to ``F.linear`` (where a
+CPU measures oneDNN faster) and the engine's default step budget come from one start-up
+measurement per CPU (``pagoda_platform_cpu.gemm_tuning``).
 """
 
 from __future__ import annotations
