@@ -97,8 +97,8 @@ class Attention(nn.Module):
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache bound; the model runner binds it")
         t = query.shape[0]
         # passed only when set, so a backend written before ALiBi keeps its signature
-        extra = {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
-        if self._k_scale is not None and is_fp8(self.kv_cache.dtype):
+        extra: dict[str, torch.Tensor] = {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
+        if self._k_scale is not None and self._v_scale is not None and is_fp8(self.kv_cache.dtype):
             if self.calculate_kv_scales:
                 self.calc_kv_scales(key, value)
             # passed only for an fp8 cache, like alibi_slopes

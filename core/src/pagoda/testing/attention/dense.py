@@ -27,7 +27,11 @@ class DenseTestBackend(AttentionBackend):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("the dense test backend has no fp8 KV cache (supports_fp8_kv_cache is False)")
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         block_size = kv_cache.shape[2]
         keep = metadata.slot_mapping >= 0
