@@ -178,6 +178,21 @@ def test_data_parallel_replicas_match_and_share_the_load(tiny_model_dir: Any, re
         while time.monotonic() < deadline and client._stats[1].num_running_reqs:
             time.sleep(0.05)
         assert client._stats[1].num_running_reqs == 0 and client._load == [0, 0]
+
+        async def prefix_routing() -> list[int | None]:
+            long_params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True, detokenize=False)
+            shared = list(range(20, 68))  # three full KV blocks of 16
+            streams = [engine.add_request("p1", shared + [1], long_params),
+                       # one more request than replica 1 holds, but replica 0 has its prefix: it goes there
+                       engine.add_request("p2", shared + [2, 3], long_params),
+                       # nothing shared: the least loaded replica
+                       engine.add_request("q", list(range(100, 148)), long_params)]
+            ranks = [client.replica_of(rid) for rid in ("p1", "p2", "q")]
+            for stream in streams:
+                stream.abort()
+            return ranks
+
+        assert asyncio.run(prefix_routing()) == [0, 0, 1]
     finally:
         engine.shutdown()
     assert not any(e.proc.is_alive() for e in client.engines)

@@ -10,8 +10,10 @@ once; it hands outputs to ``on_outputs`` and a death to ``on_dead`` exactly as
 
 ``DPLBAsyncMPClient`` (``data_parallel_size > 1``) runs one ``MPClient`` per
 replica and sends each new request to the replica with the fewest unfinished
-requests it was given (ties: the lowest index); an abort goes to the replica
-that holds the request.
+requests it was given (ties: the lowest index), or, with prefix caching on, to
+a replica at most ``PREFIX_ROUTING_SLACK`` busier that was already sent the
+longest run of the prompt's leading KV blocks (pagoda-only); an abort goes to
+the replica that holds the request.
 
 No process is left behind: ``shutdown`` asks the core to stop, then
 terminates and kills it if it does not; a finalizer does the same if the
@@ -29,6 +31,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,6 +44,11 @@ from pagoda.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
+# A replica that already holds a request's prompt prefix gets it while it has at most this many more
+# unfinished requests than the least loaded one (so a shared system prompt cannot pile everything on one).
+PREFIX_ROUTING_SLACK = 1
+# Prompt blocks remembered per replica for prefix routing (oldest forgotten first).
+_MAX_REMEMBERED_BLOCKS = 65536
 # How long the API process waits for an engine core to load its model.
 STARTUP_TIMEOUT_S = 600.0
 _RECV_POLL_MS = 1000
@@ -260,6 +268,9 @@ class DPLBAsyncMPClient:
         self._owner: dict[str, int] = {}
         self._load = [0] * size
         self._stats: list[SchedulerStats] = [SchedulerStats() for _ in range(size)]
+        # prefix-cache-aware routing (beyond vLLM's DPLB client): the prompt blocks each replica was sent
+        self._prefix_routing = config.cache_config.enable_prefix_caching
+        self._seen_blocks: list[OrderedDict[Any, None]] = [OrderedDict() for _ in range(size)]
         self._dead_reported = False
         self.engines: list[MPClient] = []
         try:
@@ -277,14 +288,41 @@ class DPLBAsyncMPClient:
         self.supported_tasks = self.engines[0].supported_tasks
 
     # -- routing -------------------------------------------------------------------------
-    def _pick(self) -> int:
-        return min(range(len(self._load)), key=lambda i: (self._load[i], i))
+    def _pick(self, block_hashes: list[Any]) -> int:
+        """The least loaded replica; or, within ``PREFIX_ROUTING_SLACK`` of it, the one that was sent the
+        longest run of this prompt's leading KV blocks (so it likely still caches them)."""
+        fewest = min(self._load)
+        best = min(range(len(self._load)), key=lambda i: (self._load[i], i))
+        if not self._prefix_routing or not block_hashes:
+            return best
+        best_hits = 0
+        for rank, seen in enumerate(self._seen_blocks):
+            if self._load[rank] > fewest + PREFIX_ROUTING_SLACK:
+                continue
+            hits = 0
+            for h in block_hashes:  # chained hashes: a prefix matches block by block from the start
+                if h not in seen:
+                    break
+                hits += 1
+            if hits > best_hits or (hits == best_hits and hits and self._load[rank] < self._load[best]):
+                best, best_hits = rank, hits
+        return best
+
+    def _remember_blocks(self, rank: int, block_hashes: list[Any]) -> None:
+        seen = self._seen_blocks[rank]
+        for h in block_hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > _MAX_REMEMBERED_BLOCKS:
+            seen.popitem(last=False)
 
     def add_request(self, request: Request) -> None:
         with self._lock:
-            rank = self._pick()
+            rank = self._pick(request.block_hashes)
             self._owner[request.request_id] = rank
             self._load[rank] += 1
+            if self._prefix_routing:
+                self._remember_blocks(rank, request.block_hashes)
         try:
             self.engines[rank].add_request(request)
         except BaseException:
