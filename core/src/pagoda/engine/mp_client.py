@@ -144,7 +144,7 @@ class MPClient:
         poller = zmq.Poller()
         poller.register(self._out, zmq.POLLIN)
         poller.register(self.proc.sentinel, zmq.POLLIN)
-        events = dict(poller.poll(STARTUP_TIMEOUT_S * 1000))
+        events = dict(poller.poll(int(STARTUP_TIMEOUT_S * 1000)))
         if self._out in events:
             kind, payload = loads(self._out.recv())
             if kind == "ready":
