@@ -158,3 +158,18 @@ def test_llguidance_bit_layout_matches_core_masking() -> None:
     apply_token_bitmask(expected, torch.arange(5), bitmask)
     llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
     assert torch.equal(logits, expected)
+
+
+def test_no_properties_beyond_the_schemas_unless_it_allows_them(llm: LLM) -> None:
+    # as xgrammar's strict mode, so "auto" answers alike whichever backend serves a request
+    from pagoda_structured_llguidance.backend import GuidanceBackend
+
+    tokenizer = llm.get_tokenizer()
+    backend = GuidanceBackend(tokenizer, 49152)
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"]}
+    strict = backend.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True)).new_matcher()
+    extra = tokenizer.encode('{"color":"red","x":1}', add_special_tokens=False)
+    assert not strict.accept_tokens(extra)
+    open_schema = {**schema, "additionalProperties": True}
+    loose = backend.compile(StructuredOutputsParams(json=open_schema, disable_any_whitespace=True)).new_matcher()
+    assert loose.accept_tokens(extra)

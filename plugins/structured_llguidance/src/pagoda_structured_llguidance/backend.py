@@ -28,8 +28,26 @@ from pagoda.structured_output import (
 )
 
 
+def _no_additional_properties(node: Any) -> None:
+    """An object schema that does not say otherwise allows no properties beyond its own (as xgrammar's strict mode,
+    so "auto" gives one answer whichever backend serves the request; vLLM's walk for disable_additional_properties)."""
+    if isinstance(node, dict):
+        for value in node.values():
+            _no_additional_properties(value)
+        if "additionalProperties" not in node and ("properties" in node or "patternProperties" in node):
+            node["additionalProperties"] = False
+    elif isinstance(node, list):
+        for item in node:
+            _no_additional_properties(item)
+
+
 def _json_text(value: str | dict[str, Any]) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
+    try:
+        schema = json.loads(value) if isinstance(value, str) else json.loads(json.dumps(value))
+    except json.JSONDecodeError:
+        return value if isinstance(value, str) else json.dumps(value)  # llguidance names the error
+    _no_additional_properties(schema)
+    return json.dumps(schema)
 
 
 def structural_tag_grammar(spec: str) -> str:
