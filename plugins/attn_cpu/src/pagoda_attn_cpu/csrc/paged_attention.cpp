@@ -821,7 +821,10 @@ void attend_item(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahead,
   // float32 and fp8 rows of a head_dim that fills whole vectors are read in place (fp8 converted in
   // registers); others are widened per block.
   constexpr bool kFp8Cache = kIsFp8<C>;
-  const bool in_place = (std::is_same_v<C, float> || (kFp8Cache && NV > 0)) && dp == dim;
+  // fp8 rows are converted in registers for a decode (each key read once); a tile of query tokens
+  // widens each block once instead, as every key is read by every token of the tile.
+  const bool in_place = (std::is_same_v<C, float> || (kFp8Cache && NV > 0 && item.token_end - item.token_begin == 1)) &&
+                        dp == dim;
   const int64_t G = L.group, BS = L.block_size;
   const int64_t num_tokens = item.token_end - item.token_begin;
   const int64_t heads = item.kv_end - item.kv_begin;
@@ -910,7 +913,7 @@ void attend_item(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahead,
             const int64_t row = first_row + g;
             float* const qr = q + row * dp;
             float* const ar = acc + row * dp;
-            if constexpr (kFp8Cache) {  // NV > 0: whole vectors, always in place
+            if (kFp8Cache && in_place) {
               attend_group<NV, Fp8Keys<C>>(std::min<int64_t>(4, G - g), qr, ar, dp, row_max + row, row_sum + row,
                                            reinterpret_cast<const uint8_t*>(key_src),
                                            reinterpret_cast<const uint8_t*>(value_src), stride, lo, hi, L.soft_cap,
