@@ -166,6 +166,15 @@ _VARIABLES: list[EnvVar[Any]] = [
     EnvVar("PAGODA_CPU_LAYER_OPS", "bool", True,
            "Off: RMSNorm, SiLU-and-mul and RoPE use torch ops instead of the fused C++ kernels.",
            _CPU, _bool),
+    # -- quantization plugins -------------------------------------------------------
+    EnvVar("PAGODA_GGUF_KERNEL", "bool", True,
+           "Off: GGUF layers kept in blocks run the plain-torch dequantize reference instead of the C++ "
+           "block kernel (A/B checks).",
+           "pagoda-quant-gguf", _bool),
+    EnvVar("PAGODA_INT8_KERNEL", "one of auto, 0, vnni512, avx512bw, avx2, scalar", "auto",
+           "int8 compressed-tensors matmul: auto (the best path this CPU runs), 0 (the torch reference), "
+           "or one path of the C++ library.",
+           "pagoda-quant-compressed-tensors", _choice("auto", "0", "vnni512", "avx512bw", "avx2", "scalar")),
     # -- kernels ------------------------------------------------------------------
     EnvVar("PAGODA_KERNELS_IMPL", "one of auto, triton, torch", "auto",
            "pagoda-kernels' implementation when a call does not choose: auto (Triton on GPU tensors), "
@@ -177,6 +186,10 @@ _VARIABLES: list[EnvVar[Any]] = [
            "benchmarks/", _str),
     EnvVar("PAGODA_BENCH_LLAMACPP_PYTHON", "command", None,
            "Python interpreter with llama-cpp-python installed, for the peer comparison.",
+           "benchmarks/", _str),
+    EnvVar("PAGODA_BENCH_DIR", "path", None,
+           "Where benchmarks/quant_int8_fp8kv.py writes its quantized checkpoints; unset: "
+           "/tmp/pagoda-bench-int8.",
            "benchmarks/", _str),
 ]
 
@@ -198,9 +211,12 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns
     PAGODA_CPU_GEMM: bool
     PAGODA_CPU_GEMM_TUNE: bool
     PAGODA_CPU_LAYER_OPS: bool
+    PAGODA_GGUF_KERNEL: bool
+    PAGODA_INT8_KERNEL: str
     PAGODA_KERNELS_IMPL: str
     PAGODA_BENCH_VLLM_PYTHON: str | None
     PAGODA_BENCH_LLAMACPP_PYTHON: str | None
+    PAGODA_BENCH_DIR: str | None
 
 
 def __getattr__(name: str) -> Any:

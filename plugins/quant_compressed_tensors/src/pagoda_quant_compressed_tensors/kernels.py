@@ -8,13 +8,13 @@ AVX2, or portable C++. ``PAGODA_INT8_KERNEL=0`` forces the torch reference (A/B 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from pagoda import envs
 from pagoda.cpp_extension import CppExtension, ExtensionBuildError
 
 EXTENSION = CppExtension("pagoda_int8_gemm", "pagoda_quant_compressed_tensors", ["csrc/int8_gemm.cpp"])
@@ -28,7 +28,7 @@ _library: ModuleType | None = None
 def library() -> ModuleType | None:
     """The compiled library, or None where it cannot be built (``EXTENSION.build_failure()`` says why) or is turned off."""
     global _library
-    if os.environ.get(KERNEL_ENV, "auto") == "0":
+    if envs.PAGODA_INT8_KERNEL == "0":
         return None
     if _library is None:
         try:
@@ -39,10 +39,7 @@ def library() -> ModuleType | None:
 
 
 def path_code() -> int:
-    name = os.environ.get(KERNEL_ENV, "auto")
-    if name not in PATHS:
-        raise ValueError(f"{KERNEL_ENV}={name!r}: one of 0, {', '.join(PATHS)}")
-    return PATHS[name]
+    return PATHS[envs.PAGODA_INT8_KERNEL]  # envs refuses a name outside 0 and PATHS
 
 
 def paths() -> list[str]:
@@ -60,9 +57,9 @@ def paths() -> list[str]:
 def describe() -> str:
     lib = library()
     if lib is None:
-        why = "off" if os.environ.get(KERNEL_ENV) == "0" else EXTENSION.build_failure()
+        why = "off" if envs.PAGODA_INT8_KERNEL == "0" else EXTENSION.build_failure()
         return f"torch reference (no int8 library: {why})"
-    forced = os.environ.get(KERNEL_ENV, "auto")
+    forced = envs.PAGODA_INT8_KERNEL
     return f"int8 C++ kernel, path {paths()[0] if forced == 'auto' else forced}"
 
 
@@ -119,7 +116,7 @@ class W8A8Weight:
                                         self.colsum.data_ptr(), self.scale.data_ptr(),
                                         None if b is None else b.data_ptr(), n, k, y.data_ptr(), threads)
         if ran < 0:
-            raise RuntimeError(f"{KERNEL_ENV}={os.environ.get(KERNEL_ENV)}: that path does not run on this CPU "
+            raise RuntimeError(f"{KERNEL_ENV}={envs.PAGODA_INT8_KERNEL}: that path does not run on this CPU "
                                f"(it runs: {', '.join(paths())})")
         return y
 
@@ -168,6 +165,6 @@ class W8A16Weight:
                                          self.packed_scale.data_ptr(), None if b is None else b.data_ptr(), n, k,
                                          self.group_size, y.data_ptr(), torch.get_num_threads())
         if ran < 0:
-            raise RuntimeError(f"{KERNEL_ENV}={os.environ.get(KERNEL_ENV)}: that path does not run on this CPU "
+            raise RuntimeError(f"{KERNEL_ENV}={envs.PAGODA_INT8_KERNEL}: that path does not run on this CPU "
                                f"(it runs: {', '.join(paths())})")
         return y

@@ -7,12 +7,12 @@ plain-torch reference path (dequantize per call) for A/B measurements.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from pagoda import envs
 from pagoda.cpp_extension import CppExtension, ExtensionBuildError
 
 EXTENSION = CppExtension("pagoda_gguf_gemm", "pagoda_quant_gguf", ["csrc/gguf_gemm.cpp"])
@@ -25,7 +25,7 @@ _library: ModuleType | None = None
 def library() -> ModuleType | None:
     """The compiled library, or None when it cannot be built here (the reason: ``EXTENSION.build_failure()``)."""
     global _library
-    if _library is None and os.environ.get(KERNEL_ENV, "1") != "0":
+    if _library is None and envs.PAGODA_GGUF_KERNEL:
         try:
             _library = EXTENSION.library()
         except ExtensionBuildError:
