@@ -12,8 +12,7 @@ import torch
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.structured_output import StructuredOutputError, apply_token_bitmask
-
-from .schemas import SCHEMAS
+from pagoda.testing.json_schemas import SCHEMAS
 
 # Lark, llguidance's native grammar format; one operator per level, so SmolLM2 cannot repeat "+1" until max_tokens
 ARITHMETIC = r"""

@@ -12,8 +12,7 @@ import torch
 
 from pagoda import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from pagoda.structured_output import StructuredOutputError, apply_token_bitmask
-
-from .schemas import SCHEMAS
+from pagoda.testing.json_schemas import SCHEMAS
 
 ARITHMETIC = r"""
 root ::= expr
