@@ -241,14 +241,16 @@ def test_torchrun_external_launcher_tp2_equals_transformers(tmp_path: Path) -> N
                   tensor_parallel_size=2, distributed_executor_backend="external_launcher")
         outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}],
                             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        print("RESULT", os.environ["RANK"], json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+        # a file per rank: both ranks share torchrun's stdout, where their lines can interleave
+        with open(os.path.join({str(tmp_path)!r}, "rank" + os.environ["RANK"] + ".json"), "w") as f:
+            json.dump([list(o.outputs[0].token_ids) for o in outs], f)
     """))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(get_open_port()), str(script)]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    results = {int(ln.split()[1]): json.loads(ln.split(" ", 2)[2]) for ln in out.stdout.splitlines() if ln.startswith("RESULT")}
-    assert set(results) == {0, 1}, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    results = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)}
     expected = []
     for p in prompts:
         ids = torch.tensor([p])

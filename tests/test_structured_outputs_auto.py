@@ -50,7 +50,10 @@ def test_one_batch_with_both_backends() -> None:
     first, second, third = (o.outputs[0] for o in outs)
     assert first.finish_reason == "stop", first.text
     jsonschema.validate(json.loads(first.text), SCHEMA)
-    assert second.finish_reason == "stop" and re.fullmatch(r"[1-9][0-9]?([+*][1-9][0-9]?)*", second.text), second.text
+    # sampled at temperature 1 the model may keep adding terms until max_tokens: then the text is a prefix of the
+    # language (at most a trailing operator); once stopped it is a whole expression
+    expression = r"[1-9][0-9]?([+*][1-9][0-9]?)*" + ("" if second.finish_reason == "stop" else "[+*]?")
+    assert second.finish_reason in ("stop", "length") and re.fullmatch(expression, second.text), second.text
     assert re.fullmatch("[0-9]{4}", third.text), third.text
     manager = llm.llm_engine.engine_core.core.scheduler.structured_output_manager
     assert sorted(manager.backend._backends) == ["guidance", "xgrammar"]  # both compiled here
