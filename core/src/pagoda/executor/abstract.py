@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, NoReturn
 
 from pagoda.config import EngineConfig
 from pagoda.platforms import Platform
@@ -75,6 +75,23 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every worker; idempotent."""
+
+    # -- failure bookkeeping of executors whose workers live elsewhere (mp, ray) --------
+    _failed: str | None = None  # the first failure; every later call reports it
+    _closed: bool = False
+
+    def _fail(self, message: str) -> NoReturn:
+        """A worker died, hung or raised: remember why, stop every worker, raise."""
+        logger.error("%s executor failed: %s", self.backend_name, message)
+        self._failed = message
+        self.shutdown()
+        raise ExecutorFailedError(message)
+
+    def _raise_if_failed_or_closed(self) -> None:
+        if self._failed is not None:
+            raise ExecutorFailedError(self._failed)
+        if self._closed:
+            raise ExecutorFailedError("the executor is shut down")
 
     # -- built on collective_rpc --------------------------------------------------------
     def initialize_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:

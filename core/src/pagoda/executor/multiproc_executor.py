@@ -30,7 +30,7 @@ from typing import Any
 from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.distributed import get_open_port
-from pagoda.executor.abstract import Executor, ExecutorFailedError
+from pagoda.executor.abstract import Executor
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -135,18 +135,9 @@ class MultiprocExecutor(Executor):
         proc.join(1.0)
         return f"worker rank {rank} (pid {proc.pid}) died during {what} (exit code {proc.exitcode})"
 
-    def _fail(self, message: str) -> None:
-        logger.error("mp executor failed: %s", message)
-        self._failed = message
-        self.shutdown()
-        raise ExecutorFailedError(message)
-
     # -- health and shutdown -----------------------------------------------------------
     def check_health(self) -> None:
-        if self._failed is not None:
-            raise ExecutorFailedError(self._failed)
-        if self._closed:
-            raise ExecutorFailedError("the executor is shut down")
+        self._raise_if_failed_or_closed()
         for rank, proc in enumerate(self.workers):
             if not proc.is_alive():
                 self._fail(f"worker rank {rank} (pid {proc.pid}) is gone (exit code {proc.exitcode})")

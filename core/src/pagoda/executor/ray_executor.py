@@ -210,18 +210,9 @@ class RayDistributedExecutor(Executor):
         assert out is not None, "the output rank returned no step result"
         return out
 
-    def _fail(self, message: str) -> None:
-        logger.error("ray executor failed: %s", message)
-        self._failed = message
-        self.shutdown()
-        raise ExecutorFailedError(message)
-
     # -- health and shutdown -----------------------------------------------------------
     def check_health(self) -> None:
-        if self._failed is not None:
-            raise ExecutorFailedError(self._failed)
-        if self._closed:
-            raise ExecutorFailedError("the executor is shut down")
+        self._raise_if_failed_or_closed()
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):
