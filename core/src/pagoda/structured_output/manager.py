@@ -49,8 +49,6 @@ def load_backend_class(name: str) -> type[StructuredOutputBackend]:
             "install pagoda-structured-xgrammar or pagoda-structured-llguidance"
         )
     if name == "auto":
-        from pagoda.structured_output.auto import AutoBackend
-
         return AutoBackend
     if name not in found:
         raise StructuredOutputError(f"structured outputs backend {name!r} is not installed; installed: {sorted(found)}")
