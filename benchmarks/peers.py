@@ -5,6 +5,8 @@
 
 W1 offline 64x128->128 greedy ignore_eos; W2 single stream 1x128->128 (decode tok/s);
 W3 32 concurrent streaming clients 128 in / 64 out, 128 requests (needs the server);
+W3B the burst form of W3: 4 rounds of 32 simultaneous streaming requests, 128 in / 64 out (same server
+start as W3 when both are asked for; pagoda's `--burst` client drives both servers);
 W4 64 requests sharing a 1,024-token prefix + 32 distinct tokens, 32 out, prefix caching on vs off
 (offline here; served with `pagoda bench serve --random-prefix-len 1024`); W5 `pagoda serve` start-up.
 Every engine runs the same weights: the default model exported once as a HF directory.
@@ -138,9 +140,14 @@ def _wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout: float) 
     raise TimeoutError(f"server not healthy after {timeout:.0f} s")
 
 
-def _served(cmd: list[str], env: dict[str, str], model_name: str, vocab: int, startup_timeout: float) -> dict[str, Any]:
-    """W3: start a server, run 128 streaming requests (32 concurrent, 128 in / 64 out), stop it."""
-    from pagoda.benchmarks.serve import run_serve
+def _served(cmd: list[str], env: dict[str, str], model_name: str, vocab: int, startup_timeout: float,
+            forms: tuple[str, ...] = ("W3",)) -> dict[str, Any]:
+    """Start a server, run each asked form, stop it.
+
+    W3: 128 streaming requests, 32 concurrent, 128 in / 64 out. W3B: 4 rounds of 32 simultaneous
+    requests of the same shape. One result dict per form, keyed by the form.
+    """
+    from pagoda.benchmarks.serve import run_serve, run_serve_bursts
     from pagoda.benchmarks.startup import stop_process
 
     port = _free_port()
@@ -151,24 +158,30 @@ def _served(cmd: list[str], env: dict[str, str], model_name: str, vocab: int, st
         startup = _wait_healthy(base_url, proc, startup_timeout)
         warm = random_requests(2, 16, 4, vocab, seed=1)
         run_serve(base_url, model_name, warm, max_concurrency=2)
-        result = run_serve(base_url, model_name, random_requests(128, 128, 64, vocab), max_concurrency=32)
-        result["startup_s"] = startup
-        return result
+        results: dict[str, Any] = {}
+        for form in forms:
+            if form == "W3":
+                result = run_serve(base_url, model_name, random_requests(128, 128, 64, vocab), max_concurrency=32)
+            else:
+                result = run_serve_bursts(base_url, model_name, random_requests(128, 128, 64, vocab, seed=2), burst=32)
+            results[form] = result | {"startup_s": startup}
+        return results
     except Exception as exc:
         log.flush()
         tail = Path(log.name).read_text(errors="replace")[-1500:]
-        return {"error": f"{type(exc).__name__}: {exc}", "server_log_tail": tail}
+        return {form: {"error": f"{type(exc).__name__}: {exc}", "server_log_tail": tail} for form in forms}
     finally:
         stop_process(proc)
 
 
-def _pagoda_served(model_dir: str, dtype: str, vocab: int) -> dict[str, Any]:
+def _pagoda_served(model_dir: str, dtype: str, vocab: int, forms: tuple[str, ...]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", model_dir, "--dtype", dtype,
            "--max-model-len", "2048", "--served-model-name", "bench"]
-    return _served(cmd, dict(os.environ), "bench", vocab, startup_timeout=300)
+    return _served(cmd, dict(os.environ), "bench", vocab, startup_timeout=300, forms=forms)
 
 
-def _vllm_served(python: str, model_dir: str, dtype: str, vocab: int, bind: str | None) -> dict[str, Any]:
+def _vllm_served(python: str, model_dir: str, dtype: str, vocab: int, bind: str | None,
+                 forms: tuple[str, ...]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGODA_")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     if bind:
@@ -177,7 +190,7 @@ def _vllm_served(python: str, model_dir: str, dtype: str, vocab: int, bind: str 
     # the API server module is the same server.
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
            "--max-model-len", "2048", "--served-model-name", "bench", "--seed", "0"]
-    return _served(cmd, env, "bench", vocab, startup_timeout=600)
+    return _served(cmd, env, "bench", vocab, startup_timeout=600, forms=forms)
 
 
 def _llamacpp(python: str, gguf_path: str, n: int, in_len: int, out_len: int) -> dict[str, Any]:
@@ -242,12 +255,16 @@ def main(argv: list[str] | None = None) -> int:
                 if "output_tokens_per_s" in r:
                     r["decode_tokens_per_s"] = r.pop("output_tokens_per_s")
                 results[f"W2/{dtype}/llama.cpp"] = r
-        if "W3" in workloads:
-            results[f"W3/{dtype}/pagoda"] = _pagoda_served(model_dir, dtype, vocab)
+        forms = tuple(form for form in ("W3", "W3B") if form in workloads)
+        if forms:
+            for form, r in _pagoda_served(model_dir, dtype, vocab, forms).items():
+                results[f"{form}/{dtype}/pagoda"] = r
             if args.vllm_python:
                 for bind in args.vllm_binds.split(","):
-                    results[f"W3/{dtype}/vllm[bind={bind}]"] = _vllm_served(
-                        args.vllm_python, model_dir, dtype, vocab, None if bind == "default" else bind)
+                    served = _vllm_served(args.vllm_python, model_dir, dtype, vocab,
+                                          None if bind == "default" else bind, forms)
+                    for form, r in served.items():
+                        results[f"{form}/{dtype}/vllm[bind={bind}]"] = r
         if "W4" in workloads:
             on = _pagoda_offline(model_dir, dtype, 64, 32, 32, prefix_len=1024)
             off = _pagoda_offline(model_dir, dtype, 64, 32, 32, prefix_len=1024, enable_prefix_caching=False)
