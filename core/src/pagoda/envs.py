@@ -175,6 +175,10 @@ _VARIABLES: list[EnvVar[Any]] = [
            "int8 compressed-tensors matmul: auto (the best path this CPU runs), 0 (the torch reference), "
            "or one path of the C++ library.",
            "pagoda-quant-compressed-tensors", _choice("auto", "0", "vnni512", "avx512bw", "avx2", "scalar")),
+    EnvVar("PAGODA_INT4_KERNEL", "one of auto, 0, avx512, avx2, scalar", "auto",
+           "GPTQ / AWQ 4-bit matmul on CPU: auto (the best path this CPU runs), 0 (the torch reference), "
+           "or one path of the C++ library.",
+           "pagoda-quant-gptq-awq", _choice("auto", "0", "avx512", "avx2", "scalar")),
     # -- kernels ------------------------------------------------------------------
     EnvVar("PAGODA_KERNELS_IMPL", "one of auto, triton, torch", "auto",
            "pagoda-kernels' implementation when a call does not choose: auto (Triton on GPU tensors), "
@@ -213,6 +217,7 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns
     PAGODA_CPU_LAYER_OPS: bool
     PAGODA_GGUF_KERNEL: bool
     PAGODA_INT8_KERNEL: str
+    PAGODA_INT4_KERNEL: str
     PAGODA_KERNELS_IMPL: str
     PAGODA_BENCH_VLLM_PYTHON: str | None
     PAGODA_BENCH_LLAMACPP_PYTHON: str | None
