@@ -6,8 +6,9 @@ tensor; a fused layer (q/k/v -> qkv_proj) gets one of each per shard. Blocks run
 so rows of one type concatenate into one matrix; shards of different types stay apart and their
 outputs are concatenated.
 
-On CPU the matmul runs on the blocks in C++ (``kernels``); elsewhere, and for block types the
-kernel lacks, the weight is dequantized per call in torch (``dequant``), the reference path.
+On CPU the matmul runs on the blocks in C++ (``kernels``); on CUDA / ROCm in Triton
+(``triton_kernels``, every block type, chosen by ``triton_path``); elsewhere, and for block types
+the kernel lacks, the weight is dequantized per call in torch (``dequant``), the reference path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.quantization import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, QuantizeMethodBase
-from pagoda_quant_gguf import kernels
+from pagoda_quant_gguf import kernels, triton_path
 from pagoda_quant_gguf.dequant import SUPPORTED_TYPES, block_size, dequantize_blocks, type_name
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class GGUFConfig(QuantizationConfig):
         return None
 
     def describe(self) -> str:
-        return f"quantization: gguf (blocks kept; CPU kernel: {kernels.describe()})"
+        triton = "Triton on CUDA/ROCm" if triton_path.triton_available() else "no Triton (not installed)"
+        return f"quantization: gguf (blocks kept; CPU kernel: {kernels.describe()}; {triton})"
 
 
 @dataclass
@@ -121,7 +123,9 @@ def matmul(shards: list[Shard], x: torch.Tensor, cols: int) -> torch.Tensor:
     """``x`` [T, cols] times the rows of every shard, transposed: [T, rows] in float32 or x's dtype."""
     outs = []
     for shard in shards:
-        if kernels.supports(shard.qtype, x):
+        if triton_path.supports(shard.qtype, x):
+            outs.append(triton_path.matmul(x, shard.blocks, shard.qtype, cols))
+        elif kernels.supports(shard.qtype, x):
             outs.append(kernels.matmul(x, shard.blocks, shard.qtype, cols))
         else:
             w = dequantize_blocks(shard.blocks, shard.qtype, cols).to(x.dtype)

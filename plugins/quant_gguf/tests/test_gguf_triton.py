@@ -1,0 +1,99 @@
+"""The Triton dequantize-matmul on GGUF blocks against the torch reference (dequantize, then matmul),
+for every block type, run under ``TRITON_INTERPRET=1`` where there is no GPU (conftest)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+from pagoda_quant_gguf import config, triton_path
+from pagoda_quant_gguf.dequant import dequantize_blocks
+
+from .test_gguf_kernels import BASIC, K_QUANT_SCALES, random_k_blocks
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("no GPU and TRITON_INTERPRET is off", allow_module_level=True)
+
+from pagoda_quant_gguf import triton_kernels  # noqa: E402  (after TRITON_INTERPRET is settled)
+
+ALL_TYPES = BASIC + list(K_QUANT_SCALES)
+
+
+def _blocks(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
+    if qtype in K_QUANT_SCALES:
+        return torch.from_numpy(random_k_blocks(qtype, n, k // 256))
+    weight = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return torch.from_numpy(quantize(weight, qtype))
+
+
+def _case(qtype: Q, m: int, n: int = 45, k: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    blocks = _blocks(qtype, n, k, seed=m)
+    x = torch.from_numpy(np.random.default_rng(m + 100).standard_normal((m, k)).astype(np.float32))
+    reference = x @ dequantize_blocks(blocks, int(qtype), k).T
+    return blocks.to(DEVICE), x.to(DEVICE), reference
+
+
+def _rel_err(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((y.cpu() - reference).abs().max() / reference.abs().max())
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 19])  # decode (one row in a 16-row tile) and two M tiles
+def test_triton_matches_torch_reference(qtype: Q, m: int) -> None:
+    blocks, x, reference = _case(qtype, m)
+    y = triton_kernels.matmul(x, blocks, int(qtype), x.shape[1])
+    assert y.dtype == torch.float32 and y.shape == reference.shape
+    # float32 activations multiply the decoded weight exactly (no TF32): only summation order differs
+    assert _rel_err(y, reference) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q6_K], ids=lambda q: q.name)
+def test_16_bit_activations(qtype: Q, dtype: torch.dtype) -> None:
+    """fp16 takes the 16-bit dot (weight rounded to x's dtype); bf16 too on a GPU, the float32 one interpreted."""
+    blocks, x, reference = _case(qtype, 3)
+    x16 = x.to(dtype)
+    weight = dequantize_blocks(blocks.cpu(), int(qtype), x.shape[1])
+    if dtype == torch.float16 or DEVICE == "cuda":
+        weight = weight.to(dtype).float()
+    expected = x16.float().cpu() @ weight.T
+    y = triton_kernels.matmul(x16, blocks, int(qtype), x.shape[1])
+    # against the operands as the kernel rounds them: float32 sums differ in order only
+    assert _rel_err(y, expected) < 1e-4
+    # and against float32 x: the rounding of both operands, measured ~0.3% (fp16) / ~0.6% (bf16)
+    assert _rel_err(y, reference) < 0.02
+
+
+def test_bad_shapes_and_types_are_refused() -> None:
+    blocks, x, _ = _case(Q.Q4_0, 1)
+    with pytest.raises(ValueError, match="do not hold"):
+        triton_kernels.matmul(x[:, :480], blocks, int(Q.Q4_0), 480)
+    with pytest.raises(ValueError, match="no path for type F16"):
+        triton_kernels.matmul(x, blocks, int(Q.F16), x.shape[1])
+    with pytest.raises(ValueError, match="activations"):
+        triton_kernels.matmul(x.double(), blocks, int(Q.Q4_0), x.shape[1])
+
+
+def test_layer_takes_triton_when_asked_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer's matmul: on CPU tensors Triton runs only under PAGODA_KERNELS_IMPL=triton (the C++ kernel otherwise)."""
+    if DEVICE != "cpu":
+        pytest.skip("checks the CPU dispatch")
+    blocks, x, reference = _case(Q.Q8_0, 2)
+    shards = [config.Shard(int(Q.Q8_0), blocks)]
+    assert not triton_path.supports(int(Q.Q8_0), x)
+    monkeypatch.setenv("PAGODA_KERNELS_IMPL", "triton")
+    assert triton_path.supports(int(Q.Q8_0), x)
+    # the C++ kernel quantizes x to int8 (~0.5% off); Triton keeps float32 products (~1e-7)
+    assert _rel_err(config.matmul(shards, x, x.shape[1]), reference) < 1e-5
+    monkeypatch.setenv("PAGODA_GGUF_KERNEL", "0")
+    assert not triton_path.supports(int(Q.Q8_0), x)
+    monkeypatch.setenv("PAGODA_GGUF_KERNEL", "1")
+    monkeypatch.setenv("PAGODA_KERNELS_IMPL", "torch")
+    assert not triton_path.supports(int(Q.Q8_0), x)
