@@ -61,7 +61,7 @@ class CpuPlatform(Platform):
     package = "pagoda-platform-cpu"
     default_block_size = 16
     # quantization methods with CPU kernels (each method is a plugin; see docs/quantization.md)
-    supported_quantization = ["gguf", "compressed-tensors"]
+    supported_quantization = ["gguf", "compressed-tensors", "gptq", "awq"]
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:

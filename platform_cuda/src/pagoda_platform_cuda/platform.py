@@ -32,6 +32,9 @@ class CudaPlatform(Platform):
     package = "pagoda-platform-cuda"
     default_block_size = 16
     supports_graphs = True
+    # quantization methods with GPU kernels (pagoda-quant-gptq-awq's Triton dequantize-matmul, tested under
+    # the Triton interpreter only; see docs/quantization.md)
+    supported_quantization = ["gptq", "awq"]
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:

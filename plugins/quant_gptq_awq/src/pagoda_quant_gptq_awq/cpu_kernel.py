@@ -1,0 +1,163 @@
+"""The 4-bit CPU kernel (``csrc/int4_gemm.cpp``), built once per machine through ``pagoda.cpp_extension``.
+
+A layer's GPTQ or AWQ tensors are unpacked once and repacked into the kernel's 16-column panels
+(``CpuInt4Weight.prepare``); an act-order GPTQ layer's input channels are sorted by group on the
+way, and each call permutes its activations the same way. Up to ``GEMV_MAX_ROWS`` rows run the
+kernel that widens the nibbles in registers (decode); more rows widen slabs of columns to float32
+and hand them to torch's float matmul, which the dequantization then costs little against.
+
+The library picks its path at run time from the CPU's flags: AVX-512, AVX2 + FMA, or portable C++.
+``PAGODA_INT4_KERNEL=0`` runs the torch reference instead; ``avx512|avx2|scalar`` forces one path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from pagoda import envs
+from pagoda.cpp_extension import CppExtension, ExtensionBuildError
+
+EXTENSION = CppExtension("pagoda_int4_gemm", "pagoda_quant_gptq_awq", ["csrc/int4_gemm.cpp"])
+KERNEL_ENV = "PAGODA_INT4_KERNEL"
+PATHS = {"auto": 0, "avx512": 1, "avx2": 2, "scalar": 3}
+PANEL = 16
+# Rows up to this run the in-register kernel; more rows the widened slabs + float matmul (measured: see
+# docs/quantization.md, GPTQ / AWQ).
+GEMV_MAX_ROWS = 8
+# Floats one widened slab holds (16 MiB): bounds the extra memory of the many-rows path.
+SLAB_FLOATS = 4 << 20
+
+_library: ModuleType | None = None
+
+
+def library() -> ModuleType | None:
+    """The compiled library, or None where it cannot be built (``EXTENSION.build_failure()`` says why) or is off."""
+    global _library
+    if envs.PAGODA_INT4_KERNEL == "0":
+        return None
+    if _library is None:
+        try:
+            _library = EXTENSION.library()
+        except ExtensionBuildError:
+            return None
+    return _library
+
+
+def path_code() -> int:
+    return PATHS[envs.PAGODA_INT4_KERNEL]  # envs refuses a name outside 0 and PATHS
+
+
+def paths() -> list[str]:
+    """The library's paths this CPU runs, the one ``auto`` picks first."""
+    lib = library()
+    if lib is None:
+        return []
+    bits = int(lib.pagoda_int4_paths())
+    names = {code: name for name, code in PATHS.items()}
+    runnable = [names[c] for c in range(1, 4) if bits & (1 << c)]
+    chosen = names[(bits >> 8) & 0xFF]
+    return [chosen] + [p for p in runnable if p != chosen]
+
+
+def describe() -> str:
+    lib = library()
+    if lib is None:
+        why = "off" if envs.PAGODA_INT4_KERNEL == "0" else EXTENSION.build_failure()
+        return f"torch reference (no int4 library: {why})"
+    forced = envs.PAGODA_INT4_KERNEL
+    return f"int4 C++ kernel, path {paths()[0] if forced == 'auto' else forced}"
+
+
+def _check(ran: int) -> None:
+    if ran < 0:
+        raise RuntimeError(f"{KERNEL_ENV}={envs.PAGODA_INT4_KERNEL}: that path does not run on this CPU "
+                           f"(it runs: {', '.join(paths())})")
+
+
+@dataclass
+class CpuInt4Weight:
+    """A 4-bit weight in the kernel's panels: [N/16][K][8] bytes, scale and scale x zero [N/16][G][16]."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    szeros: torch.Tensor
+    gstart: torch.Tensor  # int64 [G + 1]: group g is k in gstart[g] .. gstart[g + 1] (the kernel's k order)
+    perm: torch.Tensor | None  # the kernel's k order as input channels (None: the checkpoint's order)
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def prepare(cls, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor,
+                lib: ModuleType) -> CpuInt4Weight:
+        """``q`` [K, N] values 0..15, ``zeros`` / ``scales`` [G, N], ``groups`` [K] the group of each input channel."""
+        k, n = q.shape
+        g = scales.shape[0]
+        groups = groups.long()
+        if bool((groups[1:] >= groups[:-1]).all()):
+            perm = None
+        else:  # act order: the kernel reads each group as one run of k
+            perm = torch.argsort(groups, stable=True)
+            q, groups = q[perm], groups[perm]
+        counts = torch.bincount(groups, minlength=g)
+        gstart = torch.zeros(g + 1, dtype=torch.int64)
+        gstart[1:] = torch.cumsum(counts, 0)
+        panels = -(-n // PANEL)
+        packed = torch.empty(panels * k * 8, dtype=torch.uint8)
+        packed_scales = torch.empty(panels * g * PANEL, dtype=torch.float32)
+        packed_szeros = torch.empty(panels * g * PANEL, dtype=torch.float32)
+        q = q.to(torch.uint8).contiguous()
+        lib.pagoda_int4_pack(q.data_ptr(), scales.float().contiguous().data_ptr(), zeros.float().contiguous().data_ptr(),
+                             k, n, g, packed.data_ptr(), packed_scales.data_ptr(), packed_szeros.data_ptr())
+        return cls(packed, packed_scales, packed_szeros, gstart, perm, k, n)
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.gstart.numel()) - 1
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, lib: ModuleType) -> torch.Tensor:
+        """``x`` [M, K] -> float32 [M, N] (+ bias)."""
+        xf = x.float()
+        if self.perm is not None:
+            xf = xf.index_select(1, self.perm)
+        xf = xf.contiguous()
+        m = xf.shape[0]
+        n, k = self.out_features, self.in_features
+        b = None if bias is None else bias.float().contiguous()
+        threads = torch.get_num_threads()
+        if m <= GEMV_MAX_ROWS:
+            y = torch.empty(m, n, dtype=torch.float32)
+            _check(lib.pagoda_int4_gemm(path_code(), xf.data_ptr(), m, k, self.packed.data_ptr(),
+                                        self.scales.data_ptr(), self.szeros.data_ptr(), self.gstart.data_ptr(),
+                                        self.num_groups, None if b is None else b.data_ptr(), n, k, y.data_ptr(),
+                                        threads))
+            return y
+        width = max(PANEL, SLAB_FLOATS // max(k, 1) // PANEL * PANEL)
+        if width >= n:
+            return self._slab_matmul(xf, 0, n, b, lib, threads)
+        return torch.cat([self._slab_matmul(xf, n0, min(n, n0 + width), None if b is None else b[n0:n0 + width],
+                                            lib, threads) for n0 in range(0, n, width)], dim=1)
+
+    def _slab_matmul(self, xf: torch.Tensor, n0: int, n1: int, bias: torch.Tensor | None, lib: ModuleType,
+                     threads: int) -> torch.Tensor:
+        k = self.in_features
+        slab = torch.empty(k, n1 - n0, dtype=torch.float32)
+        _check(lib.pagoda_int4_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
+                                          self.szeros.data_ptr(), self.gstart.data_ptr(), self.num_groups,
+                                          self.out_features, k, n0, n1, slab.data_ptr(), threads))
+        return torch.mm(xf, slab) if bias is None else torch.addmm(bias, xf, slab)
+
+    def dequantized(self, lib: ModuleType) -> torch.Tensor:
+        """The float32 weight [N, K] in the checkpoint's input order (tests)."""
+        slab = torch.empty(self.in_features, self.out_features, dtype=torch.float32)
+        _check(lib.pagoda_int4_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
+                                          self.szeros.data_ptr(), self.gstart.data_ptr(), self.num_groups,
+                                          self.out_features, self.in_features, 0, self.out_features, slab.data_ptr(),
+                                          torch.get_num_threads()))
+        if self.perm is not None:
+            unsorted = torch.empty_like(slab)
+            unsorted[self.perm] = slab
+            slab = unsorted
+        return slab.t().contiguous()
