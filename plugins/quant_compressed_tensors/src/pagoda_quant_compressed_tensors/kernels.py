@@ -1,5 +1,6 @@
 """The int8 CPU kernels (``csrc/int8_gemm.cpp``), built once per machine through ``pagoda.cpp_extension``,
-and the plain-torch references every other platform (and a CPU without the library) runs.
+the Triton kernels CUDA / ROCm run (``triton_kernels``, chosen by ``triton_path``), and the plain-torch
+references every other platform (and a CPU without the library) runs.
 
 The library picks its path at run time from the CPU's flags (``paths()``): AVX512_VNNI, AVX512BW,
 AVX2, or portable C++. ``PAGODA_INT8_KERNEL=0`` forces the torch reference (A/B measurements);
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from pagoda import envs
 from pagoda.cpp_extension import CppExtension, ExtensionBuildError
+from pagoda_quant_compressed_tensors import triton_path
 
 EXTENSION = CppExtension("pagoda_int8_gemm", "pagoda_quant_compressed_tensors", ["csrc/int8_gemm.cpp"])
 KERNEL_ENV = "PAGODA_INT8_KERNEL"
@@ -55,12 +57,13 @@ def paths() -> list[str]:
 
 
 def describe() -> str:
+    triton = "; Triton on CUDA/ROCm" if triton_path.triton_available() and envs.PAGODA_INT8_KERNEL != "0" else ""
     lib = library()
     if lib is None:
         why = "off" if envs.PAGODA_INT8_KERNEL == "0" else EXTENSION.build_failure()
-        return f"torch reference (no int8 library: {why})"
+        return f"torch reference (no int8 library: {why}){triton}"
     forced = envs.PAGODA_INT8_KERNEL
-    return f"int8 C++ kernel, path {paths()[0] if forced == 'auto' else forced}"
+    return f"int8 C++ kernel, path {paths()[0] if forced == 'auto' else forced}{triton}"
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +99,10 @@ class W8A8Weight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x`` [M, K] -> float32 [M, N]: activations quantized per row, int8 x int8 in int32, rescaled."""
         lib = library()
+        if self.packed is None and triton_path.supports(x):
+            from pagoda_quant_compressed_tensors import triton_kernels
+
+            return triton_kernels.w8a8_matmul(x, self.weight, self.scale, bias)
         if self.packed is None or lib is None:
             q, xs = quantize_per_token(x)
             # the reference: exact int products (each |q w| <= 127^2, sums < 2^24 for K < 1040) in float
@@ -153,6 +160,10 @@ class W8A16Weight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lib = library()
+        if self.packed is None and triton_path.supports(x):
+            from pagoda_quant_compressed_tensors import triton_kernels
+
+            return triton_kernels.w8a16_matmul(x, self.weight, self.scale, self.group_size, bias)
         if self.packed is None or lib is None:
             return F.linear(x.float(), self.dequantized(torch.float32), None if bias is None else bias.float())
         m, k = x.shape

@@ -1,0 +1,121 @@
+"""The Triton int8 kernels (W8A8 with dynamic per-token activations, W8A16) against the torch
+references in ``kernels``, run under ``TRITON_INTERPRET=1`` where there is no GPU (conftest)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagoda_quant_compressed_tensors import kernels, triton_path
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("no GPU and TRITON_INTERPRET is off", allow_module_level=True)
+
+from pagoda_quant_compressed_tensors import triton_kernels  # noqa: E402  (after TRITON_INTERPRET is settled)
+
+# decode, a ragged prefill, odd N and K (masked tiles), K over one 64-wide tile loop and the 1024 row block
+SHAPES = [(1, 64, 64), (5, 17, 9), (19, 70, 100), (3, 33, 1100)]
+
+
+def _weights(n: int, k: int, groups: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)  # -128 included, as checkpoints may hold it
+    return w, torch.rand(n, groups, generator=gen) * 0.01 + 1e-4
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
+    x[0, : min(k, 3)] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_per_token_quantization_equals_the_reference(m: int, n: int, k: int) -> None:
+    x = _x(m, k, seed=m + k)
+    x[-1] = 0.0  # an all-zero row: scale 0, q 0 (no division by zero)
+    q, scale = triton_kernels.quantize_per_token(x.to(DEVICE))
+    q_ref, scale_ref = kernels.quantize_per_token(x)
+    torch.testing.assert_close(scale.cpu(), scale_ref, rtol=0, atol=0)
+    torch.testing.assert_close(q.cpu(), q_ref, rtol=0, atol=0)
+
+
+def test_quantization_rounds_half_to_even() -> None:
+    # max 127 gives scale 1.0 exactly: x / scale are the halves themselves
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]])
+    q, scale = triton_kernels.quantize_per_token(x.to(DEVICE))
+    assert float(scale) == 1.0
+    assert q.cpu().tolist() == [[127, 0, 2, 2, 0, -2, -2, 126]]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_w8a8_equals_the_reference(m: int, n: int, k: int, with_bias: bool) -> None:
+    w, scale = _weights(n, k, 1, seed=m * n + k)
+    x = _x(m, k, seed=n)
+    bias = torch.randn(n) if with_bias else None
+    expected = kernels.W8A8Weight.prepare(w, scale.reshape(-1), on_cpu=False).matmul(x, bias)
+    got = triton_kernels.w8a8_matmul(x.to(DEVICE), w.to(DEVICE), scale.reshape(-1).to(DEVICE),
+                                     None if bias is None else bias.to(DEVICE))
+    # int32 sums are exact on both sides; only the float rescale's rounding order differs
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("group", [None, 32, 48])  # per channel; groups a tile holds two of; groups across tiles
+def test_w8a16_equals_the_reference(m: int, n: int, k: int, group: int | None) -> None:
+    group_size = group or k
+    w, scale = _weights(n, k, -(-k // group_size), seed=m + n * k)
+    x = _x(m, k, seed=k)
+    bias = torch.randn(n)
+    expected = kernels.W8A16Weight.prepare(w, scale, group_size, on_cpu=False).matmul(x, bias)
+    got = triton_kernels.w8a16_matmul(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), group_size, bias.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_w8a16_16_bit_activations(dtype: torch.dtype) -> None:
+    w, scale = _weights(40, 96, 3, seed=4)
+    x = _x(3, 96, seed=5).to(dtype)
+    reference = kernels.W8A16Weight.prepare(w, scale, 32, on_cpu=False).matmul(x.float(), None)
+    got = triton_kernels.w8a16_matmul(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), 32, None).cpu()
+    # fp16 rounds the scaled weight to fp16 for the dot (bf16 too on a GPU): a few 16-bit ulps of the sum
+    err = float((got - reference).abs().max() / reference.abs().max())
+    assert err < 1e-2
+
+
+def test_bad_inputs_are_refused() -> None:
+    w, scale = _weights(8, 32, 1, seed=1)
+    with pytest.raises(ValueError, match="activations"):
+        triton_kernels.w8a8_matmul(torch.zeros(2, 32, dtype=torch.float64, device=DEVICE), w.to(DEVICE),
+                                   scale.reshape(-1).to(DEVICE), None)
+    with pytest.raises(ValueError, match="for activations of 16 columns"):
+        triton_kernels.w8a8_matmul(torch.zeros(2, 16, device=DEVICE), w.to(DEVICE), scale.reshape(-1).to(DEVICE), None)
+    with pytest.raises(ValueError, match="groups of 16"):
+        triton_kernels.w8a16_matmul(torch.zeros(2, 32, device=DEVICE), w.to(DEVICE), scale.to(DEVICE), 16, None)
+
+
+def test_layer_weights_take_triton_when_asked_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight prepared off the C++ library (as on a GPU) runs Triton under PAGODA_KERNELS_IMPL=triton."""
+    if DEVICE != "cpu":
+        pytest.skip("checks the CPU dispatch")
+    w, scale = _weights(24, 64, 2, seed=9)
+    x = _x(2, 64, seed=10)
+    w8a8 = kernels.W8A8Weight.prepare(w, scale[:, 0].contiguous(), on_cpu=False)
+    w8a16 = kernels.W8A16Weight.prepare(w, scale, 32, on_cpu=False)
+    reference = w8a8.matmul(x, None), w8a16.matmul(x, None)
+    calls: list[str] = []
+    for name in ("w8a8_matmul", "w8a16_matmul"):  # counted, the real kernels still run
+        real = getattr(triton_kernels, name)
+        monkeypatch.setattr(triton_kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    assert not triton_path.supports(x)
+    monkeypatch.setenv("PAGODA_KERNELS_IMPL", "triton")
+    assert triton_path.supports(x)
+    torch.testing.assert_close(w8a8.matmul(x, None), reference[0], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(w8a16.matmul(x, None), reference[1], rtol=1e-5, atol=1e-4)
+    assert calls == ["w8a8_matmul", "w8a16_matmul"]
+    monkeypatch.setenv("PAGODA_INT8_KERNEL", "0")
+    assert not triton_path.supports(x)
