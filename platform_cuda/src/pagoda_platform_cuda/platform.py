@@ -32,9 +32,10 @@ class CudaPlatform(Platform):
     package = "pagoda-platform-cuda"
     default_block_size = 16
     supports_graphs = True
-    # quantization methods with GPU kernels (pagoda-quant-gptq-awq's Triton dequantize-matmul, tested under
-    # the Triton interpreter only; see docs/quantization.md)
-    supported_quantization = ["gptq", "awq"]
+    # quantization methods with GPU kernels (Triton: pagoda-quant-gptq-awq's dequantize-matmul, pagoda-quant-gguf's
+    # on the GGUF blocks, pagoda-quant-compressed-tensors' int8 W8A8 / W8A16; tested under the Triton
+    # interpreter only; see docs/quantization.md)
+    supported_quantization = ["gptq", "awq", "gguf", "compressed-tensors"]
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
