@@ -5,7 +5,8 @@ BLOCK_M x BLOCK_N tile of ``y = x w`` and, per BLOCK_K slice of the input channe
 packed int32 words of that slice, shifts each value's nibble out (GPTQ: the k's position in its
 word of eight rows; AWQ: the column's position in AWQ's interleaved order), subtracts the zero of
 the channel's group (GPTQ: ``g_idx[k]``, act order included; AWQ: ``k // group_size``), scales, and
-multiplies with ``tl.dot`` (float32 accumulators). Nothing is repacked at load.
+multiplies with ``tl.dot`` in float32 (exact IEEE products for float32
+activations, TF32 for half-precision ones). Nothing is repacked at load.
 
 Imported only where Triton is (a GPU platform, or the tests under ``TRITON_INTERPRET=1``).
 """
@@ -23,7 +24,7 @@ from pagoda_quant_gptq_awq.formats import Int4Checkpoint
 def _int4_matmul(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bias_ptr, y_ptr,
                  M, N, K, stride_xm, stride_ym, group_size,
                  AWQ: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 IEEE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -56,10 +57,9 @@ def _int4_matmul(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, bias_ptr
         z = ((zwords >> col_shift[None, :]) & 0xF) + ZERO_OFFSET
         s = tl.load(scales_ptr + g[:, None] * N + rn[None, :], mask=kn_mask, other=0.0).to(tl.float32)
         w = (q - z).to(tl.float32) * s
-        if IEEE_DOT:
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
+        # float32 operands: half-precision activations are exact in TF32, whose 10-bit mantissa also keeps
+        # the weights closer than a cast to the activations' dtype would (and the interpreter's bf16 dot is wrong)
+        acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
@@ -80,7 +80,7 @@ def matmul(x: torch.Tensor, ckpt: Int4Checkpoint, bias: torch.Tensor | None) -> 
         bias if bias is not None else ckpt.scales, y,
         m, n, k, x.stride(0), y.stride(0), ckpt.group_size,
         AWQ=ckpt.format == "awq", ZERO_OFFSET=ckpt.zero_offset, HAS_G_IDX=g_idx is not None,
-        HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
     return y
