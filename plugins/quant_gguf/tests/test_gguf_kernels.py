@@ -1,5 +1,6 @@
 """The torch dequantizers against the gguf package's, and the C++ kernel (this CPU's path, the AVX2
-path built without AVX-512, and the portable one) against the torch reference."""
+path built without AVX-512, and the portable one) against the torch reference; the K-quant kernels
+also against their own integer arithmetic (x quantized per 256 values, exactly as the kernel does)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def random_k_blocks(qtype: Q, rows: int, blocks_per_row: int) -> np.ndarray:
     _, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(1)
     blocks = rng.integers(0, 256, size=(rows, blocks_per_row, nbytes), dtype=np.uint8)
-    for offset in K_QUANT_SCALES[qtype]:
-        blocks[..., offset : offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    for i, offset in enumerate(K_QUANT_SCALES[qtype]):
+        # distinct per block and per field (d apart from dmin), so a misplaced scale shows
+        scales = rng.uniform(0.005, 0.02, size=blocks.shape[:2]).astype(np.float16) * (1 + i)
+        blocks[..., offset : offset + 2] = scales[..., None].view(np.uint8)
     return blocks.reshape(rows, blocks_per_row * nbytes)
 
 
@@ -48,24 +51,54 @@ def test_k_quant_dequant_equals_gguf(qtype: Q) -> None:
 
 def _case(qtype: Q, m: int, n: int = 45, k: int = 320) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rng = np.random.default_rng(m)
-    blocks = torch.from_numpy(quantize(rng.standard_normal((n, k)).astype(np.float32), qtype))
+    if qtype in K_QUANT_SCALES:
+        blocks = torch.from_numpy(random_k_blocks(qtype, n, k // 256))
+    else:
+        blocks = torch.from_numpy(quantize(rng.standard_normal((n, k)).astype(np.float32), qtype))
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     reference = x @ dequantize_blocks(blocks, int(qtype), k).T
     return blocks, x, reference
 
 
 def _close(y: torch.Tensor, reference: torch.Tensor) -> None:
-    # x is quantized to int8 per 32 values (as llama.cpp does): ~0.5% of the output's range, measured
+    # x is quantized to int8 per 32 values (per 256 for the K-quants), as llama.cpp does: ~0.5% of the
+    # output's range, measured
     err = float((y - reference).abs().max() / reference.abs().max())
     assert err < 0.02, err
 
 
-@pytest.mark.parametrize("qtype", BASIC, ids=lambda q: q.name)
+def _k_exact_reference(blocks: torch.Tensor, qtype: Q, x: torch.Tensor) -> torch.Tensor:
+    """x quantized per 256 values to int8 as the kernel does, times the dequantized weights, in float64:
+    what the kernel's integer arithmetic computes, up to float32 rounding of its per-super-block sums."""
+    k = x.shape[1]
+    xb = x.reshape(-1, 256)
+    amax = xb.abs().amax(dim=1, keepdim=True)
+    q = torch.round(xb * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    xq = (q * (amax / 127.0)).reshape(x.shape)
+    return (xq.double() @ dequantize_blocks(blocks, int(qtype), k).double().T).float()
+
+
+KERNEL_TYPES = BASIC + list(K_QUANT_SCALES)
+# K-quant shapes: whole super-blocks; the row counts leave a remainder after the 4-row decode tiles
+K_SHAPES = [(45, 256), (7, 768), (130, 512)]
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 3, 4, 9])
 def test_kernel_matches_reference(qtype: Q, m: int) -> None:
-    blocks, x, reference = _case(qtype, m)
+    blocks, x, reference = _case(qtype, m, k=512 if qtype in K_QUANT_SCALES else 320)
     assert kernels.supports(int(qtype), x), kernels.describe()
     _close(kernels.matmul(x, blocks, int(qtype), x.shape[1]), reference)
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANT_SCALES), ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("shape", K_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_k_quant_kernel_equals_its_integer_arithmetic(qtype: Q, m: int, shape: tuple[int, int]) -> None:
+    blocks, x, _ = _case(qtype, m, *shape)
+    y = kernels.matmul(x, blocks, int(qtype), x.shape[1])
+    expected = _k_exact_reference(blocks, qtype, x)
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
 @pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]],
@@ -78,15 +111,19 @@ def test_other_isa_builds_match_reference(tmp_path: Path, flags: list[str]) -> N
     fn = library.pagoda_gguf_matmul
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_int]
-    for qtype in BASIC:
+    for qtype in KERNEL_TYPES:
         for m in (1, 5):
-            blocks, x, reference = _case(qtype, m)
+            blocks, x, reference = _case(qtype, m, k=512 if qtype in K_QUANT_SCALES else 320)
             y = torch.empty(m, blocks.shape[0])
             assert fn(int(qtype), blocks.data_ptr(), blocks.shape[0], x.shape[1], x.data_ptr(), m, y.data_ptr(), 2) == 0
             _close(y, reference)
+            if qtype in K_QUANT_SCALES:
+                expected = _k_exact_reference(blocks, qtype, x)
+                torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
 def test_kernel_refuses_what_it_cannot_run() -> None:
-    x = torch.randn(1, 256)
-    assert not kernels.supports(int(Q.Q6_K), x)  # no kernel: the torch reference runs it
     assert not kernels.supports(int(Q.Q4_0), torch.randn(1, 48))  # not whole blocks
+    assert not kernels.supports(int(Q.Q4_K), torch.randn(1, 288))  # not whole super-blocks
+    assert not kernels.supports(int(Q.IQ4_NL), torch.randn(1, 256))  # a type without a kernel
+    assert not kernels.supports(int(Q.Q4_K), torch.randn(1, 256, device="meta"))  # not a CPU tensor

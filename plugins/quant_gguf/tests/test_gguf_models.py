@@ -29,7 +29,10 @@ def _k_blocks(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> np.
     values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(shape[0], shape[1] // values, nbytes), dtype=np.uint8)
     for offset in K_QUANT_SCALES[qtype]:
-        blocks[..., offset : offset + 2] = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+        # Q6_K's int8 sub-scales times 6-bit values are ~30x the others' products: its d is smaller,
+        # so every type's weights come out of similar size
+        d = 0.0001 if qtype == Q.Q6_K else 0.002
+        blocks[..., offset : offset + 2] = np.frombuffer(np.float16(d).tobytes(), dtype=np.uint8)
     return blocks.reshape(shape[0], -1)
 
 
@@ -67,9 +70,9 @@ def write_tiny_llama(path: Path, qtype: Q) -> Path:
     return path
 
 
-def prompt_logits(path: Path, quantization: str | None) -> np.ndarray:
+def prompt_logits(path: Path, quantization: str | None, dtype: str = "auto") -> np.ndarray:
     """Raw logits [prompt positions - 1, vocab] (every prompt position's full distribution)."""
-    llm = LLM(model=str(path), quantization=quantization, skip_tokenizer_init=True, max_model_len=64,
+    llm = LLM(model=str(path), quantization=quantization, dtype=dtype, skip_tokenizer_init=True, max_model_len=64,
               logprobs_mode="raw_logits", max_logprobs=VOCAB, num_kv_blocks=8, block_size=16, max_num_seqs=1)
     try:
         [out] = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=1, prompt_logprobs=VOCAB))
@@ -101,7 +104,14 @@ def test_kept_in_blocks_matches_dequantized_within_quantization_error(
 
 @pytest.mark.parametrize("qtype", list(K_QUANT_SCALES), ids=lambda q: q.name)
 def test_k_quants_kept_in_blocks_match_dequantized(tmp_path: Path, qtype: Q) -> None:
-    # No K-quant kernel: the blocks are dequantized per call in torch/numpy, exactly as at load.
+    # The K-quant kernel quantizes activations to int8 per 256 values (as llama.cpp's Q8_K does): each
+    # matmul's output moves by ~1% of its range (measured on this model; the kernel tests hold the
+    # arithmetic itself exact), which two random layers compound to 0.4-7% of the logits' range.
+    # Random blocks have no float original, so there is no weight error to compare with, as above.
     path = write_tiny_llama(tmp_path / "tiny.gguf", qtype)
-    kept, dequantized = prompt_logits(path, "gguf"), prompt_logits(path, "none")
-    np.testing.assert_allclose(kept, dequantized, rtol=1e-4, atol=1e-4 * np.abs(dequantized).max())
+    kept, dequantized = prompt_logits(path, "gguf", "float32"), prompt_logits(path, "none", "float32")
+    scale, error = np.abs(dequantized).max(), np.abs(kept - dequantized).max()
+    assert error < 0.1 * scale, (error, scale)
+    assert (kept.argmax(-1) == dequantized.argmax(-1)).mean() >= 0.85
+    # the kernel ran (dequantizing per call would match to float rounding)
+    assert error > 1e-5 * scale, (error, scale)

@@ -1,4 +1,5 @@
-"""The CPU kernel on GGUF blocks (``csrc/gguf_gemm.cpp``), built once per machine through ``pagoda.cpp_extension``.
+"""The CPU kernel on GGUF blocks, built once per machine through ``pagoda.cpp_extension``: ``csrc/gguf_gemm.cpp``
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and ``csrc/gguf_kquants.cpp`` (Q2_K .. Q6_K), one library, one entry point.
 
 ``matmul`` serves decode and prefill; ``supports`` says whether a call can take it (a CPU tensor,
 a block type the kernel handles, the library built). Set ``PAGODA_GGUF_KERNEL=0`` to force the
@@ -10,13 +11,14 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from pagoda import envs
 from pagoda.cpp_extension import CppExtension, ExtensionBuildError
 
-EXTENSION = CppExtension("pagoda_gguf_gemm", "pagoda_quant_gguf", ["csrc/gguf_gemm.cpp"])
-KERNEL_TYPES = frozenset(int(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0))
+EXTENSION = CppExtension("pagoda_gguf_gemm", "pagoda_quant_gguf", ["csrc/gguf_gemm.cpp", "csrc/gguf_kquants.cpp"])
+KERNEL_TYPES = frozenset(int(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
 KERNEL_ENV = "PAGODA_GGUF_KERNEL"
 
 _library: ModuleType | None = None
@@ -34,7 +36,8 @@ def library() -> ModuleType | None:
 
 
 def supports(qtype: int, x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and qtype in KERNEL_TYPES and x.shape[-1] % 32 == 0 and library() is not None
+    return (x.device.type == "cpu" and qtype in KERNEL_TYPES and x.shape[-1] % GGML_QUANT_SIZES[Q(qtype)][0] == 0
+            and library() is not None)
 
 
 def describe() -> str:

@@ -1,4 +1,5 @@
-// y[M, N] = x[M, K] W[N, K]^T with W in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), as llama.cpp's
+// y[M, N] = x[M, K] W[N, K]^T with W in GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; the K-quants are in
+// gguf_kquants.cpp, behind the same entry point), as llama.cpp's
 // CPU backend computes it: x is quantized per 32-value block to int8 (scale d_x, and s_x = d_x * sum(q_x)),
 // each weight block is unpacked in registers to 32 bytes, and the block's dot product is an integer
 // one (u8 x s8 -> s32: AVX-512 VNNI's vpdpbusd on 256-bit vectors, else AVX2's vpmaddubsw + vpmaddwd),
@@ -15,30 +16,18 @@
 
 #include <pagoda/parallel.h>
 #include <pagoda/python.h>
-#include <pagoda/simd.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define GGUF_AVX2 1
-#endif
+#include "gguf_common.h"
 
 namespace pagoda_gguf {
 
 enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8 };
 constexpr int kBlock = 32;
-
-#if defined(GGUF_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr const char* kIsa = "avx512_vnni";
-#elif defined(GGUF_AVX2)
-constexpr const char* kIsa = "avx2";
-#else
-constexpr const char* kIsa = "scalar";
-#endif
 
 template <int T> struct Layout;
 template <> struct Layout<kQ4_0> { static constexpr int bytes = 18, qs = 2; };
@@ -46,21 +35,6 @@ template <> struct Layout<kQ4_1> { static constexpr int bytes = 20, qs = 4; };
 template <> struct Layout<kQ5_0> { static constexpr int bytes = 22, qs = 6; };
 template <> struct Layout<kQ5_1> { static constexpr int bytes = 24, qs = 8; };
 template <> struct Layout<kQ8_0> { static constexpr int bytes = 34, qs = 2; };
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(GGUF_AVX2)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  float v;
-  if (exp == 0) v = std::ldexp(static_cast<float>(mant), -24);
-  else if (exp == 31) v = mant ? NAN : INFINITY;
-  else v = std::ldexp(static_cast<float>(mant | 0x400), static_cast<int>(exp) - 25);
-  return sign ? -v : v;
-#endif
-}
 
 // x [M, K] -> int8 per 32-block (round to nearest), its scale d and d * sum(q).
 void quantize_x(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
@@ -91,14 +65,6 @@ inline float offset_coef(const uint8_t* blk, float dw) {
 }
 
 #if defined(GGUF_AVX2)
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
 // 32 bits -> 32 bytes of 0xFF / 0x00 (llama.cpp's bytes_from_bits_32).
 inline __m256i bytes_from_bits(const uint8_t* p) {
   uint32_t bits;
@@ -119,13 +85,6 @@ inline __m256i unpack(const uint8_t* blk) {
     v = _mm256_or_si256(v, hi);
   }
   return v;
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // out[r] = row . x[r] for MB rows of quantized x.
@@ -158,12 +117,6 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float
     }
   }
   for (int r = 0; r < MB; ++r) out[r] = hsum(acc[r]) + corr[r];
-}
-
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
 }
 
 // Decode (one row of x): 4 weight rows at a time. The rows' scales (and minimums) convert in one
@@ -281,10 +234,11 @@ PAGODA_EXPORT const char* pagoda_gguf_isa() { return pagoda_gguf::kIsa; }
 
 // y [M, N] (float32) = x [M, K] (float32, contiguous) times W [N, K] in GGML type `type` (row-major
 // rows of blocks), transposed. Returns 0, or -1 for a type this library does not handle or K not a
-// multiple of 32.
+// multiple of the type's block (32 values; 256 for the K-quants).
 PAGODA_EXPORT int pagoda_gguf_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M,
                                      float* y, int threads) {
   using namespace pagoda_gguf;
+  if (is_kquant(type)) return kquant_matmul(type, w, N, K, x, M, y, threads);
   if (K % kBlock) return -1;
   const int64_t nb = K / kBlock;
   std::vector<int8_t> xq(static_cast<size_t>(M * K));
