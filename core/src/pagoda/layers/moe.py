@@ -14,6 +14,12 @@ received tokens, never over tokens. Every projection is a ``pagoda.layers.Linear
 platform's linear kernel (``prepare_linear_layers``: on CPU the packed GEMM)
 serves the experts like any other layer, with no MoE-specific kernel.
 
+With tensor parallelism each expert is split as vLLM splits it: every rank
+holds every expert, with the expert's intermediate dim divided across the ranks
+(``gate_up_proj`` column-parallel, ``down_proj`` row-parallel); each rank's
+experts and shared expert produce partial sums, reduced with one all-reduce per
+block. The router (``gate``) and ``shared_expert_gate`` are replicated.
+
 Unlike vLLM's ``FusedMoE``, which takes router logits from the model, this
 layer holds its router and shared expert: a family's MoE block is this one
 layer, with the Hugging Face parameter names (``gate``, ``experts.N``,
@@ -27,18 +33,24 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagoda.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from pagoda.layers.activation import gated_activation
-from pagoda.layers.linear import Linear
+from pagoda.layers.parallel_linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
 
 class GatedMLP(nn.Module):
-    """``down_proj(act(gate) * up)`` with gate and up as one fused ``gate_up_proj`` (gate rows first)."""
+    """``down_proj(act(gate) * up)`` with gate and up as one fused ``gate_up_proj`` (gate rows first).
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype) -> None:
+    Tensor-parallel: the intermediate dim split across ranks; ``reduce_results=False`` leaves the
+    partial sum for the caller to reduce (once for all of a MoE block's experts).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype,
+                 *, reduce_results: bool = True) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, False, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, reduce_results=reduce_results)
         self.act_fn = gated_activation(hidden_act)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -108,15 +120,18 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = Linear(hidden_size, num_experts, False, dtype)
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.gate = ReplicatedLinear(hidden_size, num_experts, False, dtype)
         self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, intermediate_size, hidden_act, dtype) for _ in range(num_experts)
+            GatedMLP(hidden_size, intermediate_size, hidden_act, dtype, reduce_results=False)
+            for _ in range(num_experts)
         )
         self.shared_expert: GatedMLP | None = None
-        self.shared_expert_gate: Linear | None = None
+        self.shared_expert_gate: ReplicatedLinear | None = None
         if shared_expert_intermediate_size > 0:
-            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, hidden_act, dtype)
-            self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, hidden_act, dtype,
+                                          reduce_results=False)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, False, dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
@@ -125,6 +140,9 @@ class FusedMoE(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(hidden) * torch.sigmoid(self.shared_expert_gate(hidden))
             out = out + shared
+        if self.tp_size > 1:
+            # the gate scales each token's partial shared-expert sum: reducing after it is the same sum
+            out = tensor_model_parallel_all_reduce(out)
         return out
 
     def extra_repr(self) -> str:

@@ -1,6 +1,6 @@
-"""Hugging Face checkpoint names -> the fused parameters of the Llama-family model.
+"""Hugging Face checkpoint names -> the Llama-family model, through core's ``AutoWeightsLoader``.
 
-Three tables decide where a checkpoint tensor goes:
+What the family adds to the shared loader:
 
 * ``packed_modules_mapping`` (a model class attribute, ``FUSED_PROJECTIONS`` by
   default): projections the checkpoint stores apart and the model stacks into
@@ -13,6 +13,9 @@ Three tables decide where a checkpoint tensor goes:
   ``mlp.experts.down_proj`` [E, H, I]); each slice ``[e]`` fills expert ``e``.
   (``save_pretrained`` writes the per-expert names that hub checkpoints use;
   both layouts load.)
+
+Each parameter's own ``weight_loader`` (core's tensor-parallel layers, a
+quantization method's parameters) takes this rank's part of the tensor.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.distributed.pipeline import is_pp_missing_parameter
+from pagoda.model_loader.auto_weights_loader import AutoWeightsLoader
 
 if TYPE_CHECKING:
     from pagoda_models_llama.llama import LlamaForCausalLM
@@ -48,18 +51,6 @@ _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def _shard_sizes(model: LlamaForCausalLM, fused: str, rows: int, num_shards: int) -> list[int]:
-    """Row counts of the checkpoint projections stacked into a fused weight of ``rows`` rows."""
-    if fused == "qkv_proj":
-        cfg = model.config
-        num_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        kv_size = (getattr(cfg, "num_key_value_heads", None) or num_heads) * head_dim
-        return [num_heads * head_dim, kv_size, kv_size]
-    # gate_up_proj: equal halves (dense MLP, each expert and the shared expert have their own width)
-    return [rows // num_shards] * num_shards
-
-
 def _split_stacked_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     match = _STACKED_EXPERTS.match(name)
     if match is None or tensor.ndim != 3:
@@ -69,107 +60,25 @@ def _split_stacked_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[st
         yield f"{match['prefix']}.{expert}.{match['proj']}.weight", tensor[expert]
 
 
-class _Loader:
-    """Resolves names to parameter slices and records which shards of each parameter were filled."""
+def load_llama_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Load every (HF name, tensor) into the model; return the HF names consumed.
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        self.model = model
-        self.params = dict(model.named_parameters())
-        self.packed = model.packed_modules_mapping
-        self.shard_of = {part: (fused, i) for fused, parts in self.packed.items() for i, part in enumerate(parts)}
-        self.renames = [(re.compile(pattern), repl) for pattern, repl in model.checkpoint_renames]
-        self.filled: dict[str, set[int]] = {}
+    Unknown names, tensors a layer cannot take and parameters left unfilled raise ``ValueError``
+    naming the weight. With tied embeddings ``lm_head.weight`` is skipped (it is the embedding).
+    """
+    renames = [(re.compile(pattern), repl) for pattern, repl in model.checkpoint_renames]
 
-    def rename(self, name: str) -> str:
-        for pattern, repl in self.renames:
+    def rename(name: str) -> str:
+        for pattern, repl in renames:
             name = pattern.sub(repl, name)
         return name
 
-    def target(self, name: str) -> tuple[str, int | None, torch.Tensor] | None:
-        """(parameter name, shard or None for the whole parameter, the tensor to fill) for a checkpoint name."""
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in self.shard_of:
-            fused, shard = self.shard_of[parts[-2]]
-            fused_name = ".".join([*parts[:-2], fused, parts[-1]])
-            param = self.params.get(fused_name)
-            if param is None:
-                return None
-            if hasattr(param, "weight_loader"):  # a quantization method's parameter takes each shard itself
-                return fused_name, shard, param
-            sizes = _shard_sizes(self.model, fused, param.shape[0], len(self.packed[fused]))
-            return fused_name, shard, param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
-        param = self.params.get(name)
-        return None if param is None else (name, None, param.data)
-
-    def num_shards(self, param_name: str) -> int:
-        parts = param_name.split(".")
-        return len(self.packed[parts[-2]]) if len(parts) >= 2 and parts[-2] in self.packed else 1
-
-    def mark(self, param_name: str, shard: int | None) -> None:
-        shards = range(self.num_shards(param_name)) if shard is None else (shard,)
-        self.filled.setdefault(param_name, set()).update(shards)
-
-    def missing(self) -> list[str]:
-        """Checkpoint names (split projection names where the model stacks them) never filled."""
-        names: list[str] = []
-        for pname in self.params:
-            if self.model.tie_word_embeddings and pname == "lm_head.weight":
-                continue
-            count = self.num_shards(pname)
-            unfilled = sorted(set(range(count)) - self.filled.get(pname, set()))
-            if not unfilled:
-                continue
-            parts = pname.split(".")
-            if count > 1:
-                hf_parts = self.packed[parts[-2]]
-                names.extend(".".join([*parts[:-2], hf_parts[i], parts[-1]]) for i in unfilled)
-            else:
-                names.append(pname)
-        return names
-
-
-def load_llama_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copy each (HF name, tensor) into the model, casting to its dtype; return the HF names consumed.
-
-    Unknown names and shape mismatches raise ``ValueError`` naming the weight:
-    a silently skipped weight would leave uninitialised memory in the model.
-    With tied embeddings ``lm_head.weight`` is skipped (it is the embedding).
-    """
-    loader = _Loader(model)
-    loaded: set[str] = set()
-    with torch.no_grad():
-        for name, tensor in weights:
-            if name.endswith(_SKIPPED_SUFFIXES):
-                continue
-            if model.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            for piece_name, piece in _split_stacked_experts(loader.rename(name), tensor):
-                found = loader.target(piece_name)
-                if found is None:
-                    if is_pp_missing_parameter(piece_name, model):
-                        continue  # another pipeline stage holds it
-                    raise ValueError(f"checkpoint weight {name!r} matches no parameter of {type(model).__name__}")
-                param_name, shard, target = found
-                weight_loader = getattr(loader.params[param_name], "weight_loader", None)
-                if weight_loader is not None:
-                    # pagoda.quantization: the method's parameter stores the checkpoint tensor in its own form
-                    try:
-                        weight_loader(loader.params[param_name], piece, shard)
-                    except ValueError as exc:
-                        raise ValueError(f"checkpoint weight {name!r}: {exc}") from exc
-                    loader.mark(param_name, shard)
-                    continue
-                if tuple(target.shape) != tuple(piece.shape):
-                    raise ValueError(
-                        f"checkpoint weight {name!r} has shape {tuple(piece.shape)}, "
-                        f"the model expects {tuple(target.shape)}"
-                    )
-                target.copy_(piece)
-                loader.mark(param_name, shard)
-            loaded.add(name)
-    missing = loader.missing()
-    if missing:
-        # parameters start uninitialised (torch.empty): a gap would be garbage, not an error later
-        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise ValueError(f"checkpoint is missing weight(s) {', '.join(missing[:8])}{more}")
-    return loaded
+    loader = AutoWeightsLoader(
+        model,
+        packed_modules_mapping=model.packed_modules_mapping,
+        skip_suffixes=_SKIPPED_SUFFIXES,
+        skip_names={"lm_head.weight"} if model.tie_word_embeddings else (),
+        name_mapper=rename,
+        tensor_mapper=_split_stacked_experts,
+    )
+    return loader.load_weights(weights)
