@@ -9,7 +9,12 @@ attention layer's own parameters).
 
 Gemma's RMSNorm scales by ``1 + weight``. The loader adds the 1 to the weight
 once (``GemmaRMSNorm``), so core's ``RMSNorm`` and the platform's fused kernels
-serve it unchanged; see ``weights.py`` for what that does to bfloat16 rounding.
+serve it unchanged; see ``norm.py`` for what that does to bfloat16 rounding.
+
+Tensor parallelism comes from core's layers: q/k/v and gate/up column-parallel
+(heads and the intermediate dim split across ranks, KV heads replicated when
+there are fewer than ranks), o_proj and down_proj row-parallel (one all-reduce
+each), the vocabulary split in the embedding and the LM head.
 """
 
 from __future__ import annotations
@@ -21,7 +26,16 @@ import torch
 from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
-from pagoda.layers import Embedding, LayerOpsModule, Linear, RotaryEmbedding, gated_activation
+from pagoda.layers import (
+    LayerOpsModule,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gated_activation,
+)
 from pagoda.models.interface import config_for
 from pagoda_models_gemma.arch import GemmaOptions, gemma2_options, gemma3_options, gemma_options, head_dim
 from pagoda_models_gemma.norm import GemmaRMSNorm
@@ -31,19 +45,20 @@ from pagoda_models_gemma.weights import FUSED_PROJECTIONS, load_gemma_weights
 class GemmaAttention(LayerOpsModule):  # self.ops rotates q and k
     def __init__(self, cfg: Any, options: GemmaOptions, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        if self.num_heads % self.num_kv_heads:
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
+        if total_heads % total_kv_heads:
             raise ValueError(
-                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+                f"num_attention_heads={total_heads} is not a multiple of num_key_value_heads={total_kv_heads}"
             )
         self.head_dim = head_dim(cfg)
+        # with tensor parallelism this rank's heads only (core's layer splits them)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv_heads,
+                                          options.attention_bias, dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        # row counts of the checkpoint's q/k/v projections stacked into qkv_proj
-        self.shard_sizes = {"qkv_proj": [self.q_size, self.kv_size, self.kv_size]}
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, options.attention_bias, dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, options.attention_bias, dtype)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, options.attention_bias, dtype)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
         self.attn = Attention(
@@ -79,9 +94,8 @@ class GemmaMLP(nn.Module):
 
     def __init__(self, cfg: Any, options: GemmaOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        self.shard_sizes = {"gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
         self.act_fn = gated_activation(options.hidden_activation)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -128,7 +142,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, cfg: Any, options: GemmaOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         # transformers rounds sqrt(hidden_size) to the model dtype before multiplying; so does this.
         self.normalizer = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype))
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, options, i, dtype) for i in range(cfg.num_hidden_layers))
@@ -163,7 +177,7 @@ class GemmaForCausalLM(nn.Module):
         self.options = self.gemma_options(cfg)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         self.model = GemmaModel(cfg, self.options, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, False, dtype)
         if self.tie_word_embeddings:
             # One tensor, two modules: parameters() lists it once, under the embedding's name.
             self.lm_head.weight = self.model.embed_tokens.weight

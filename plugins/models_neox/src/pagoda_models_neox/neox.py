@@ -10,6 +10,12 @@ loader reorders its rows), so are gate/up of a SwiGLU MLP (StableLM), RoPE
 rotates q and k in place inside the fused QKV output, and attention goes
 through ``pagoda.attention.Attention``.
 
+Tensor parallelism comes from core's layers: qkv, fc1 and gate/up
+column-parallel (heads and the intermediate dim split across ranks, KV heads
+replicated when there are fewer than ranks, a per-head qk-norm holding its
+rank's heads), o_proj, fc2 and down_proj row-parallel, the vocabulary split
+in the embedding and the LM head.
+
 Parameter names are one scheme for all three architectures (Llama's, plus
 ``mlp.fc1`` / ``fc2`` for the plain MLP); each architecture's checkpoint names
 reach them through its ``checkpoint_renames`` table (``weights.py``).
@@ -24,14 +30,19 @@ import torch
 from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
+from pagoda.distributed import get_tensor_model_parallel_rank
 from pagoda.layers import (
     Activation,
-    Embedding,
+    ColumnParallelLinear,
     LayerNorm,
     LayerOpsModule,
-    Linear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
     PerHeadLayerNorm,
+    QKVParallelLinear,
     RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
     gated_activation,
     rope_config_from_hf,
 )
@@ -40,32 +51,38 @@ from pagoda_models_neox.arch import NeoXOptions, gpt_neox_options, phi_options, 
 from pagoda_models_neox.weights import GATE_UP_PROJ, GPT_NEOX_RENAMES, PHI_RENAMES, QKV_PROJ, load_neox_weights
 
 
-def _qk_norm(options: NeoXOptions, num_heads: int, eps: float, dtype: torch.dtype) -> nn.Module | None:
+def _qk_norm(options: NeoXOptions, num_heads: int, total_num_heads: int, first_head: int, eps: float,
+             dtype: torch.dtype) -> nn.Module | None:
     if options.qk_norm == "shared":
         return LayerNorm(options.head_dim, eps, dtype, bias=options.qk_norm_bias)
     if options.qk_norm == "per_head":
-        return PerHeadLayerNorm(num_heads, options.head_dim, eps, dtype, bias=options.qk_norm_bias)
+        return PerHeadLayerNorm(num_heads, options.head_dim, eps, dtype, bias=options.qk_norm_bias,
+                                total_num_heads=total_num_heads, first_head=first_head)
     return None
 
 
 class NeoXAttention(LayerOpsModule):  # self.ops rotates q and k
     def __init__(self, cfg: Any, options: NeoXOptions, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = options.num_kv_heads
-        if self.num_heads % self.num_kv_heads:
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = options.num_kv_heads
+        if total_heads % total_kv_heads:
             raise ValueError(
-                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+                f"num_attention_heads={total_heads} is not a multiple of num_key_value_heads={total_kv_heads}"
             )
         self.head_dim = options.head_dim
+        # with tensor parallelism this rank's heads only (core's layer splits them)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv_heads,
+                                          options.qkv_bias, dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        # row counts of the checkpoint's q/k/v projections stacked into qkv_proj
-        self.shard_sizes = {"qkv_proj": [self.q_size, self.kv_size, self.kv_size]}
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, options.qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, options.o_proj_bias, dtype)
-        self.q_layernorm = _qk_norm(options, self.num_heads, cfg.layer_norm_eps, dtype)
-        self.k_layernorm = _qk_norm(options, self.num_kv_heads, cfg.layer_norm_eps, dtype)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, options.o_proj_bias, dtype)
+        rank = get_tensor_model_parallel_rank()
+        kv_rank = rank // self.qkv_proj.num_kv_head_replicas  # ranks sharing a KV head hold the same one
+        eps = cfg.layer_norm_eps
+        self.q_layernorm = _qk_norm(options, self.num_heads, total_heads, rank * self.num_heads, eps, dtype)
+        self.k_layernorm = _qk_norm(options, self.num_kv_heads, total_kv_heads, kv_rank * self.num_kv_heads, eps, dtype)
         self.attn = Attention(
             num_heads=self.num_heads,
             head_dim=self.head_dim,
@@ -97,8 +114,8 @@ class NeoXMLP(nn.Module):
 
     def __init__(self, cfg: Any, options: NeoXOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        self.fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, options.mlp_bias, dtype)
-        self.fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, options.mlp_bias, dtype)
+        self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
         self.act = Activation(options.hidden_act)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -110,9 +127,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: Any, options: NeoXOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        self.shard_sizes = {"gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size]}
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, options.mlp_bias, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, options.mlp_bias,
+                                                       dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
         self.act_fn = gated_activation(options.hidden_act)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -148,7 +165,7 @@ class NeoXDecoderLayer(nn.Module):
 class NeoXModel(nn.Module):
     def __init__(self, cfg: Any, options: NeoXOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(NeoXDecoderLayer(cfg, options, i, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(rope_config_from_hf(cfg), dtype)
@@ -177,7 +194,7 @@ class NeoXFamilyForCausalLM(nn.Module):
         self.options = self.decoder_options(cfg)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = NeoXModel(cfg, self.options, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, self.options.lm_head_bias, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.options.lm_head_bias, dtype)
         if self.tie_word_embeddings:
             # One tensor, two modules: parameters() lists it once, under the embedding's name.
             self.lm_head.weight = self.model.embed_tokens.weight
