@@ -123,6 +123,7 @@ def write_checkpoint(model: Any, path: Path, method: str, group_size: int, *, de
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads(model.config.to_json_string())
+    config["architectures"] = [type(model).__name__]
     if method == "gptq":
         quant = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": sym,
                  "lm_head": lm_head, "checkpoint_format": "gptq", "true_sequential": True, "damp_percent": 0.01}

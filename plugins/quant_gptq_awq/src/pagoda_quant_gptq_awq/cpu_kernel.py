@@ -123,17 +123,27 @@ class CpuInt4Weight:
         if self.perm is not None:
             xf = xf.index_select(1, self.perm)
         xf = xf.contiguous()
-        m = xf.shape[0]
-        n, k = self.out_features, self.in_features
         b = None if bias is None else bias.float().contiguous()
         threads = torch.get_num_threads()
-        if m <= GEMV_MAX_ROWS:
-            y = torch.empty(m, n, dtype=torch.float32)
-            _check(lib.pagoda_int4_gemm(path_code(), xf.data_ptr(), m, k, self.packed.data_ptr(),
-                                        self.scales.data_ptr(), self.szeros.data_ptr(), self.gstart.data_ptr(),
-                                        self.num_groups, None if b is None else b.data_ptr(), n, k, y.data_ptr(),
-                                        threads))
-            return y
+        if xf.shape[0] <= GEMV_MAX_ROWS:
+            return self.in_register_matmul(xf, b, lib, threads)
+        return self.slab_matmul(xf, b, lib, threads)
+
+    def in_register_matmul(self, xf: torch.Tensor, b: torch.Tensor | None, lib: ModuleType,
+                           threads: int) -> torch.Tensor:
+        """The nibbles widened in registers, up to 4 rows sharing each (``xf``: float32, contiguous, kernel order)."""
+        m = xf.shape[0]
+        n, k = self.out_features, self.in_features
+        y = torch.empty(m, n, dtype=torch.float32)
+        _check(lib.pagoda_int4_gemm(path_code(), xf.data_ptr(), m, k, self.packed.data_ptr(),
+                                    self.scales.data_ptr(), self.szeros.data_ptr(), self.gstart.data_ptr(),
+                                    self.num_groups, None if b is None else b.data_ptr(), n, k, y.data_ptr(),
+                                    threads))
+        return y
+
+    def slab_matmul(self, xf: torch.Tensor, b: torch.Tensor | None, lib: ModuleType, threads: int) -> torch.Tensor:
+        """Slabs of columns widened to float32, each multiplied by torch's float matmul."""
+        n, k = self.out_features, self.in_features
         width = max(PANEL, SLAB_FLOATS // max(k, 1) // PANEL * PANEL)
         if width >= n:
             return self._slab_matmul(xf, 0, n, b, lib, threads)
