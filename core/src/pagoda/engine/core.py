@@ -8,7 +8,9 @@ and ``SchedulerStats``.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from pagoda.beam_search.group import BeamGroup
@@ -20,7 +22,7 @@ from pagoda.model_loader import load_tokenizer
 from pagoda.models.registry import ModelRegistry
 from pagoda.platforms import Platform, resolve_platform, set_current_platform
 from pagoda.plugins import get_plugin_manager, load_plugins
-from pagoda.scheduler.output import EngineCoreOutput
+from pagoda.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.structured_output.manager import StructuredOutputManager
@@ -133,8 +135,26 @@ class EngineCore:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             policy=sc.scheduling_policy,
             structured_output_manager=self._structured_output_manager(config),
+            use_pp=config.parallel_config.pipeline_parallel_size > 1,
         )
         self._reported_preemptions = 0
+        # vLLM's batch queue: steps sent to the executor whose output is not applied yet, oldest first
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+
+    @property
+    def batch_queue_size(self) -> int:
+        """How many steps may be in flight at once: one per pipeline stage with the mp and ray executors
+        (so no stage idles), else 1. Lowering it (benchmarks compare 1 and 2) waits for the queue to empty."""
+        return self._batch_queue_size
+
+    @batch_queue_size.setter
+    def batch_queue_size(self, size: int) -> None:
+        if not 1 <= size <= self.model_executor.max_concurrent_batches:
+            raise ValueError(f"batch_queue_size must be 1..{self.model_executor.max_concurrent_batches} "
+                             f"(the executor's max_concurrent_batches), got {size}")
+        self._batch_queue_size = size
+        self.scheduler.num_micro_batches = size
 
     def _structured_output_manager(self, config: EngineConfig) -> StructuredOutputManager | None:
         """A generative model with a tokenizer gets one; the backend and tokenizer load on the first constraint."""
@@ -185,6 +205,8 @@ class EngineCore:
 
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self._batch_queue_size > 1 or self.batch_queue:
+            return self.step_with_batch_queue()
         so = self.scheduler.schedule()
         if so.is_empty:
             if so.finished_req_ids:
@@ -194,9 +216,39 @@ class EngineCore:
         out = self.model_executor.execute_model(so)
         return self.scheduler.update_from_output(so, out)
 
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """vLLM's pipelined step: keep up to ``batch_queue_size`` steps in flight, apply outputs in order.
+
+        Schedule a batch from the requests no batch in flight holds and send it without waiting; block
+        on the oldest batch only when the queue is full, nothing more could be scheduled, or the oldest
+        is done already. Returns the outputs of the batch it applied ([] when it applied none).
+        """
+        queue = self.batch_queue
+        if len(queue) < self._batch_queue_size:
+            so = self.scheduler.schedule()
+            if not so.is_empty or so.finished_req_ids:
+                # (an empty batch still tells the runner which requests to forget)
+                queue.append((self.model_executor.execute_model(so, non_block=True), so))
+                if not so.is_empty and len(queue) < self._batch_queue_size and not queue[0][0].done():
+                    return self.scheduler.take_pending_outputs()
+        if not queue:
+            return self.scheduler.take_pending_outputs()
+        future, so = queue.popleft()
+        try:
+            out = future.result()
+        except BaseException:
+            self.scheduler.discard_batch(so)
+            raise
+        return self.scheduler.update_from_output(so, out)
+
     def fail_running(self) -> list[str]:
-        """After a step raised: finish every running request with an error; returns their ids."""
-        victims = [r.request_id for r in self.scheduler.running]
+        """After a step raised: finish every running request, and every one a batch in flight holds, with
+        an error; returns their ids. The batches in flight are dropped (their outputs would be stale)."""
+        in_flight = self.scheduler.in_flight_request_ids()
+        for _, so in self.batch_queue:
+            self.scheduler.discard_batch(so)
+        self.batch_queue.clear()
+        victims = list(dict.fromkeys([r.request_id for r in self.scheduler.running] + in_flight))
         self.scheduler.finish_requests(victims, RequestStatus.FINISHED_ERROR)
         return victims
 
@@ -204,8 +256,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        """Requests to run, or finished ones the runner has still to forget."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_ids_pending()
+        """Requests to run, batches in flight, or finished requests the runner has still to forget."""
+        return (self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+                or self.scheduler.has_finished_ids_pending())
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's gauges now; preemptions counted since the previous call."""

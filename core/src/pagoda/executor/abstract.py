@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, NoReturn
+from concurrent.futures import Future
+from typing import Any, Literal, NoReturn, overload
 
 from pagoda.config import EngineConfig
 from pagoda.platforms import Platform
@@ -103,11 +104,39 @@ class Executor(ABC):
             reports = self.collective_rpc("init_kv_cache", (max_num_seqs, max_num_batched_tokens, fewest))
         return reports[0]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        outputs = self.collective_rpc("execute_model", (scheduler_output,))
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step on every rank; ``non_block``: return a future at once (vLLM's signature)."""
+        if non_block:
+            return self._execute_model_non_block(scheduler_output)
+        return self._execute_model(scheduler_output)
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._output(self.collective_rpc("execute_model", (scheduler_output,)))
+
+    def _execute_model_non_block(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Executors whose ranks run several steps at once (``max_concurrent_batches > 1``) override
+        this; here the step runs first and its future is returned done."""
+        future: Future[ModelRunnerOutput] = Future()
+        future.set_result(self._execute_model(scheduler_output))
+        return future
+
+    def _output(self, outputs: list[Any]) -> ModelRunnerOutput:
         out = outputs[self.output_rank]
         assert out is not None, "the output rank returned no step result"
-        return out
+        return out  # type: ignore[no-any-return]
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps the engine may keep in flight (vLLM's name): one per pipeline stage where the
+        executor returns futures, so every stage has a batch to run."""
+        return 1
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return tuple(self.collective_rpc("get_supported_tasks")[self.output_rank])

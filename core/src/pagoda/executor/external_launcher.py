@@ -54,7 +54,7 @@ class ExecutorWithExternalLauncher(UniProcExecutor):
             report = self.driver_worker.init_kv_cache(max_num_seqs, max_num_batched_tokens, int(fewest))
         return report
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         out = self.driver_worker.runner.execute_model(scheduler_output)
         if out is None:
             raise ExecutorFailedError("the worker returned no step result")

@@ -4,7 +4,9 @@ Each step the engine pickles the ``SchedulerOutput`` once and writes the same
 bytes down every worker's pipe; every rank runs the step (the tensor-parallel
 collectives run among the workers on the platform's process group), the output
 rank replies with the sampled tokens and the others with ``None``, so a rank
-that failed is noticed at once.
+that failed is noticed at once. With pipeline parallelism the engine sends the
+next step before the last stage answered this one (``non_block=True``): each
+rank runs its steps in order, so while stage 2 runs step k stage 1 runs k + 1.
 
 Failure handling: the executor waits on the replies *and* on the workers'
 process sentinels, so a worker that dies mid-step turns into an
@@ -23,6 +25,7 @@ import os
 import pickle
 import threading
 import traceback
+from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -31,6 +34,7 @@ from pagoda import envs
 from pagoda.config import EngineConfig
 from pagoda.distributed import get_open_port
 from pagoda.executor.abstract import Executor
+from pagoda.executor.step_futures import StepQueue
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -51,6 +55,7 @@ class MultiprocExecutor(Executor):
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         self._failed: str | None = None
         self._closed = False
+        self._steps = StepQueue()
         self._death_r, self._death_w = ctx.Pipe(duplex=False)
         self.workers: list[BaseProcess] = []
         self.conns: list[Connection] = []
@@ -86,6 +91,12 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                        timeout: float | None = None) -> list[Any]:
         """As ``Executor.collective_rpc``; ``timeout`` seconds without every reply fails the executor (hung)."""
+        # the replies of the steps in flight come first down the same pipes
+        self._steps.drain()
+        self._send(method, args, kwargs)
+        return self._gather(timeout=timeout, what=method)
+
+    def _send(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
         self.check_health()
         payload = pickle.dumps((method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
         try:
@@ -93,15 +104,31 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(payload)
         except OSError as exc:
             self._fail(f"could not reach a worker: {exc!r}")
-        return self._gather(timeout=timeout, what=method)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.parallel_config.pipeline_parallel_size
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._execute_model_non_block(scheduler_output).result()
+
+    def _execute_model_non_block(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Send the step to every rank and return at once; each rank runs its steps in the order sent.
+
+        A stage before the last answers as soon as it has passed its activations on, so it reads the
+        next step while the later stages still run this one.
+        """
+        self._send("execute_model", (scheduler_output,), None)
         # a worker that stops answering (deadlocked collective, stopped process) must not hang the engine
-        outputs = self.collective_rpc("execute_model", (scheduler_output,),
-                                      timeout=float(envs.PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS))
-        out = outputs[self.output_rank]
-        assert out is not None, "the output rank returned no step result"
-        return out
+        timeout = float(envs.PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS)
+        return self._steps.submit(lambda: self._collect_step(timeout), self._replies_ready)
+
+    def _collect_step(self, timeout: float) -> ModelRunnerOutput:
+        self._raise_if_failed_or_closed()
+        return self._output(self._gather(timeout=timeout, what="execute_model"))
+
+    def _replies_ready(self) -> bool:
+        return self._failed is None and not self._closed and all(conn.poll() for conn in self.conns)
 
     def _gather(self, timeout: float | None, what: str) -> list[Any]:
         """Every rank's reply, in rank order; a death, an error or a timeout fails the executor."""

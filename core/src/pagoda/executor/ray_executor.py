@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future
 from typing import Any
 
 import ray
@@ -28,6 +29,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagoda.config import EngineConfig
 from pagoda.executor.abstract import Executor, ExecutorFailedError
+from pagoda.executor.step_futures import StepQueue
+from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +130,7 @@ class RayDistributedExecutor(Executor):
         world_size = self.parallel_config.world_size
         self._failed: str | None = None
         self._closed = False
+        self._steps = StepQueue()
         self.workers: list[Any] = []
         self.pg: PlacementGroup | None = None
         self._started_ray = _connect(world_size)
@@ -198,17 +202,34 @@ class RayDistributedExecutor(Executor):
         return results
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        # an actor runs its calls in the order sent: the steps in flight finish first anyway
+        self._steps.drain()
         self.check_health()
         return self._wait([w.execute_method.remote(method, args, kwargs or {}) for w in self.workers], method)
 
-    def execute_model(self, scheduler_output: Any) -> Any:
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.parallel_config.pipeline_parallel_size
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._execute_model_non_block(scheduler_output).result()
+
+    def _execute_model_non_block(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Queue the step on every actor and return at once; an actor runs its calls in the order sent,
+        so a stage before the last starts the next step while the later stages still run this one."""
         self.check_health()
         # one copy in the object store, a reference to it for every rank
         ref = ray.put(scheduler_output)
-        outputs = self._wait([w.execute_model.remote(ref) for w in self.workers], "execute_model")
-        out = outputs[self.output_rank]
-        assert out is not None, "the output rank returned no step result"
-        return out
+        refs = [w.execute_model.remote(ref) for w in self.workers]
+
+        def collect() -> ModelRunnerOutput:
+            self._raise_if_failed_or_closed()
+            return self._output(self._wait(refs, "execute_model"))
+
+        def ready() -> bool:
+            return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+
+        return self._steps.submit(collect, ready)
 
     # -- health and shutdown -----------------------------------------------------------
     def check_health(self) -> None:

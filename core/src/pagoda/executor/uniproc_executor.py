@@ -23,7 +23,7 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # the per-step path: no list, no lookup by name
         out = self.driver_worker.execute_model(scheduler_output)
         assert out is not None

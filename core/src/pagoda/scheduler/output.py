@@ -38,6 +38,9 @@ class CachedRequestData:
     replace_block_ids: list[bool] = field(default_factory=list)
     # Tokens the scheduler appended that the runner did not sample itself (beam search).
     new_token_ids: list[list[int]] = field(default_factory=list)
+    # Pipeline parallelism only (else empty): the request's output tokens among those this step computes.
+    # Only the last stage samples; a stage before it appends the ones it lacks (vLLM sends the same).
+    scheduled_output_token_ids: list[list[int]] = field(default_factory=list)
 
     def append(self, req_id: str, block_ids: list[int], num_computed: int, replace: bool = False,
                token_ids: list[int] | None = None) -> None:

@@ -47,6 +47,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
         structured_output_manager: StructuredOutputManager | None = None,
+        use_pp: bool = False,
     ) -> None:
         self.kv = kv_cache_manager
         self.structured_output_manager = structured_output_manager
@@ -72,6 +73,16 @@ class Scheduler:
         self.num_preemptions = 0
         # Installed by the first beam search; its beams are ordinary requests in ``requests``.
         self.beam_search: NoBeamSearch | BeamSearchScheduling = NO_BEAM_SEARCH
+        # Pipeline parallelism (vLLM's use_pp): only the last stage samples, so each step tells the
+        # stages before it the output tokens it schedules (CachedRequestData.scheduled_output_token_ids).
+        self.use_pp = use_pp
+        # Batches scheduled whose output is not applied yet (several with a batch queue): request id ->
+        # how many hold it. Such a request is not scheduled again: it waits for its sampled token, and a
+        # preempted one must not come back before the stale results of its old run are dropped.
+        self._in_flight: dict[str, int] = {}
+        # How many batches the engine keeps in flight (its batch queue); above 1, a step takes at most
+        # its share of the live requests, so a burst does not fill one batch and leave the others empty.
+        self.num_micro_batches = 1
 
     # -- intake ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -187,11 +198,12 @@ class Scheduler:
                 self._compiling.remove(r)
                 self.waiting.add(r)
 
+        max_reqs = self._micro_batch_size()
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or req.request_id in self._in_flight:
                 i += 1
                 continue
             new_blocks: list[int] | None = None
@@ -221,15 +233,20 @@ class Scheduler:
             else:
                 cached.append(req.request_id, new_blocks, req.num_computed_tokens, token_ids=req.unsent_token_ids)
                 req.unsent_token_ids = []
+                if self.use_pp:
+                    first = max(req.num_computed_tokens, req.num_prompt_tokens)
+                    cached.scheduled_output_token_ids.append(req.all_token_ids[first:req.num_computed_tokens + num_new])
             i += 1
 
         if not preempted:
             beams = self.beam_search
-            while len(self.waiting) and budget > 0:
+            while len(self.waiting) and budget > 0 and len(num_scheduled) < max_reqs:
                 free_rows = self.max_num_seqs - len(self.running) - beams.reserved_rows()
                 admissible = beams.admissible(self.waiting.peek(), free_rows, self.waiting)
                 if admissible is None or len(self.running) >= self.max_num_seqs:
                     break
+                if admissible.request_id in self._in_flight:
+                    break  # preempted (or its id reused) while a batch holding it runs: after that batch
                 req = admissible
                 grammar = req.structured_output
                 if grammar is not None and grammar.error is not None:
@@ -289,7 +306,28 @@ class Scheduler:
         # applied (pipelined engines) and must not hand out the same tokens again.
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
+            self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
         return out
+
+    def _micro_batch_size(self) -> int:
+        """Most requests one step takes: all of them, or with several batches in flight an even share."""
+        if self.num_micro_batches <= 1:
+            return self.max_num_seqs
+        live = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+        return max(1, -(-live // self.num_micro_batches))
+
+    def discard_batch(self, sched_out: SchedulerOutput) -> None:
+        """A scheduled batch whose output will never be applied (its step failed): its requests are free again."""
+        for rid in sched_out.num_scheduled_tokens:
+            left = self._in_flight.get(rid, 0) - 1
+            if left > 0:
+                self._in_flight[rid] = left
+            else:
+                self._in_flight.pop(rid, None)
+
+    def in_flight_request_ids(self) -> list[str]:
+        """Live requests held by a batch whose output is not applied yet (running or preempted)."""
+        return [rid for rid in self._in_flight if rid in self.requests]
 
     def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
         """One bitmask for the constrained requests that sample this step (their prompt is done)."""
@@ -345,6 +383,8 @@ class Scheduler:
             for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                            cached.replace_block_ids, cached.new_token_ids):
                 del column[j]
+            if cached.scheduled_output_token_ids:
+                del cached.scheduled_output_token_ids[j]
         for j, new in enumerate(new_reqs):
             if new.req_id == rid:
                 # the runner never saw it: nothing for it to forget
@@ -371,6 +411,7 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        self.discard_batch(sched_out)  # its requests may be scheduled again from here on
         outputs: list[EngineCoreOutput] = self.take_pending_outputs()
         now = time.time()
         prompt_logprobs = runner_out.prompt_logprobs or {}

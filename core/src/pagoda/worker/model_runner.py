@@ -32,7 +32,7 @@ from pagoda.structured_output.backend import StructuredOutputBackend
 from pagoda.structured_output.manager import load_backend_class
 from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
 from pagoda.worker.input_batch import InputBatch
-from pagoda.worker.pipeline_stage import follow_last_stage, send_to_next_stage, share_sampled_tokens, stage_inputs
+from pagoda.worker.pipeline_stage import send_to_next_stage, stage_inputs, take_scheduled_tokens
 from pagoda.worker.sampling import RunnerSampler
 
 logger = logging.getLogger(__name__)
@@ -332,6 +332,10 @@ class ModelRunner:
                 self.batch.append_blocks(row, cached.new_block_ids[i])
             if cached.new_token_ids and cached.new_token_ids[i]:
                 self.batch.append_tokens(row, cached.new_token_ids[i])
+            if cached.scheduled_output_token_ids and cached.scheduled_output_token_ids[i]:
+                # pipeline parallelism: tokens the last stage sampled; that stage has them already
+                take_scheduled_tokens(self.batch, row, cached.scheduled_output_token_ids[i],
+                                      cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid])
             self.batch.num_computed[row] = cached.num_computed_tokens[i]
         if so.block_copies:
             src = torch.tensor([s for s, _ in so.block_copies], device=self.device)
@@ -446,8 +450,9 @@ class ModelRunner:
         samples = seq_lens >= b.num_tokens[rows]
         b.num_computed[rows] = seq_lens
         if not self.pp.is_last_rank:
+            # no waiting for the last stage: the next batch can start here while this one runs there
             send_to_next_stage(self.pp, hidden)
-            return follow_last_stage(self.pp, b, req_ids, rows, samples)
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
         if self.runner_type == "pooling":
             return self._pool(hidden, req_ids, rows, cu, start, nsched, samples)
         sampler = self.sampler
@@ -475,8 +480,6 @@ class ModelRunner:
             if so.structured_output_request_ids:
                 logits = self._apply_grammar_bitmask(logits, [req_ids[i] for i in sample_idx], so)
             tokens = sampler.sample(logits, sample_rows, [req_ids[i] for i in sample_idx], result)
-            if self.pp.world_size > 1:
-                share_sampled_tokens(self.pp, tokens)
             # The runner keeps its own copy of each request's tokens for the next step's inputs.
             b.token_ids[sample_rows, b.num_tokens[sample_rows]] = tokens
             b.num_tokens[sample_rows] += 1

@@ -1,22 +1,20 @@
-"""What a model runner does differently on a pipeline stage: activations in and out, sampled tokens shared.
+"""What a model runner does differently on a pipeline stage: activations in and out, sampled tokens from the engine.
 
 Stage ``s`` receives the previous stage's ``IntermediateTensors`` (shapes from the model's
 ``make_empty_intermediate_tensors``), runs its layers and sends its own to stage ``s + 1``; the last
-stage computes logits and samples, then broadcasts the sampled token ids over the pipeline group, so
-every stage's batch holds the same tokens (the first needs them as the next step's inputs, all of them
-to know which rows sample). One micro-batch is in flight at a time: the stages run one after another.
+stage computes logits and samples. The stages before it never wait for the sampled tokens: the engine
+sends them back with the step that computes them (vLLM's way), so a stage is free for the next batch as
+soon as it has sent its activations, and several micro-batches can be in flight at once.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from pagoda.distributed.parallel_state import GroupCoordinator
 from pagoda.distributed.pipeline import IntermediateTensors
-from pagoda.scheduler.output import ModelRunnerOutput
 from pagoda.worker.input_batch import InputBatch
 
 
@@ -40,26 +38,13 @@ def send_to_next_stage(pp: GroupCoordinator, tensors: Any) -> None:
         pp.send_next(tensors[key])
 
 
-def share_sampled_tokens(pp: GroupCoordinator, tokens: torch.Tensor) -> None:
-    """On the last stage: every other stage receives these sampled ids."""
-    pp.broadcast_from_last(tokens.to(torch.int64).contiguous())
+def take_scheduled_tokens(batch: InputBatch, row: int, token_ids: list[int], end: int) -> None:
+    """On a stage before the last: append the scheduled output tokens (ending at position ``end``) it lacks.
 
-
-def follow_last_stage(pp: GroupCoordinator, batch: InputBatch, req_ids: list[str], rows: np.ndarray,
-                      samples: np.ndarray) -> ModelRunnerOutput:
-    """On a stage before the last: take the last stage's sampled ids into this stage's batch.
-
-    The rows that sample are the same on every stage (same batch, same step); beam rows never sample.
+    Only the last stage samples; the engine hands the sampled tokens back with the step that computes
+    them (``CachedRequestData.scheduled_output_token_ids``). Counting from ``end`` makes this a no-op
+    on the last stage and for tokens the stage already holds (beam search's, sent as ``new_token_ids``).
     """
-    sample_idx = np.nonzero(samples)[0]
-    if len(sample_idx):
-        sample_idx = sample_idx[batch.num_beam_candidates[rows[sample_idx]] == 0]
-    sampled: list[list[int]] = [[] for _ in req_ids]
-    if len(sample_idx):
-        tokens = pp.broadcast_from_last(torch.empty(len(sample_idx), dtype=torch.int64))
-        sample_rows = rows[sample_idx]
-        batch.token_ids[sample_rows, batch.num_tokens[sample_rows]] = tokens.numpy()
-        batch.num_tokens[sample_rows] += 1
-        for i, tok in zip(sample_idx.tolist(), tokens.tolist()):
-            sampled[i].append(tok)
-    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+    missing = end - int(batch.num_tokens[row])
+    if missing > 0:
+        batch.append_tokens(row, token_ids[-missing:])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections import deque
 
 from pagoda.config import EngineConfig
 from pagoda.distributed import get_pp_group, get_tp_group, init_distributed_environment
@@ -21,6 +23,9 @@ from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.model_runner import MemoryReport, ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# steps whose times a worker keeps (a few minutes of decode steps)
+_STEP_TIMES_KEPT = 4096
 
 
 class Worker:
@@ -36,6 +41,9 @@ class Worker:
         # own process holds a copy and appends the tokens itself.
         self.in_engine_process = in_engine_process
         self.model_runner: ModelRunner | None = None
+        # (start, end) of this rank's recent non-empty steps, CLOCK_MONOTONIC (one clock for every process
+        # on a machine): whether and how much pipeline stages overlap (tests, benchmarks)
+        self.step_times: deque[tuple[float, float]] = deque(maxlen=_STEP_TIMES_KEPT)
 
     @property
     def is_output_rank(self) -> bool:
@@ -81,7 +89,10 @@ class Worker:
         return self.runner.supported_tasks()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        start = time.monotonic()
         out = self.runner.execute_model(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens:
+            self.step_times.append((start, time.monotonic()))
         if not self.in_engine_process:
             self._append_own_outputs(scheduler_output, out)
         return out if self.is_output_rank else None
@@ -95,6 +106,13 @@ class Worker:
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids):
             if tokens:
                 rows[rid].output_token_ids.extend(tokens)
+
+    def get_step_times(self, reset: bool = True) -> list[tuple[float, float]]:
+        """This rank's (start, end) monotonic times of its recent steps, oldest first."""
+        times = list(self.step_times)
+        if reset:
+            self.step_times.clear()
+        return times
 
     def get_comm_stats(self, reset: bool = True) -> dict[str, float]:
         """Seconds and calls this rank spent in tensor- and pipeline-parallel communication (benchmarks read it)."""
