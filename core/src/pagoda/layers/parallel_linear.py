@@ -85,6 +85,9 @@ class ColumnParallelLinear(Linear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None) -> None:
         if shard_id is None and len(self.output_sizes) > 1:
             # the checkpoint stores the projections already stacked (Phi-3's gate_up_proj)
+            if loaded_weight.shape[0] != sum(self.output_sizes):
+                raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, {type(self).__name__} "
+                                 f"expects {sum(self.output_sizes)} rows")
             for i, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
                 self.weight_loader(param, part, i)
             return

@@ -12,6 +12,13 @@ already, OPT's are stacked at load), attention goes through
 * ALiBi (Falcon ``alibi=True``): no rotation; the attention layer carries the
   slopes and the backend adds ``slope * (key_pos - query_pos)`` to the logits.
 
+Tensor parallelism comes from core's layers: qkv and fc1 column-parallel
+(heads and the MLP width split across ranks, KV heads replicated when there are
+fewer than ranks: Falcon's multi-query), o_proj and fc2 row-parallel, the
+vocabulary split in the embedding and the LM head, the learned position table
+split as a vocabulary too (vLLM's GPT-2 does the same), OPT's project_in /
+project_out replicated; each rank's attention gets its heads' ALiBi slopes.
+
 Parameter names are one scheme for the three architectures; each
 checkpoint's names reach them through its ``checkpoint_renames`` table
 (``weights.py``).
@@ -26,13 +33,18 @@ import torch
 from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
+from pagoda.distributed import get_tensor_model_parallel_rank
 from pagoda.layers import (
     Activation,
-    Embedding,
+    ColumnParallelLinear,
     LayerNorm,
     LayerOpsModule,
-    Linear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    ReplicatedLinear,
     RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
     rope_config_from_hf,
 )
 from pagoda.models.interface import config_for
@@ -54,22 +66,25 @@ CosSin = tuple[torch.Tensor, torch.Tensor] | None
 class GPTAttention(LayerOpsModule):  # self.ops rotates q and k (rotary models)
     def __init__(self, cfg: Any, options: GPTOptions, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = options.num_heads
-        self.num_kv_heads = options.num_kv_heads
         self.head_dim = options.head_dim
+        # with tensor parallelism this rank's heads only (core's layer splits them)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, options.num_heads, options.num_kv_heads,
+                                          options.qkv_bias, dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        # row counts of the checkpoint's q/k/v projections stacked into qkv_proj (OPT)
-        self.shard_sizes = {"qkv_proj": [self.q_size, self.kv_size, self.kv_size]}
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, options.qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, options.o_proj_bias, dtype)
+        self.o_proj = RowParallelLinear(options.num_heads * self.head_dim, cfg.hidden_size, options.o_proj_bias, dtype)
+        slopes = options.alibi_slopes
+        if slopes is not None:
+            first = get_tensor_model_parallel_rank() * self.num_heads
+            slopes = slopes[first : first + self.num_heads]
         self.attn = Attention(
             num_heads=self.num_heads,
             head_dim=self.head_dim,
             scale=options.attention_scales[layer_idx],
             num_kv_heads=self.num_kv_heads,
             layer_idx=layer_idx,
-            alibi_slopes=options.alibi_slopes,
+            alibi_slopes=slopes,
         )
 
     def forward(self, hidden: torch.Tensor, cos_sin: CosSin, metadata: AttentionMetadata) -> torch.Tensor:
@@ -90,8 +105,8 @@ class GPTMLP(nn.Module):
 
     def __init__(self, cfg: Any, options: GPTOptions, dtype: torch.dtype) -> None:
         super().__init__()
-        self.fc1 = Linear(cfg.hidden_size, options.intermediate_size, options.mlp_bias, dtype)
-        self.fc2 = Linear(options.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, options.intermediate_size, options.mlp_bias, dtype)
+        self.fc2 = RowParallelLinear(options.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
         self.act = Activation(options.hidden_act)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -131,13 +146,13 @@ class GPTModel(nn.Module):
         super().__init__()
         hidden = cfg.hidden_size
         embed_dim = options.embed_dim or hidden
-        self.embed_tokens = Embedding(cfg.vocab_size, embed_dim, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, embed_dim, dtype)
         # OPT's word_embed_proj_dim: embeddings narrower than the decoder, projected in and out
-        self.project_in = Linear(embed_dim, hidden, False, dtype) if options.embed_dim else None
-        self.project_out = Linear(hidden, embed_dim, False, dtype) if options.embed_dim else None
+        self.project_in = ReplicatedLinear(embed_dim, hidden, False, dtype) if options.embed_dim else None
+        self.project_out = ReplicatedLinear(hidden, embed_dim, False, dtype) if options.embed_dim else None
         self.position_offset = options.position_offset
         self.embed_positions = (
-            Embedding(options.max_position_embeddings + options.position_offset, hidden, dtype)
+            VocabParallelEmbedding(options.max_position_embeddings + options.position_offset, hidden, dtype)
             if options.positions == "learned"
             else None
         )
@@ -179,7 +194,7 @@ class GPTFamilyForCausalLM(nn.Module):
         self.options = self.decoder_options(cfg, dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         self.model = GPTModel(cfg, self.options, dtype)
-        self.lm_head = Linear(self.options.embed_dim or cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, self.options.embed_dim or cfg.hidden_size, False, dtype)
         if self.tie_word_embeddings:
             # One tensor, two modules: parameters() lists it once, under the embedding's name.
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint names and layouts -> the parameters of the GPT-family model.
+"""Hugging Face checkpoint names and layouts -> the parameters of the GPT-family model (core's ``AutoWeightsLoader``).
 
 The model has one set of parameter names for GPT-2, OPT and Falcon
 (``model.embed_tokens``, ``model.embed_positions``, ``model.layers.N.self_attn.qkv_proj``,
@@ -18,16 +18,20 @@ The model has one set of parameter names for GPT-2, OPT and Falcon
   fused query_key_value rows are regrouped to [all q; all k; all v];
 * ``packed_modules_mapping`` (class attribute, vLLM's name): projections the
   checkpoint stores apart and the model stacks into one weight (OPT's q/k/v ->
-  ``qkv_proj``); the owning module's ``shard_sizes`` gives each part's row count.
+  ``qkv_proj``).
+
+These feed core's ``AutoWeightsLoader``; each parameter's own ``weight_loader``
+(core's tensor-parallel layers) takes this rank's part of the tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
+
+from pagoda.model_loader.auto_weights_loader import AutoWeightsLoader
 
 if TYPE_CHECKING:
     from pagoda_models_gpt.gpt import GPTFamilyForCausalLM
@@ -107,99 +111,25 @@ def regroup_fused_qkv(tensor: torch.Tensor, layout: str, num_heads: int, num_kv_
     return tensor
 
 
-class _Packed(Protocol):
-    """A module owning fused projections: the row count of each stacked checkpoint projection, per fused name."""
-
-    shard_sizes: dict[str, list[int]]
-
-
-@dataclass(frozen=True)
-class _Target:
-    """Where one checkpoint tensor goes: a parameter, or one shard (rows) of it."""
-
-    param_name: str
-    shard: int  # 0 for a whole parameter
-    tensor: torch.Tensor
-
-
-class _Loader:
-    def __init__(self, model: GPTFamilyForCausalLM) -> None:
-        self.model = model
-        self.params = dict(model.named_parameters())
-        self.renames = model.checkpoint_renames
-        self.inverse = [(new, old) for old, new in reversed(self.renames)]
-        self.packed = model.packed_modules_mapping
-        self.shard_of = {part: (fused, i) for fused, parts in self.packed.items() for i, part in enumerate(parts)}
-        # parameter -> how many shards fill it (1 unless stacked from several checkpoint tensors)
-        self.expected = {name: 1 for name in self.params}
-        for name in self.params:
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in self.packed:
-                self.expected[name] = len(self.packed[parts[-2]])
-        self.filled: dict[str, set[int]] = {}
-
-    def target(self, name: str) -> _Target | None:
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in self.shard_of:
-            fused, shard = self.shard_of[parts[-2]]
-            owner = ".".join(parts[:-2])
-            fused_name = f"{owner}.{fused}.{parts[-1]}"
-            param = self.params.get(fused_name)
-            if param is None:
-                return None
-            sizes = cast(_Packed, self.model.get_submodule(owner)).shard_sizes[fused]
-            return _Target(fused_name, shard, param.data.narrow(0, sum(sizes[:shard]), sizes[shard]))
-        param = self.params.get(name)
-        return None if param is None else _Target(name, 0, param.data)
-
-    def missing(self) -> list[str]:
-        """Checkpoint names (under the checkpoint's own naming) never filled."""
-        names: list[str] = []
-        for pname, count in self.expected.items():
-            if self.model.tie_word_embeddings and pname == "lm_head.weight":
-                continue
-            unfilled = sorted(set(range(count)) - self.filled.get(pname, set()))
-            if not unfilled:
-                continue
-            parts = pname.split(".")
-            stacked = self.packed.get(parts[-2], []) if len(parts) >= 2 and count > 1 else []
-            if stacked:
-                names.extend(".".join([*parts[:-2], stacked[i], parts[-1]]) for i in unfilled)
-            else:
-                names.append(pname)
-        return [substitute(name, self.inverse) for name in names]
-
-
 def load_gpt_weights(model: GPTFamilyForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Copy each (HF name, tensor) into the model, casting to its dtype; return the HF names consumed.
 
-    Unknown names, shape mismatches and parameters left unfilled raise ``ValueError`` naming the
+    Unknown names, tensors a layer cannot take and parameters left unfilled raise ``ValueError`` naming the
     weight: parameters start uninitialised (``torch.empty``). With tied embeddings the LM head's
     weight is skipped (it is the embedding).
     """
-    loader = _Loader(model)
-    loaded: set[str] = set()
-    with torch.no_grad():
-        for name, tensor in weights:
-            if name.endswith(SKIPPED_SUFFIXES):
-                continue
-            renamed = substitute(model.normalize_checkpoint_name(name), loader.renames)
-            if model.tie_word_embeddings and renamed == "lm_head.weight":
-                continue
-            target = loader.target(renamed)
-            if target is None:
-                raise ValueError(f"checkpoint weight {name!r} matches no parameter of {type(model).__name__}")
-            tensor = model.convert_checkpoint_tensor(renamed, tensor)
-            if tuple(target.tensor.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(target.tensor.shape)}"
-                )
-            target.tensor.copy_(tensor)
-            loader.filled.setdefault(target.param_name, set()).add(target.shard)
-            loaded.add(name)
-    missing = loader.missing()
-    if missing:
-        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        raise ValueError(f"checkpoint is missing weight(s) {', '.join(missing[:8])}{more}")
-    return loaded
+    renames = model.checkpoint_renames
+    inverse = [(new, old) for old, new in reversed(renames)]
+
+    def convert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        yield name, model.convert_checkpoint_tensor(name, tensor)
+
+    return AutoWeightsLoader(
+        model,
+        packed_modules_mapping=model.packed_modules_mapping,
+        skip_suffixes=SKIPPED_SUFFIXES,
+        skip_names={"lm_head.weight"} if model.tie_word_embeddings else (),
+        name_mapper=lambda name: substitute(model.normalize_checkpoint_name(name), renames),
+        inverse_name_mapper=lambda name: substitute(name, inverse),
+        tensor_mapper=convert,
+    ).load_weights(weights)
