@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 import jsonschema
 import pytest
 import torch
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
-from pagoda.structured_output import StructuredOutputError, apply_token_bitmask
+from pagoda.structured_output import StructuredOutputError
+from pagoda.testing import structured_checks as sc
 from pagoda.testing.json_schemas import SCHEMAS
 
 # Lark, llguidance's native grammar format; one operator per level, so SmolLM2 cannot repeat "+1" until max_tokens
@@ -30,26 +30,9 @@ def llm() -> LLM:
     return LLM(max_num_seqs=64, structured_outputs_config={"backend": "guidance"})
 
 
-def _json_params(schema: dict[str, Any], temperature: float, seed: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=temperature, seed=seed if temperature else None, max_tokens=120,
-        structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=temperature > 0),
-    )
-
-
 def test_json_schemas_validate_at_temperature_0_and_1(llm: LLM) -> None:
     # every other one of the 50 schemas the xgrammar plugin runs (the suite's time), each at temperature 0 and 1
-    prompts, params, schemas = [], [], []
-    for i, schema in enumerate(SCHEMAS[::2]):
-        for temperature in (0.0, 1.0):
-            prompts.append(f"Answer in JSON matching this schema: {json.dumps(schema)}")
-            params.append(_json_params(schema, temperature, seed=i))
-            schemas.append(schema)
-    outputs = llm.generate(prompts, params)
-    for out, schema in zip(outputs, schemas):
-        completion = out.outputs[0]
-        assert completion.finish_reason == "stop", (schema, completion.text)
-        jsonschema.validate(json.loads(completion.text), schema)
+    sc.check_json_schemas_validate(llm, SCHEMAS[::2])
 
 
 def test_regex_choice_and_lark_grammar(llm: LLM) -> None:
@@ -118,18 +101,7 @@ def test_bad_constraints_are_value_errors(llm: LLM) -> None:
 
 
 def test_preemption_keeps_outputs_valid() -> None:
-    small = LLM(num_kv_blocks=24, block_size=16, max_model_len=192, max_num_seqs=8, enable_prefix_caching=False,
-                structured_outputs_config={"backend": "guidance"})
-    digits = StructuredOutputsParams(regex="[0-9]{100}")
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=110, structured_outputs=digits) for i in range(4)]
-    params += [_json_params(SCHEMAS[16], 1.0, seed=i) for i in range(4)]
-    outputs = small.generate([f"Order {i}:" for i in range(8)], params)
-    assert small.llm_engine.engine_core.core.scheduler.num_preemptions > 0
-    for out in outputs[:4]:
-        assert out.outputs[0].finish_reason == "stop" and re.fullmatch("[0-9]{100}", out.outputs[0].text), out
-    for out in outputs[4:]:
-        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
-        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[16])
+    sc.check_preemption_keeps_outputs_valid(backend="guidance")
 
 
 def test_parallel_bitmask_fill_equals_one_by_one(llm: LLM) -> None:
@@ -152,14 +124,7 @@ def test_parallel_bitmask_fill_equals_one_by_one(llm: LLM) -> None:
 def test_llguidance_bit_layout_matches_core_masking() -> None:
     import llguidance.torch
 
-    gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(5, 100, generator=gen)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 4), dtype=torch.int32, generator=gen)
-    bitmask[2] = -1
-    expected = logits.clone()
-    apply_token_bitmask(expected, torch.arange(5), bitmask)
-    llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
-    assert torch.equal(logits, expected)
+    sc.check_bit_layout_matches_core_masking(llguidance.torch.apply_token_bitmask_inplace)
 
 
 def test_no_properties_beyond_the_schemas_unless_it_allows_them(llm: LLM) -> None:

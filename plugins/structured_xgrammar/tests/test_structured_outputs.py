@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 import jsonschema
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from pagoda import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from pagoda.structured_output import StructuredOutputError, apply_token_bitmask
+from pagoda.testing import structured_checks as sc
 from pagoda.testing.json_schemas import SCHEMAS
 
 ARITHMETIC = r"""
@@ -29,25 +29,8 @@ def llm() -> LLM:
     return LLM(max_num_seqs=64)
 
 
-def _json_params(schema: dict[str, Any], temperature: float, seed: int) -> SamplingParams:
-    return SamplingParams(
-        temperature=temperature, seed=seed if temperature else None, max_tokens=120,
-        structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=temperature > 0),
-    )
-
-
 def test_json_schemas_validate_at_temperature_0_and_1(llm: LLM) -> None:
-    prompts, params, schemas = [], [], []
-    for i, schema in enumerate(SCHEMAS):
-        for temperature in (0.0, 1.0):
-            prompts.append(f"Answer in JSON matching this schema: {json.dumps(schema)}")
-            params.append(_json_params(schema, temperature, seed=i))
-            schemas.append(schema)
-    outputs = llm.generate(prompts, params)
-    for out, schema in zip(outputs, schemas):
-        completion = out.outputs[0]
-        assert completion.finish_reason == "stop", (schema, completion.text)
-        jsonschema.validate(json.loads(completion.text), schema)
+    sc.check_json_schemas_validate(llm)
 
 
 def test_regex_choice_and_grammar(llm: LLM) -> None:
@@ -110,19 +93,7 @@ def test_bad_constraints_are_value_errors(llm: LLM) -> None:
 
 
 def test_preemption_keeps_outputs_valid() -> None:
-    # 24 blocks of 16 tokens; the regex requests need ~7 blocks each (100 digits + EOS), so 8 requests
-    # cannot all run at once: some are preempted and recomputed, their matchers kept
-    small = LLM(num_kv_blocks=24, block_size=16, max_model_len=192, max_num_seqs=8, enable_prefix_caching=False)
-    digits = StructuredOutputsParams(regex="[0-9]{100}")
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=110, structured_outputs=digits) for i in range(4)]
-    params += [_json_params(SCHEMAS[16], 1.0, seed=i) for i in range(4)]
-    outputs = small.generate([f"Order {i}:" for i in range(8)], params)
-    assert small.llm_engine.engine_core.core.scheduler.num_preemptions > 0
-    for out in outputs[:4]:
-        assert out.outputs[0].finish_reason == "stop" and re.fullmatch("[0-9]{100}", out.outputs[0].text), out
-    for out in outputs[4:]:
-        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
-        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[16])
+    sc.check_preemption_keeps_outputs_valid()
 
 
 def test_apply_token_bitmask_matches_a_reference() -> None:
@@ -146,12 +117,4 @@ def test_apply_token_bitmask_matches_a_reference() -> None:
 def test_xgrammar_bit_layout_matches_core_masking() -> None:
     import xgrammar as xgr
 
-    gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(5, 100, generator=gen)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 4), dtype=torch.int32, generator=gen)
-    bitmask[2] = -1  # an unconstrained row stays as it is
-    expected = logits.clone()
-    apply_token_bitmask(expected, torch.arange(5), bitmask)
-    xgr.apply_token_bitmask_inplace(logits, bitmask)
-    assert torch.equal(logits, expected)
-    assert torch.isfinite(logits[2]).all()
+    sc.check_bit_layout_matches_core_masking(xgr.apply_token_bitmask_inplace)
