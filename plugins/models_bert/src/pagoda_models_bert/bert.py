@@ -9,6 +9,12 @@ are absolute embeddings; RoBERTa numbers them from ``padding_idx + 1`` as its
 type ids come from the runner (zeros unless a prompt gives them: the second
 text of a cross-encoder pair).
 
+Tensor parallelism comes from core's layers: qkv and the intermediate dense
+column-parallel (heads and the MLP width split across ranks), each output dense
+row-parallel (one all-reduce), the word, position and token-type tables
+vocab-parallel; the pooler and classifier heads are small and replicated, so
+every rank pools the same all-reduced hidden states.
+
 The classes are pooling models: ``forward`` returns the last hidden states and
 ``pooler`` (core's ``pagoda.pooling.pooler``) turns them into embeddings,
 class probabilities or scores.
@@ -23,7 +29,16 @@ import torch
 from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
-from pagoda.layers import Activation, Embedding, LayerNorm, Linear
+from pagoda.distributed import get_tensor_model_parallel_world_size
+from pagoda.layers import (
+    Activation,
+    ColumnParallelLinear,
+    LayerNorm,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from pagoda.pooling.config import PoolerConfig
 from pagoda.pooling.pooler import DispatchPooler, classification_pooler, embedding_pooler
 from pagoda_models_bert.weights import load_bert_weights
@@ -40,9 +55,11 @@ def _check_config(cfg: Any) -> None:
 class BertEmbeddings(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, position_offset: int) -> None:
         super().__init__()
-        self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.position_embeddings = Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype)
-        self.token_type_embeddings = Embedding(cfg.type_vocab_size, cfg.hidden_size, dtype)
+        self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.position_embeddings = VocabParallelEmbedding(cfg.max_position_embeddings, cfg.hidden_size, dtype)
+        self.token_type_embeddings = VocabParallelEmbedding(cfg.type_vocab_size, cfg.hidden_size, dtype)
+        # with the table split across ranks, row 0 is one rank's: look it up (and all-reduce) like any id
+        self.whole_token_types = get_tensor_model_parallel_world_size() == 1
         self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
         # RoBERTa: position p of a sequence reads row p + padding_idx + 1
         self.position_offset = position_offset
@@ -50,8 +67,10 @@ class BertEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         hidden = self.word_embeddings(input_ids)
         hidden = hidden + self.position_embeddings(positions + self.position_offset if self.position_offset else positions)
-        if token_type_ids is None:
+        if token_type_ids is None and self.whole_token_types:
             hidden = hidden + self.token_type_embeddings.weight[0]
+        elif token_type_ids is None:
+            hidden = hidden + self.token_type_embeddings(torch.zeros_like(input_ids))
         else:
             hidden = hidden + self.token_type_embeddings(token_type_ids)
         return self.LayerNorm(hidden)
@@ -60,13 +79,14 @@ class BertEmbeddings(nn.Module):
 class BertSelfAttention(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        if cfg.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of num_attention_heads={self.num_heads}")
-        self.head_dim = cfg.hidden_size // self.num_heads
+        total_heads = cfg.num_attention_heads
+        if cfg.hidden_size % total_heads:
+            raise ValueError(f"hidden_size={cfg.hidden_size} is not a multiple of num_attention_heads={total_heads}")
+        self.head_dim = cfg.hidden_size // total_heads
+        # query, key and value stacked into one matmul; with tensor parallelism this rank's heads only
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_heads, True, dtype)
+        self.num_heads = self.qkv_proj.num_heads
         self.size = self.num_heads * self.head_dim
-        # query, key and value stacked into one matmul (weights.py fills the three row blocks)
-        self.qkv_proj = Linear(cfg.hidden_size, 3 * self.size, True, dtype)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, layer_idx=layer_idx, causal=False)
 
     def forward(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -80,7 +100,7 @@ class BertDenseAndNorm(nn.Module):
 
     def __init__(self, in_features: int, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.dense = Linear(in_features, cfg.hidden_size, True, dtype)
+        self.dense = RowParallelLinear(in_features, cfg.hidden_size, True, dtype)
         self.LayerNorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -103,7 +123,7 @@ class BertAttention(nn.Module):
 class BertIntermediate(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.dense = Linear(cfg.hidden_size, cfg.intermediate_size, True, dtype)
+        self.dense = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, True, dtype)
         self.act = Activation(cfg.hidden_act)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -142,7 +162,7 @@ class BertPooler(nn.Module):
 
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.dense = Linear(cfg.hidden_size, cfg.hidden_size, True, dtype)
+        self.dense = ReplicatedLinear(cfg.hidden_size, cfg.hidden_size, True, dtype)
 
     def forward(self, cls_rows: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.dense(cls_rows))
@@ -222,7 +242,7 @@ class BertForSequenceClassification(_BertPoolingModel):
     def __init__(self, hf_config: Any, dtype: torch.dtype, pooler_config: PoolerConfig | None = None) -> None:
         super().__init__(hf_config, dtype, pooler_config)
         self.num_labels = int(hf_config.num_labels)
-        self.classifier = Linear(hf_config.hidden_size, self.num_labels, True, dtype)
+        self.classifier = ReplicatedLinear(hf_config.hidden_size, self.num_labels, True, dtype)
         self.pooler: DispatchPooler = classification_pooler(
             self.pooler_config, self._classify, self.num_labels, self.default_pooling_type, per_token=self.classifier)
 
@@ -239,8 +259,8 @@ class RobertaClassificationHead(nn.Module):
 
     def __init__(self, cfg: Any, num_labels: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.dense = Linear(cfg.hidden_size, cfg.hidden_size, True, dtype)
-        self.out_proj = Linear(cfg.hidden_size, num_labels, True, dtype)
+        self.dense = ReplicatedLinear(cfg.hidden_size, cfg.hidden_size, True, dtype)
+        self.out_proj = ReplicatedLinear(cfg.hidden_size, num_labels, True, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_proj(torch.tanh(self.dense(x)))
