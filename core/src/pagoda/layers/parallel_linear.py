@@ -204,8 +204,10 @@ def check_tensor_parallel_support(model: nn.Module, architecture: str) -> None:
     from pagoda.layers.embedding import Embedding
     from pagoda.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    plain = [name for name, m in model.named_modules()
-             if type(m) is Linear or (isinstance(m, Embedding) and not isinstance(m, VocabParallelEmbedding))]
+    parallel = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, VocabParallelEmbedding)
+    # core's plain layers, their subclasses, and torch's own (a model built from transformers' modules)
+    unsplit = (Linear, Embedding, nn.Linear, nn.Embedding)
+    plain = [name for name, m in model.named_modules() if isinstance(m, unsplit) and not isinstance(m, parallel)]
     if plain:
         more = f" and {len(plain) - 4} more" if len(plain) > 4 else ""
         raise ValueError(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.layers import Linear
+from pagoda.layers import ReplicatedLinear
 from pagoda.models.interface import config_for
 from pagoda.pooling.config import PoolerConfig
 from pagoda.pooling.pooler import DispatchPooler, Pooler, classification_pooler, embedding_pooler
@@ -65,7 +65,8 @@ def as_pooling_model(cls: type, convert: str) -> type:
             self.num_labels = int(getattr(hf_config, "num_labels", 0) or 0)
             if self.num_labels < 1:
                 raise ValueError("convert='classify' needs num_labels (or id2label) in the model config")
-            self.score = Linear(cfg.hidden_size, self.num_labels, False, dtype)
+            # small: whole on every tensor-parallel rank, which all pool the same hidden states
+            self.score = ReplicatedLinear(cfg.hidden_size, self.num_labels, False, dtype)
         self.pooler = _pooler_for(convert, self, cfg, pooler_config or PoolerConfig())
 
     def compute_logits(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:

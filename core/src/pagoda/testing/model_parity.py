@@ -18,6 +18,8 @@ Typical use in a plugin's tests::
     def test_parity(tmp_path):
         hf_model = build_tiny_model(transformers.GPT2Config(...), seed=0)
         check_parity(hf_model, tmp_path)
+
+``check_tensor_parallel_parity`` is the same check at ``tensor_parallel_size=2`` (mp executor).
 """
 
 from __future__ import annotations
@@ -235,3 +237,21 @@ def check_parity(
         assert later_cached > 0, "the shared-prefix prompts did not hit the prefix cache"
     assert report.num_tokens_compared >= len(prompts) * new_tokens // 2, f"too few tokens compared: {report}"
     return report
+
+
+# two tensor-parallel ranks in worker processes (mp executor, gloo on loopback)
+TENSOR_PARALLEL_2: dict[str, Any] = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+def check_tensor_parallel_parity(hf_model: Any, tmp_path: Path, *, seed: int = 0, new_tokens: int = 6,
+                                 llm_kwargs: dict[str, Any] | None = None) -> ParityReport:
+    """``check_parity`` at ``tensor_parallel_size=2``: a family's tensor-parallel scenario.
+
+    Kept small, as two worker processes start per call: 8 mixed prompts of up to 40 tokens and 3 that
+    share a prefix, ``new_tokens`` greedy tokens each. Give the model heads, KV heads and widths that
+    two ranks divide (fewer KV heads than ranks replicates them) and an odd vocabulary, so the padded
+    vocab-parallel split is exercised too.
+    """
+    vocab_size = int(hf_model.config.vocab_size)
+    return check_parity(hf_model, tmp_path, prompts=mixed_prompts(vocab_size, num_prompts=8, max_len=40, seed=seed),
+                        new_tokens=new_tokens, llm_kwargs={**TENSOR_PARALLEL_2, **(llm_kwargs or {})})

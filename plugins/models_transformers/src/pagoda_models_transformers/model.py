@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagoda.attention import Attention, AttentionMetadata
+from pagoda.distributed import get_tensor_model_parallel_world_size
 from pagoda_models_transformers.attention import (
     ATTN_IMPLEMENTATION,
     CONTEXT_KWARG,
@@ -133,6 +134,12 @@ class TransformersForCausalLM(nn.Module):
             raise FallbackUnsupportedError(f"the transformers fallback cannot serve this model: {'; '.join(reasons)}")
         cls: Any = resolve_class(cfg, trust_remote_code)
         self.architecture: str = cls.__name__
+        if get_tensor_model_parallel_world_size() > 1:
+            # transformers' own modules hold whole layers: nothing here splits them across ranks
+            raise FallbackUnsupportedError(
+                f"the transformers fallback cannot serve {self.architecture} with tensor parallelism: its layers are "
+                "transformers' own, not core's parallel layers; run it with tensor_parallel_size=1, or with a model "
+                "family plugin that serves this architecture")
         register_attention_function()
         from transformers.initialization import no_init_weights
 
