@@ -53,14 +53,16 @@ class Attention(nn.Module):
             self.register_buffer("alibi_slopes", slopes.clone(), persistent=False)
         self.backend: AttentionBackend | None = None
         self.kv_cache: torch.Tensor | None = None
-        # fp8 KV cache scales (vLLM's names): 1.0 unless calculate_kv_scales derives them from the
-        # first step the runner enables it for (then it turns itself off). 0-d float32 tensors on
-        # the cache's device, made by bind(), so a captured graph reads their current values.
+        # fp8 KV cache scales (vLLM's names): the checkpoint's (load_kv_scale), else 1.0, unless
+        # calculate_kv_scales derives them from the first step the runner enables it for (then it
+        # turns itself off). 0-d float32 tensors on the cache's device, made by bind(), so a
+        # captured graph reads their current values. A cache that is not fp8 uses none of them.
         self.calculate_kv_scales = False
         self._k_scale: torch.Tensor | None = None
         self._v_scale: torch.Tensor | None = None
         self._k_scale_float = 1.0
         self._v_scale_float = 1.0
+        self.kv_scales_from_checkpoint = False
 
     def alibi_slopes_tuple(self) -> tuple[float, ...] | None:
         """The slopes as ``AttentionSpec.alibi_slopes`` carries them."""
@@ -72,6 +74,16 @@ class Attention(nn.Module):
         if is_fp8(kv_cache.dtype) and (self._k_scale is None or self._k_scale.device != kv_cache.device):
             self._k_scale = torch.tensor(self._k_scale_float, dtype=torch.float32, device=kv_cache.device)
             self._v_scale = torch.tensor(self._v_scale_float, dtype=torch.float32, device=kv_cache.device)
+
+    def load_kv_scale(self, which: str, value: float) -> None:
+        """A checkpoint's per-layer ``k_scale`` (``which="k"``) or ``v_scale`` (pagoda.model_loader.kv_scales)."""
+        if which not in ("k", "v") or not value > 0:
+            raise ValueError(f"a KV cache scale is k or v and positive; got {which}={value}")
+        setattr(self, f"_{which}_scale_float", float(value))
+        self.kv_scales_from_checkpoint = True
+        scale = self._k_scale if which == "k" else self._v_scale
+        if scale is not None:  # already bound: the tensor a graph reads takes the new value
+            scale.fill_(float(value))
 
     @torch.no_grad()
     def calc_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed import get_pp_group
 from pagoda.layers import bind_layer_ops, check_tensor_parallel_support, prepare_linear_layers
 from pagoda.model_loader import iter_weights
+from pagoda.model_loader.kv_scales import CheckpointKVScales
 from pagoda.models.adapters import as_pooling_model
 from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
@@ -166,7 +167,11 @@ class ModelRunner:
         cache_dtype = self.dtype if param_dtypes == {self.dtype} else None
         # The model raises on missing or unexpected weights: only it knows how
         # checkpoint tensors map onto its fused parameters.
-        model.load_weights(iter_weights(self.source, self.config.load_config.load_format, cache_dtype, keep_quantized))
+        # fp8 KV cache scales the checkpoint carries go to the attention layers, not the family's loader
+        kv_scales = CheckpointKVScales(model)
+        model.load_weights(kv_scales.take(iter_weights(self.source, self.config.load_config.load_format, cache_dtype,
+                                                       keep_quantized)))
+        self.checkpoint_kv_scales = kv_scales
         if quant_config is not None:
             logger.info("%s (%d layers)", quant_config.describe(), process_weights_after_loading(model))
         self.model = model.to(device=self.device).eval()
@@ -260,14 +265,30 @@ class ModelRunner:
             model_elem = torch.empty((), dtype=self.dtype).element_size()
             logger.info("KV cache dtype %s (%s, %d byte(s) a value): the same budget holds %gx the blocks of a %s cache%s",
                         self.config.cache_config.cache_dtype, cache_dtype, elem, model_elem / elem, self.dtype,
-                        "; k_scale / v_scale from the first step (calculate_kv_scales)" if self.config.cache_config.calculate_kv_scales
-                        else "; k_scale = v_scale = 1.0 (no calculate_kv_scales)" if is_fp8(cache_dtype) else "")
+                        self._kv_scales_source(cache_dtype))
+        elif self.checkpoint_kv_scales.loaded:
+            # as vLLM: a checkpoint's fp8 scales apply to an fp8 cache only
+            logger.info("checkpoint KV cache scales (%s) ignored: kv_cache_dtype=%r is not fp8",
+                        self.checkpoint_kv_scales.describe(), self.config.cache_config.cache_dtype)
         # Last: graphs bake in the bound KV caches and the batch's block-table width (pooling never decodes).
         self.graphs = create_decode_graphs(self) if self.runner_type == "generate" and self.pp.world_size == 1 else None
         # after the profile and any graph capture: the scales come from the first real step
         for layer in self.attn_layers:
             layer.calculate_kv_scales = self.config.cache_config.calculate_kv_scales
         return self.memory
+
+    def _kv_scales_source(self, cache_dtype: torch.dtype) -> str:
+        """Where an fp8 cache's k_scale / v_scale come from, for the log (vLLM's order of precedence)."""
+        if not is_fp8(cache_dtype):
+            return ""
+        if self.config.cache_config.calculate_kv_scales:
+            ignored = " (the checkpoint's are not used)" if self.checkpoint_kv_scales.loaded else ""
+            return f"; k_scale / v_scale from the first step (calculate_kv_scales){ignored}"
+        if self.checkpoint_kv_scales.loaded:
+            unscaled = len(self.attn_layers) - sum(layer.kv_scales_from_checkpoint for layer in self.attn_layers)
+            rest = f"; {unscaled} layer(s) without: 1.0" if unscaled else ""
+            return f"; k_scale / v_scale from the checkpoint ({self.checkpoint_kv_scales.describe()}{rest})"
+        return "; k_scale = v_scale = 1.0 (none in the checkpoint, no calculate_kv_scales)"
 
     @torch.inference_mode()
     def _profile_activation_peak(self, num_tokens: int, cache_dtype: torch.dtype) -> int:
