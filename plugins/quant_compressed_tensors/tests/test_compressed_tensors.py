@@ -90,11 +90,32 @@ def test_unsupported_schemes_are_refused(change: dict[str, Any], message: str) -
         CompressedTensorsConfig.from_config(config)
 
 
-def test_sparsity_and_kv_cache_schemes_are_refused() -> None:
+FP8_KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def test_sparsity_is_refused() -> None:
     base = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": W8A8_GROUP}}
-    for key in ("sparsity_config", "kv_cache_scheme"):
-        with pytest.raises(ValueError, match=key):
-            CompressedTensorsConfig.from_config({**base, key: {"x": 1}})
+    with pytest.raises(ValueError, match="sparsity_config"):
+        CompressedTensorsConfig.from_config({**base, "sparsity_config": {"x": 1}})
+
+
+def test_fp8_kv_cache_scheme_is_accepted_alone_or_with_groups() -> None:
+    base = {"quant_method": "compressed-tensors", "format": "int-quantized", "kv_cache_scheme": FP8_KV_CACHE_SCHEME}
+    assert len(CompressedTensorsConfig.from_config({**base, "config_groups": {"g": W8A8_GROUP}}).schemes) == 1
+    # a KV-cache-only recipe: every Linear stays in float, the scales are core's loader's
+    assert CompressedTensorsConfig.from_config(base).schemes == []
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"type": "int"}, "8-bit int values"),
+    ({"strategy": "channel"}, "strategy 'channel'"),
+    ({"dynamic": True}, "dynamic scales"),
+    ({"symmetric": False}, "asymmetric"),
+])
+def test_other_kv_cache_schemes_are_refused(change: dict[str, Any], message: str) -> None:
+    config = {"quant_method": "compressed-tensors", "kv_cache_scheme": {**FP8_KV_CACHE_SCHEME, **change}}
+    with pytest.raises(ValueError, match=f"kv_cache_scheme with {message}"):
+        CompressedTensorsConfig.from_config(config)
 
 
 # -- tiny models end to end ------------------------------------------------------------------------

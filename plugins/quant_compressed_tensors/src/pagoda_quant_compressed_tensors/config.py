@@ -11,8 +11,10 @@ a scheme; ``ignore`` lists layers kept in float. Served here:
 
 Formats ``int-quantized`` / ``naive-quantized`` (``weight`` int8) and ``pack-quantized`` (8-bit
 values four to an int32, ``weight_packed`` + ``weight_shape``). Anything else in the config
-(asymmetric weights, static activation scales, 4-bit, fp8, sparsity, transforms, a KV cache
-scheme) is refused with the reason, never loaded half-right.
+(asymmetric weights, static activation scales, 4-bit, fp8 weights, sparsity, transforms) is
+refused with the reason, never loaded half-right. A ``kv_cache_scheme`` (fp8, static per-tensor)
+is accepted, alone or beside int8 groups: its ``k_scale`` / ``v_scale`` tensors are read by core's
+loader and used under an fp8 ``kv_cache_dtype``.
 """
 
 from __future__ import annotations
@@ -89,6 +91,23 @@ def _parse_group(name: str, group: dict[str, Any], default_format: str | None) -
     return Scheme(targets, strategy, group_size if strategy == "group" else None, bool(acts), fmt)
 
 
+def _check_kv_cache_scheme(scheme: dict[str, Any]) -> None:
+    """An fp8 KV cache scheme: static per-tensor scales, which the checkpoint stores as each attention
+    layer's ``k_scale`` / ``v_scale`` and core's loader reads (``pagoda.model_loader.kv_scales``).
+    They are used when the engine runs an fp8 ``kv_cache_dtype`` (vLLM: the scheme does not choose it)."""
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"compressed-tensors kv_cache_scheme with {what} is not supported by "
+                          "pagoda-quant-compressed-tensors (it reads fp8 static per-tensor k/v scales)")
+    if scheme.get("type", "float") != "float" or int(scheme.get("num_bits", 8)) != 8:
+        raise refuse(f"{scheme.get('num_bits')}-bit {scheme.get('type')} values")
+    if scheme.get("strategy", "tensor") != "tensor":
+        raise refuse(f"strategy {scheme.get('strategy')!r} (per-tensor is served)")
+    if scheme.get("dynamic", False):
+        raise refuse("dynamic scales")
+    if not scheme.get("symmetric", True):
+        raise refuse("asymmetric scales")
+
+
 def _matches(pattern: str, prefix: str, layer_type: str) -> bool:
     """compressed-tensors' target / ignore matching: ``re:`` regex on the name, else a class name or the name itself."""
     if pattern.startswith("re:"):
@@ -119,11 +138,14 @@ class CompressedTensorsConfig(QuantizationConfig):
         if status not in ("compressed", "frozen"):
             raise ValueError(f"compressed-tensors checkpoint with quantization_status {status!r}: only compressed "
                              "(or frozen) checkpoints hold quantized weights")
-        for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        for key in ("sparsity_config", "transform_config"):
             if config.get(key):
                 raise ValueError(f"compressed-tensors {key} is not supported by pagoda-quant-compressed-tensors")
+        kv_cache_scheme = config.get("kv_cache_scheme")
+        if kv_cache_scheme:
+            _check_kv_cache_scheme(kv_cache_scheme)
         groups = config.get("config_groups") or {}
-        if not groups:
+        if not groups and not kv_cache_scheme:
             raise ValueError("compressed-tensors quantization_config has no config_groups")
         default_format = config.get("format")
         schemes = [_parse_group(name, group, default_format) for name, group in groups.items()]
