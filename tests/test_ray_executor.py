@@ -1,6 +1,7 @@
 """distributed_executor_backend='ray' on a local Ray cluster bound to loopback (started and stopped here).
 
-Greedy tokens equal transformers' (float32) for a tiny Llama at TP=2 and a tiny Qwen3 at TP=2 x PP=2; a
+Greedy tokens equal transformers' (float32) for a tiny Llama at TP=2, a tiny Qwen3 at TP=2 x PP=2 and a tiny
+Llama at PP=2 with two batches in flight (the stages overlap); a
 killed rank fails the requests in flight with a clear error and leaves no actor behind. Skipped only where ray cannot be imported (it is in the test extra).
 """
 
@@ -100,6 +101,35 @@ def test_ray_tp2_pp2_greedy_matches_transformers(local_ray: Any, tiny_model_dir:
     try:
         assert len(actors) == 4 and executor.output_rank == 2
         _check_greedy(llm, hf_model, hf_greedy, divergence_is_a_tie)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert _all_dead(actors) and executor.pg is None
+
+
+def test_ray_pp2_two_batches_in_flight_greedy_matches_transformers(local_ray: Any, tiny_model_dir: Any,
+                                                                   hf_greedy: Any, divergence_is_a_tie: Any) -> None:
+    """16 requests on two stages, split over two batches in flight: each actor runs its calls in order,
+    so stage 1 starts batch k + 1 while stage 2 still runs batch k (their step times overlap)."""
+    path, hf_model = tiny_model_dir("llama")
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256, num_kv_blocks=128,
+              max_num_batched_tokens=64, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    core = llm.llm_engine.engine_core.core
+    executor = core.model_executor
+    actors = list(executor.workers)
+    try:
+        assert core.batch_queue_size == 2 == executor.max_concurrent_batches
+        executor.collective_rpc("get_step_times")  # forget the start-up
+        rng = random.Random(1)
+        prompts = [[rng.randrange(hf_model.config.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(16)]
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            expected = hf_greedy(hf_model, p, NEW_TOKENS)
+            got = o.outputs[0].token_ids
+            assert got == expected or divergence_is_a_tie(hf_model, p, got, expected), (p, got, expected)
+        first, last = executor.collective_rpc("get_step_times")
+        assert len(first) == len(last) > NEW_TOKENS
+        assert any(first[k + 1][0] < last[k][1] for k in range(len(first) - 1)), "the stages never overlapped"
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert _all_dead(actors) and executor.pg is None
