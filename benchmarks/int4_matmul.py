@@ -27,7 +27,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 4, 8, 16, 64, 256])
+    parser.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from pagoda.layers import Linear, prepare_linear_layers
     from pagoda.platforms import current_platform
     from pagoda_quant_gptq_awq import cpu_kernel

@@ -97,7 +97,8 @@ def _cpu_weight(ckpt: Int4Checkpoint) -> cpu_kernel.CpuInt4Weight:
 
 
 # (m, n, k, group): n not a multiple of 16 (a partial panel), one group, groups of 8, many rows (the slab path)
-SHAPES = [(1, 64, 64, 32), (3, 40, 96, 32), (4, 24, 72, -1), (5, 8, 64, 8), (9, 48, 128, 32), (33, 72, 256, 64)]
+SHAPES = [(1, 64, 64, 32), (3, 40, 96, 32), (4, 24, 72, -1), (5, 8, 64, 8), (9, 48, 128, 32), (33, 72, 256, 64),
+          (70, 40, 64, 16)]
 
 
 @pytest.mark.parametrize("kernel_path", ["avx512", "avx2", "scalar"], indirect=True)
@@ -115,6 +116,27 @@ def test_cpu_kernel_paths_equal_the_reference(kernel_path: str, fmt: str, act_or
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel_path", ["avx512", "avx2", "scalar"], indirect=True)
+@pytest.mark.parametrize("m", [1, 7, 8, 13])
+def test_groups_of_uneven_length(kernel_path: str, m: int) -> None:
+    """A g_idx that gives groups 5, 27 and 32 channels in scattered order (odd runs for the 2-k loop)."""
+    gen = torch.Generator().manual_seed(m)
+    k, n = 64, 32
+    groups = torch.tensor([0] * 5 + [1] * 27 + [2] * 32)[torch.randperm(k, generator=gen)]
+    q = torch.randint(0, 16, (k, n), dtype=torch.uint8, generator=gen)
+    zeros = torch.randint(0, 16, (3, n), generator=gen).float()
+    scales = torch.rand(3, n, generator=gen)
+    weight = ((q.float() - zeros[groups]) * scales[groups]).t()
+    lib = cpu_kernel.library()
+    assert lib is not None
+    cw = cpu_kernel.CpuInt4Weight.prepare(q, zeros, scales, groups, lib)
+    x = torch.randn(m, k, generator=gen)
+    torch.testing.assert_close(cw.matmul(x, None, lib), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    assert cw.perm is not None
+    torch.testing.assert_close(cw.slab_matmul(x.index_select(1, cw.perm).contiguous(), None, lib, 1),
+                               F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("kernel_path", ["avx512", "avx2"], indirect=True)
 def test_slabs_narrower_than_the_layer(kernel_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # slabs of 16 columns x 64 inputs: several slabs, the last one partial (n = 40)
@@ -124,7 +146,10 @@ def test_slabs_narrower_than_the_layer(kernel_path: str, monkeypatch: pytest.Mon
     lib = cpu_kernel.library()
     assert lib is not None
     cw = _cpu_weight(ckpt)
-    torch.testing.assert_close(cw.matmul(x, None, lib), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    assert cw.perm is not None
+    bias = torch.randn(40)
+    torch.testing.assert_close(cw.slab_matmul(x.index_select(1, cw.perm).contiguous(), bias, lib, 2),
+                               F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(cw.dequantized(lib), weight)
 
 

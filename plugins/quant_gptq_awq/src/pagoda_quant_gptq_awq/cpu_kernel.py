@@ -2,12 +2,14 @@
 
 A layer's GPTQ or AWQ tensors are unpacked once and repacked into the kernel's 16-column panels
 (``CpuInt4Weight.prepare``); an act-order GPTQ layer's input channels are sorted by group on the
-way, and each call permutes its activations the same way. Up to ``GEMV_MAX_ROWS`` rows run the
-kernel that widens the nibbles in registers (decode); more rows widen slabs of columns to float32
-and hand them to torch's float matmul, which the dequantization then costs little against.
+way, and each call permutes its activations the same way. The kernel widens the nibbles to float
+in registers, up to 8 rows (AVX-512; 4 with AVX2) sharing each widened vector; past
+``IN_REGISTER_MAX_ROWS`` rows (where a path's tiles are too small to win) it widens slabs of columns
+to float32 instead and hands them to torch's float matmul.
 
 The library picks its path at run time from the CPU's flags: AVX-512, AVX2 + FMA, or portable C++.
-``PAGODA_INT4_KERNEL=0`` runs the torch reference instead; ``avx512|avx2|scalar`` forces one path.
+``PAGODA_INT4_KERNEL=0`` at load runs the torch reference instead; ``avx512|avx2|scalar`` forces one
+path (read at each call).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ EXTENSION = CppExtension("pagoda_int4_gemm", "pagoda_quant_gptq_awq", ["csrc/int
 KERNEL_ENV = "PAGODA_INT4_KERNEL"
 PATHS = {"auto": 0, "avx512": 1, "avx2": 2, "scalar": 3}
 PANEL = 16
-# Rows up to this run the in-register kernel; more rows the widened slabs + float matmul (measured: see
-# docs/quantization.md, GPTQ / AWQ).
-GEMV_MAX_ROWS = 8
+# Rows up to this (per path) run the in-register kernel; more rows the widened slabs + torch's float matmul.
+# Measured with benchmarks/int4_matmul.py (docs/quantization.md, GPTQ / AWQ): the AVX-512 kernel's 8-row
+# tiles beat the slabs at every row count tried (1 to 4096); AVX2's 4-row tiles up to about 64 rows; the
+# portable path only at one row.
+IN_REGISTER_MAX_ROWS: dict[str, int | None] = {"avx512": None, "avx2": 64, "scalar": 1}
 # Floats one widened slab holds (16 MiB): bounds the extra memory of the many-rows path.
 SLAB_FLOATS = 4 << 20
 
@@ -60,6 +64,21 @@ def paths() -> list[str]:
     runnable = [names[c] for c in range(1, 4) if bits & (1 << c)]
     chosen = names[(bits >> 8) & 0xFF]
     return [chosen] + [p for p in runnable if p != chosen]
+
+
+_auto_path: str | None = None
+
+
+def _path_name(lib: ModuleType) -> str:
+    """The path the library runs now (a forced one, or what auto picks on this CPU)."""
+    global _auto_path
+    forced = envs.PAGODA_INT4_KERNEL
+    if forced != "auto":
+        return forced
+    if _auto_path is None:
+        names = {code: name for name, code in PATHS.items()}
+        _auto_path = names[(int(lib.pagoda_int4_paths()) >> 8) & 0xFF]
+    return _auto_path
 
 
 def describe() -> str:
@@ -125,7 +144,8 @@ class CpuInt4Weight:
         xf = xf.contiguous()
         b = None if bias is None else bias.float().contiguous()
         threads = torch.get_num_threads()
-        if xf.shape[0] <= GEMV_MAX_ROWS:
+        limit = IN_REGISTER_MAX_ROWS.get(_path_name(lib))
+        if limit is None or xf.shape[0] <= limit:
             return self.in_register_matmul(xf, b, lib, threads)
         return self.slab_matmul(xf, b, lib, threads)
 

@@ -12,8 +12,8 @@
 // Then y[m, n] = sum_g scale[g, n] * (sum_{k in g} x[m, k] q[k, n]) - (scale * zero)[g, n] * sum_{k in g} x[m, k]:
 // the nibbles are widened to float in registers and only the group sums of x see the zero point.
 //
-// Two entry points: pagoda_int4_gemm (decode and small batches: up to 4 rows share each widened weight
-// vector) and pagoda_int4_dequantize (a slab of columns widened to float32 [K, n1 - n0], for the caller's
+// Two entry points: pagoda_int4_gemm (decode and batches: up to 8 rows (AVX-512; 4 otherwise) share each
+// widened weight vector) and pagoda_int4_dequantize (a slab of columns widened to float32 [K, n1 - n0], for the caller's
 // float GEMM when many rows share the weights). Paths: AVX-512F, AVX2 + FMA, portable C++, picked at run
 // time from the CPU's flags (or forced by the caller).
 #include <omp.h>
@@ -30,7 +30,7 @@
 namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per panel
-constexpr int kRows = 4;        // activation rows per register tile
+constexpr int kRows = 8;        // activation rows per register tile: AVX-512 (AVX2 and scalar: 4)
 
 enum Path : int { kAuto = 0, kAvx512 = 1, kAvx2 = 2, kScalar = 3 };
 
@@ -63,23 +63,38 @@ __attribute__((target("avx2"))) inline __m128i nibbles_to_bytes(const uint8_t* p
 
 // -- y tiles: R rows x one panel, every group ---------------------------------------------------------
 
+// Two k at a time (one 16-byte load), into two sets of partial sums: each FMA chain then waits on every
+// other k only, and the 8-row tile keeps 24 of the 32 zmm registers busy.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx2"))) void tile_avx512(const float* x, int64_t ldx, const float* xg,
                                                                    int64_t G, const uint8_t* w, const float* s,
                                                                    const float* sz, const int64_t* gstart,
                                                                    float* out) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512 part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
-    for (int64_t k = gstart[g]; k < gstart[g + 1]; ++k) {
+    __m512 p0[R], p1[R];
+    for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm512_setzero_ps();
+    int64_t k = gstart[g];
+    const int64_t end = gstart[g + 1];
+    for (; k + 1 < end; k += 2) {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 8));
+      const __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));  // k
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));  // k + 1
+      for (int r = 0; r < R; ++r) {
+        p0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, p0[r]);
+        p1[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), w1, p1[r]);
+      }
+    }
+    if (k < end) {  // a group of odd length (act order)
       const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles_to_bytes(w + k * 8)));
-      for (int r = 0; r < R; ++r) part[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, part[r]);
+      for (int r = 0; r < R; ++r) p0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), wv, p0[r]);
     }
     const __m512 sv = _mm512_loadu_ps(s + g * kPanel), szv = _mm512_loadu_ps(sz + g * kPanel);
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(part[r], sv, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p0[r], p1[r]), sv, acc[r]);
       acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(xg[r * G + g]), szv, acc[r]);
     }
   }
@@ -143,7 +158,11 @@ void run_tile(int path, int rows, const float* x, int64_t ldx, const float* xg, 
       case 1: tile_avx512<1>(x, ldx, xg, G, w, s, sz, gstart, out); return;
       case 2: tile_avx512<2>(x, ldx, xg, G, w, s, sz, gstart, out); return;
       case 3: tile_avx512<3>(x, ldx, xg, G, w, s, sz, gstart, out); return;
-      default: tile_avx512<4>(x, ldx, xg, G, w, s, sz, gstart, out); return;
+      case 4: tile_avx512<4>(x, ldx, xg, G, w, s, sz, gstart, out); return;
+      case 5: tile_avx512<5>(x, ldx, xg, G, w, s, sz, gstart, out); return;
+      case 6: tile_avx512<6>(x, ldx, xg, G, w, s, sz, gstart, out); return;
+      case 7: tile_avx512<7>(x, ldx, xg, G, w, s, sz, gstart, out); return;
+      default: tile_avx512<8>(x, ldx, xg, G, w, s, sz, gstart, out); return;
     }
   }
   if (path == kAvx2) {
@@ -242,13 +261,14 @@ PAGODA_EXPORT int pagoda_int4_gemm(int path, const float* x, int64_t M, int64_t 
       for (int64_t k = gstart[g]; k < gstart[g + 1]; ++k) sum += x[m * ldx + k];
       xg[m * G + g] = sum;
     }
-  const int64_t panels = (N + kPanel - 1) / kPanel, row_tiles = (M + kRows - 1) / kRows;
+  const int64_t tile_rows = path == kAvx512 ? kRows : 4;
+  const int64_t panels = (N + kPanel - 1) / kPanel, row_tiles = (M + tile_rows - 1) / tile_rows;
   const int64_t items = panels * row_tiles;
   const bool parallel = threads > 1 && items > 1 && M * N * K >= 131072;
 #pragma omp parallel for num_threads(threads) if (parallel) schedule(static)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t p = item % panels, tile = item / panels;
-    const int64_t m0 = tile * kRows, rows = std::min<int64_t>(kRows, M - m0);
+    const int64_t m0 = tile * tile_rows, rows = std::min<int64_t>(tile_rows, M - m0);
     alignas(64) float out[kRows * kPanel];
     run_tile(path, static_cast<int>(rows), x + m0 * ldx, ldx, xg.data() + m0 * G, G, packed + p * K * 8,
              packed_scales + p * G * kPanel, packed_szeros + p * G * kPanel, gstart, out);
