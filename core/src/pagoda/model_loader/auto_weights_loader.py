@@ -132,7 +132,8 @@ class AutoWeightsLoader:
         # the parameter's own loader; else its layer's (``to_empty`` from the meta device makes new
         # Parameter objects, without the attribute); else a plain copy
         owner = self.module.get_submodule(pname.rpartition(".")[0])
-        loader = getattr(param, "weight_loader", None) or getattr(owner, "weight_loader", default_weight_loader)
+        loader: Callable[..., None] = (getattr(param, "weight_loader", None)
+                                       or getattr(owner, "weight_loader", default_weight_loader))
         try:
             loader(param, tensor, shard)
         except ValueError as exc:
