@@ -121,3 +121,42 @@ def test_platform_takes_the_step_budget_unless_the_user_set_one(monkeypatch: pyt
     config = EngineArgs(model="unused", dtype="bfloat16", max_num_batched_tokens=300).create_engine_config()
     CpuPlatform().check_and_update_config(config)
     assert config.scheduler_config.max_num_batched_tokens == 300
+
+
+class _Resolved(Exception):
+    """Stops prepare_engine_config where the model would be resolved (the budget is decided before)."""
+
+
+@needs_bf16_kernel
+def test_each_dtype_takes_its_own_measured_budget_and_start_up_logs_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pagoda.engine import core as engine_core
+
+    budgets = {torch.bfloat16: 1024, torch.float32: 2048}
+    measured: list[torch.dtype] = []
+
+    def measure(dtype: torch.dtype) -> GemmTuning:
+        measured.append(dtype)
+        return GemmTuning(dtype=str(dtype), threads=1, max_num_batched_tokens=budgets[dtype], measured=True)
+
+    def stop(*args: object, **kwargs: object) -> None:
+        raise _Resolved
+
+    monkeypatch.setattr(gemm_tuning, "measure", measure)
+    monkeypatch.setattr("pagoda_platform_cpu.platform.start_kernel_builds", lambda: None)
+    monkeypatch.setattr(engine_core, "resolve_model", stop)
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        config = EngineArgs(model="unused", dtype=name, device="cpu").create_engine_config()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pagoda.engine.core"), pytest.raises(_Resolved):
+            engine_core.prepare_engine_config(config)
+        assert config.scheduler_config.max_num_batched_tokens == budgets[dtype]
+        assert f"max_num_batched_tokens={budgets[dtype]} (the cpu platform's default" in caplog.text
+    assert measured == [torch.bfloat16, torch.float32]
+    # the user's value is not the platform's: nothing to announce
+    config = EngineArgs(model="unused", dtype="bfloat16", device="cpu", max_num_batched_tokens=300).create_engine_config()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pagoda.engine.core"), pytest.raises(_Resolved):
+        engine_core.prepare_engine_config(config)
+    assert config.scheduler_config.max_num_batched_tokens == 300 and "platform's default" not in caplog.text

@@ -54,6 +54,11 @@ def prepare_engine_config(config: EngineConfig) -> Platform:
     set_current_platform(platform)
     user_budget = config.scheduler_config.max_num_batched_tokens
     platform.check_and_update_config(config)
+    platform_budget = config.scheduler_config.max_num_batched_tokens
+    if user_budget is None and platform_budget is not None:
+        # the CPU platform's comes from its measured matmul curve (per CPU and dtype): worth seeing at start-up
+        logger.info("step budget: max_num_batched_tokens=%d (the %s platform's default; "
+                    "--max-num-batched-tokens overrides it)", platform_budget, platform.name)
     pm.startup(config)
     if config.resolved_model is None:
         config.resolved_model = resolve_model(config.model, platform, config.load_config.download_dir)
