@@ -234,3 +234,36 @@ def test_checkpoint_is_served_int8_and_named_in_the_log(tmp_path: Path, caplog: 
     assert layer.qweight.dtype == torch.int8 and layer.weight is None
     with pytest.raises(ValueError, match="does not fit the checkpoint"):
         LLM(model=str(path), skip_tokenizer_init=True, quantization="gguf", max_model_len=128)
+
+
+def test_kv_cache_scheme_scales_reach_the_attention_layers(tmp_path: Path) -> None:
+    """An int8 checkpoint with an fp8 kv_cache_scheme: its self_attn.k_scale / v_scale tensors (the names
+    compressed-tensors writes, shape [1]) are the scales cpu_paged and torch_paged quantize the cache with."""
+    from safetensors.torch import save_file
+
+    from pagoda import LLM, SamplingParams
+
+    path = make_checkpoint(_tiny_llama(), "W8A8", "int-quantized", tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = FP8_KV_CACHE_SCHEME
+    (path / "config.json").write_text(json.dumps(config))
+    scales = {f"model.layers.{i}.self_attn.{kind}_scale": torch.tensor([0.01 * (i + 1) * (2 if kind == "v" else 1)])
+              for i in range(2) for kind in "kv"}
+    save_file(scales, str(path / "kv_scales.safetensors"))
+
+    def serve(**kwargs: Any) -> tuple[Any, list[list[int]]]:
+        llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, num_kv_blocks=32,
+                  **kwargs)
+        prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 384 for j in range(4 + 2 * i)]} for i in range(4)]
+        out = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+        runner = llm.llm_engine.engine_core.core.model_executor.driver_worker.model_runner
+        return runner.attn_layers, [list(o.outputs[0].token_ids) for o in out]
+
+    layers, cpu_tokens = serve(kv_cache_dtype="fp8", attention_backend="cpu_paged")
+    for i, layer in enumerate(layers):
+        assert float(layer._k_scale) == pytest.approx(float(scales[f"model.layers.{i}.self_attn.k_scale"]))
+        assert float(layer._v_scale) == pytest.approx(float(scales[f"model.layers.{i}.self_attn.v_scale"]))
+    # the C++ kernel and the torch backend quantize and read with the same scales
+    assert serve(kv_cache_dtype="fp8", attention_backend="torch_paged")[1] == cpu_tokens
+    layers, _ = serve()  # kv_cache_dtype auto: read, not used (vLLM's handling)
+    assert all(layer.kv_scales_from_checkpoint and layer._k_scale is None for layer in layers)
