@@ -132,8 +132,12 @@ class AutoWeightsLoader:
         # the parameter's own loader; else its layer's (``to_empty`` from the meta device makes new
         # Parameter objects, without the attribute); else a plain copy
         owner = self.module.get_submodule(pname.rpartition(".")[0])
-        loader: Callable[..., None] = (getattr(param, "weight_loader", None)
-                                       or getattr(owner, "weight_loader", default_weight_loader))
+        loader: Callable[..., None] = default_weight_loader
+        for holder in (param, owner):
+            found_loader = getattr(holder, "weight_loader", None)
+            if found_loader is not None:
+                loader = found_loader
+                break
         try:
             loader(param, tensor, shard)
         except ValueError as exc:
