@@ -169,11 +169,11 @@ _VARIABLES: list[EnvVar[Any]] = [
     # -- quantization plugins -------------------------------------------------------
     EnvVar("PAGODA_GGUF_KERNEL", "bool", True,
            "Off: GGUF layers kept in blocks run the plain-torch dequantize reference instead of the C++ "
-           "block kernel (A/B checks).",
+           "block kernel (CPU) or the Triton one (CUDA/ROCm) (A/B checks).",
            "pagoda-quant-gguf", _bool),
     EnvVar("PAGODA_INT8_KERNEL", "one of auto, 0, vnni512, avx512bw, avx2, scalar", "auto",
-           "int8 compressed-tensors matmul: auto (the best path this CPU runs), 0 (the torch reference), "
-           "or one path of the C++ library.",
+           "int8 compressed-tensors matmul: auto (the best path this CPU runs; Triton on CUDA/ROCm), 0 (the "
+           "torch reference everywhere), or one path of the C++ library.",
            "pagoda-quant-compressed-tensors", _choice("auto", "0", "vnni512", "avx512bw", "avx2", "scalar")),
     EnvVar("PAGODA_INT4_KERNEL", "one of auto, 0, avx512, avx2, scalar", "auto",
            "GPTQ / AWQ 4-bit matmul on CPU: auto (the best path this CPU runs), 0 (the torch reference), "
@@ -182,7 +182,8 @@ _VARIABLES: list[EnvVar[Any]] = [
     # -- kernels ------------------------------------------------------------------
     EnvVar("PAGODA_KERNELS_IMPL", "one of auto, triton, torch", "auto",
            "pagoda-kernels' implementation when a call does not choose: auto (Triton on GPU tensors), "
-           "triton (also on CPU under TRITON_INTERPRET=1), torch (the references).",
+           "triton (also on CPU under TRITON_INTERPRET=1), torch (the references). The gguf and "
+           "compressed-tensors methods' Triton kernels follow it too.",
            "pagoda-kernels", _choice("auto", "triton", "torch")),
     # -- repository benchmarks (benchmarks/, not installed) -------------------------
     EnvVar("PAGODA_BENCH_VLLM_PYTHON", "command", None,
