@@ -97,3 +97,10 @@ def test_lm_head_only_when_the_checkpoint_says_so() -> None:
 
 def test_activation_dtypes() -> None:
     assert set(GPTQConfig.get_supported_act_dtypes()) == {torch.float32, torch.bfloat16, torch.float16}
+
+
+def test_moe_router_gates_stay_float() -> None:
+    config = AWQConfig.from_config(AWQ)
+    assert config.get_quant_method(_layer(), "model.layers.0.mlp.gate") is None
+    assert config.get_quant_method(_layer(), "model.layers.0.mlp.shared_expert_gate") is None
+    assert config.get_quant_method(_layer(), "model.layers.0.mlp.experts.0.gate_proj") is not None

@@ -26,6 +26,7 @@ from pagoda_quant_gptq_awq.linear import Int4LinearMethod, kernel_for
 
 PLUGIN = "pagoda-quant-gptq-awq"
 ACT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ROUTER_GATES = ("gate", "shared_expert_gate")
 
 
 def _group_size(method: str, value: Any) -> int:
@@ -85,6 +86,8 @@ class _Int4Config(QuantizationConfig):
             return None  # embeddings stay float in both formats
         if isinstance(layer, ParallelLMHead) and not self._quantizes_lm_head():
             return None
+        if prefix.rpartition(".")[2] in ROUTER_GATES:
+            return None  # MoE routers stay float (vLLM builds them without a quant_config)
         if self.is_layer_skipped(prefix):
             return None
         self._kernels.add(kernel_for(layer.weight.device if layer.weight is not None else torch.device("cpu")))

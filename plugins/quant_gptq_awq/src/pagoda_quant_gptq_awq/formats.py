@@ -56,7 +56,8 @@ class Int4Checkpoint:
                              f"{PACK_FACTOR} (it has {k} x {n})")
         groups = -(-k // self.group_size)
         qweight_shape = (k // PACK_FACTOR, n) if self.format == "gptq" else (k, n // PACK_FACTOR)
-        expected = {"qweight": qweight_shape, "qzeros": (groups, n // PACK_FACTOR), "scales": (groups, n)}
+        expected: dict[str, tuple[int, ...]] = {"qweight": qweight_shape, "qzeros": (groups, n // PACK_FACTOR),
+                                                "scales": (groups, n)}
         if self.format == "gptq":
             expected["g_idx"] = (k,)
         for tensor_name, shape in expected.items():

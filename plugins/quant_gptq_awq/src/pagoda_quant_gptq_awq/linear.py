@@ -89,7 +89,8 @@ class Int4LinearMethod(LinearMethodBase):
         self.in_features = input_size_per_partition
         self.out_features = sum(output_partition_sizes)
         # the float weight was created on the model's device (never touched): the kernel runs there
-        self.device = layer.weight.device if layer.weight is not None else torch.device("cpu")
+        weight = layer.weight
+        self.device: torch.device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
         layer.register_parameter("weight", None)
         for name in TENSORS[self.format]:
             param = nn.Parameter(torch.empty(0), requires_grad=False)
