@@ -119,3 +119,31 @@ def test_layer_weights_take_triton_when_asked_on_cpu(monkeypatch: pytest.MonkeyP
     assert calls == ["w8a8_matmul", "w8a16_matmul"]
     monkeypatch.setenv("PAGODA_INT8_KERNEL", "0")
     assert not triton_path.supports(x)
+
+
+@pytest.mark.parametrize("target", ["cuda-sm90", "rocm-gfx942"])
+def test_kernels_compile_for_gpus(target: str) -> None:
+    """The three kernels lowered by Triton's compiler for an H100 and an MI300 (no device needed): the int8
+    tl.dot with an int32 accumulator, the rounding's add and subtract, both W8A16 dot branches."""
+    from pagoda.testing.triton_compile import KernelCase, compile_for_target
+
+    module = triton_kernels.__name__
+    tiles = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}
+    dims = {"M": "i32", "N": "i32", "K": "i32"}
+    cases = [
+        KernelCase("quantize", module, "_quantize_rows_kernel",
+                   {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32",
+                    "stride_q": "i32", "BLOCK_K": "constexpr"}, {"BLOCK_K": 1024}),
+        KernelCase("w8a8", module, "_w8a8_kernel",
+                   {"q_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*i8", "ws_ptr": "*fp32", "b_ptr": "*fp32",
+                    "y_ptr": "*fp32", **dims, "stride_q": "i32", "stride_w": "i32", "stride_y": "i32",
+                    **dict.fromkeys(("HAS_BIAS", *tiles), "constexpr")}, {"HAS_BIAS": True, **tiles}),
+    ]
+    for x, ieee in (("*fp32", True), ("*fp16", False), ("*bf16", False)):
+        cases.append(KernelCase(
+            f"w8a16-{x[1:]}", module, "_w8a16_kernel",
+            {"x_ptr": x, "w_ptr": "*i8", "ws_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*fp32", **dims,
+             "groups": "i32", "group_size": "i32", "stride_x": "i32", "stride_w": "i32", "stride_y": "i32",
+             **dict.fromkeys(("HAS_BIAS", "IEEE", *tiles), "constexpr")}, {"HAS_BIAS": False, "IEEE": ieee, **tiles}))
+    results = compile_for_target(cases, target)
+    assert results == {c.name: "ok" for c in cases}

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from pagoda_quant_gguf import config, triton_path
-from pagoda_quant_gguf.dequant import dequantize_blocks
+from pagoda_quant_gguf.dequant import block_size, dequantize_blocks
 
 from .test_gguf_kernels import BASIC, K_QUANT_SCALES, random_k_blocks
 
@@ -97,3 +97,25 @@ def test_layer_takes_triton_when_asked_on_cpu(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PAGODA_GGUF_KERNEL", "1")
     monkeypatch.setenv("PAGODA_KERNELS_IMPL", "torch")
     assert not triton_path.supports(int(Q.Q8_0), x)
+
+
+@pytest.mark.parametrize("target", ["cuda-sm90", "rocm-gfx942"])
+def test_kernel_compiles_for_gpus(target: str) -> None:
+    """Every block type lowered by Triton's compiler for an H100 and an MI300 (no device needed): what the
+    interpreter cannot check (constexpr branches, bitcasts, tl.dot operand types). Both dot branches:
+    float32 activations on even codes, bf16 / fp16 on odd ones."""
+    from pagoda.testing.triton_compile import KernelCase, compile_for_target
+
+    cases = []
+    for qtype, code in triton_kernels._CODES.items():
+        values, nbytes = block_size(qtype)
+        x = ("*fp32", "*bf16", "*fp16")[code % 3] if code % 2 else "*fp32"
+        cases.append(KernelCase(
+            name=Q(qtype).name, module=triton_kernels.__name__, kernel="_gguf_matmul_kernel",
+            signature={"x_ptr": x, "w_ptr": "*u8", "y_ptr": "*fp32", "M": "i32", "N": "i32", "num_blocks": "i32",
+                       "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", **dict.fromkeys(
+                           ("QTYPE", "QK", "BLOCK_BYTES", "BLOCK_M", "BLOCK_N", "IEEE"), "constexpr")},
+            constexprs={"QTYPE": code, "QK": values, "BLOCK_BYTES": nbytes, "BLOCK_M": 16,
+                        "BLOCK_N": 64 if values == 32 else 32, "IEEE": x == "*fp32"}))
+    results = compile_for_target(cases, target)
+    assert results == {c.name: "ok" for c in cases}
