@@ -33,6 +33,15 @@ def _tiny_qwen3(seed: int = 0) -> Any:
     return build_tiny_model(cfg, seed=seed)
 
 
+def _tiny_qwen2(seed: int = 0) -> Any:
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False)
+    return build_tiny_model(cfg, seed=seed)
+
+
 def _float_reference(model: Any, path: Path) -> Any:
     """The dequantized model saved as a plain float checkpoint and loaded back by transformers."""
     from transformers import AutoModelForCausalLM
@@ -67,6 +76,17 @@ def test_tiny_qwen3_awq_matches_its_dequantized_reference(tmp_path: Path) -> Non
     reference = _float_reference(model, tmp_path / "dequantized")
     report = check_parity(reference, tmp_path, model_path=path)
     print("qwen3-awq-g64", report)
+    assert report.num_tokens_compared >= 40, report
+
+
+def test_tiny_qwen2_gptq_act_order_with_qkv_bias(tmp_path: Path) -> None:
+    """q/k/v with biases and each its own g_idx: three kernels, each adding its slice of the fused bias."""
+    model = _tiny_qwen2()
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    path = write_checkpoint(model, tmp_path / "ckpt", "gptq", 16, desc_act=True)
+    reference = _float_reference(model, tmp_path / "dequantized")
+    report = check_parity(reference, tmp_path, model_path=path)
+    print("qwen2-gptq-g16-desc_act", report)
     assert report.num_tokens_compared >= 40, report
 
 
