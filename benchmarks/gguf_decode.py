@@ -2,12 +2,19 @@
 (float32, bfloat16) and against llama.cpp (llama-cpp-python), interleaved in one run.
 
 usage: python -m benchmarks.gguf_decode [--model FILE.gguf] [--rounds 3] [--threads 2] [--configs ...]
+                                       [--baseline DIR] [--llamacpp-python PYTHON]
 
 W2: one prompt of 128 random token ids, 128 tokens out, greedy, EOS ignored. Every configuration runs
 in its own process (round-robin, so load changes hit all alike) and reports: its resident memory after
 loading (/proc/self/statm), the prefill time (one token out) and the decode rate
 (127 tokens / (t(128 out) - t(1 out))). llama.cpp's decode is timed around its own decode loop.
 Prints one JSON line per run and a median table.
+
+``--baseline DIR`` adds the config ``baseline-gguf-fp32``: pagoda-gguf-fp32 with DIR first on
+PYTHONPATH, e.g. an older commit's plugin source (``git archive REV plugins/quant_gguf/src | tar -x
+-C DIR`` and pass DIR/plugins/quant_gguf/src), to compare a kernel change before/after in one run.
+``--llamacpp-python`` runs the llama.cpp config under another interpreter (a venv holding
+llama-cpp-python); it needs only llama_cpp and numpy.
 """
 
 from __future__ import annotations
@@ -108,7 +115,7 @@ def run_llamacpp(model: str, threads: int) -> dict:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    runner, quantization, dtype = CONFIGS[args.worker]
+    runner, quantization, dtype = CONFIGS["pagoda-gguf-fp32" if args.worker == "baseline-gguf-fp32" else args.worker]
     if runner == "llamacpp":
         result = run_llamacpp(args.model, args.threads)
     else:
@@ -122,6 +129,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--baseline", default=None, help="plugin source folder put first on PYTHONPATH for baseline-gguf-fp32")
+    parser.add_argument("--llamacpp-python", default=sys.executable, help="interpreter for the llama.cpp config")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model is None:
@@ -131,13 +140,20 @@ def main() -> None:
     if args.worker is not None:
         _worker(args)
         return
-    names = args.configs.split(",")
+    names = args.configs.split(",") + (["baseline-gguf-fp32"] if args.baseline else [])
+    unknown = set(names) - set(CONFIGS) - {"baseline-gguf-fp32"}
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     results: dict[str, list[dict]] = {name: [] for name in names}
     print(f"# load average before: {os.getloadavg()}", flush=True)
     for r in range(args.rounds):
         for name in names:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.gguf_decode", "--worker", name, "--model", args.model,
-                                   "--threads", str(args.threads)], capture_output=True, text=True, timeout=1800)
+            env = dict(os.environ)
+            if name == "baseline-gguf-fp32":
+                env["PYTHONPATH"] = os.pathsep.join(p for p in (args.baseline, env.get("PYTHONPATH")) if p)
+            python = args.llamacpp_python if CONFIGS.get(name, ("",))[0] == "llamacpp" else sys.executable
+            proc = subprocess.run([python, "-m", "benchmarks.gguf_decode", "--worker", name, "--model", args.model,
+                                   "--threads", str(args.threads)], capture_output=True, text=True, timeout=1800, env=env)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 print(f"{name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)

@@ -101,6 +101,33 @@ def test_k_quant_kernel_equals_its_integer_arithmetic(qtype: Q, m: int, shape: t
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
+PACKED = [Q.Q4_0, Q.Q4_1]
+
+
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+@pytest.mark.parametrize("n", [45, 7, 64])  # a tail of 1 and 3 rows past the 4-row groups, none
+def test_repacked_kernel_equals_the_stored_layout_kernel(qtype: Q, m: int, n: int) -> None:
+    blocks, x, reference = _case(qtype, m, n=n)
+    packed = kernels.repack(blocks, int(qtype), x.shape[1])
+    assert packed is not None and packed.shape == blocks.shape
+    assert not torch.equal(packed, blocks)
+    y = kernels.matmul(x, packed, int(qtype), x.shape[1], packed=True)
+    # bit for bit: the same float operations in the same order, only the bytes' places differ
+    assert torch.equal(y, kernels.matmul(x, blocks, int(qtype), x.shape[1]))
+    _close(y, reference)
+    ids = torch.tensor([n - 1, 0, 5 % n, n - 1, n // 2])
+    assert torch.equal(kernels.unpack_rows(packed, int(qtype), x.shape[1], ids), blocks[ids])
+    with pytest.raises(IndexError):
+        kernels.unpack_rows(packed, int(qtype), x.shape[1], torch.tensor([n]))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_types_without_a_repacked_layout_stay_as_stored(qtype: Q) -> None:
+    blocks, x, _ = _case(qtype, 1, k=512)
+    assert kernels.repack(blocks, int(qtype), x.shape[1]) is None
+
+
 @pytest.mark.parametrize("flags", [["-mno-avx512f"], ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]],
                          ids=["avx2", "portable"])
 def test_other_isa_builds_match_reference(tmp_path: Path, flags: list[str]) -> None:
@@ -111,12 +138,24 @@ def test_other_isa_builds_match_reference(tmp_path: Path, flags: list[str]) -> N
     fn = library.pagoda_gguf_matmul
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_int]
+    library.pagoda_gguf_matmul_packed.argtypes = fn.argtypes
+    library.pagoda_gguf_repack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     for qtype in KERNEL_TYPES:
         for m in (1, 5):
             blocks, x, reference = _case(qtype, m, k=512 if qtype in K_QUANT_SCALES else 320)
             y = torch.empty(m, blocks.shape[0])
             assert fn(int(qtype), blocks.data_ptr(), blocks.shape[0], x.shape[1], x.data_ptr(), m, y.data_ptr(), 2) == 0
             _close(y, reference)
+            packed = torch.empty_like(blocks)
+            repacked = library.pagoda_gguf_repack(int(qtype), blocks.data_ptr(), blocks.shape[0], x.shape[1],
+                                                  packed.data_ptr()) == 0
+            # the repacked kernel is built on AVX2 (and its AVX-512 VNNI form); the portable build has none
+            assert repacked == (qtype in PACKED and expected == "avx2")
+            if repacked:
+                y_packed = torch.empty(m, blocks.shape[0])
+                assert library.pagoda_gguf_matmul_packed(int(qtype), packed.data_ptr(), blocks.shape[0], x.shape[1],
+                                                         x.data_ptr(), m, y_packed.data_ptr(), 2) == 0
+                assert torch.equal(y_packed, y)
             if qtype in K_QUANT_SCALES:
                 expected = _k_exact_reference(blocks, qtype, x)
                 torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))

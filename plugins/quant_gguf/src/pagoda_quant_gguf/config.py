@@ -64,10 +64,12 @@ class GGUFConfig(QuantizationConfig):
 
 @dataclass
 class Shard:
-    """Rows of one GGML type: ``blocks`` uint8 [rows, bytes per row]."""
+    """Rows of one GGML type: ``blocks`` uint8 [rows, bytes per row]; ``packed``: in the CPU kernel's
+    repacked layout (``kernels.repack``: the same bytes, reordered), which only that kernel reads."""
 
     qtype: int
     blocks: torch.Tensor
+    packed: bool = False
 
     @property
     def rows(self) -> int:
@@ -112,6 +114,11 @@ def _assemble(layer: nn.Module, cols: int, rows: int) -> list[Shard]:
             out.append(Shard(qtype, blocks.contiguous()))
     if sum(s.rows for s in out) != rows:
         raise ValueError(f"GGUF layer got {sum(s.rows for s in out)} rows, expected {rows}")
+    for i, shard in enumerate(out):
+        # decode reads 4 rows' blocks at once on CPU: rewritten in place of the stored layout (no copy kept)
+        packed = kernels.repack(shard.blocks, shard.qtype, cols)
+        if packed is not None:
+            out[i] = Shard(shard.qtype, packed, packed=True)
     # the assembled blocks become the parameters' data (what the model's memory report counts)
     layer.qweight.data = out[0].blocks if len(out) == 1 else torch.empty(0, dtype=torch.uint8)
     layer.qweight_type.data = torch.tensor([s.qtype for s in out], dtype=torch.uint8)
@@ -123,7 +130,9 @@ def matmul(shards: list[Shard], x: torch.Tensor, cols: int) -> torch.Tensor:
     """``x`` [T, cols] times the rows of every shard, transposed: [T, rows] in float32 or x's dtype."""
     outs = []
     for shard in shards:
-        if triton_path.supports(shard.qtype, x):
+        if shard.packed:
+            outs.append(kernels.matmul(x, shard.blocks, shard.qtype, cols, packed=True))
+        elif triton_path.supports(shard.qtype, x):
             outs.append(triton_path.matmul(x, shard.blocks, shard.qtype, cols))
         elif kernels.supports(shard.qtype, x):
             outs.append(kernels.matmul(x, shard.blocks, shard.qtype, cols))
@@ -168,7 +177,11 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         shard = self.shards[0]
-        rows = shard.blocks.index_select(0, input_ids.reshape(-1))
+        ids = input_ids.reshape(-1)
+        if shard.packed:
+            rows = kernels.unpack_rows(shard.blocks, shard.qtype, self.cols, ids)
+        else:
+            rows = shard.blocks.index_select(0, ids)
         out = dequantize_blocks(rows, shard.qtype, self.cols).to(self.dtype)
         return out.reshape(*input_ids.shape, self.cols)
 

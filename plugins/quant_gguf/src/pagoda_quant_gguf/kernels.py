@@ -47,15 +47,45 @@ def describe() -> str:
     return f"{lib.pagoda_gguf_isa().decode()} for {', '.join(Q(t).name for t in sorted(KERNEL_TYPES))}"
 
 
-def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
-    """``x`` [M, cols] times the block matrix (uint8 [N, bytes per row]), transposed: float32 [M, N]."""
+def repack(blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor | None:
+    """The matrix rewritten into the kernel's repacked layout (as many bytes: groups of 4 rows with their
+    blocks' scales apart from their quants, see ``csrc/gguf_gemm.cpp``), or None where this build has no
+    repacked kernel for the type (the stored layout stays)."""
+    lib = library()
+    if lib is None or blocks.device.type != "cpu" or blocks.dim() != 2:
+        return None
+    blocks = blocks.contiguous()
+    packed = torch.empty_like(blocks)
+    if lib.pagoda_gguf_repack(qtype, blocks.data_ptr(), blocks.shape[0], cols, packed.data_ptr()) != 0:
+        return None
+    return packed
+
+
+def unpack_rows(packed: torch.Tensor, qtype: int, cols: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (int64 ids) of a repacked matrix, in the stored layout: uint8 [len(rows), bytes per row]."""
+    lib = library()
+    assert lib is not None
+    rows = rows.to(torch.int64).contiguous()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= packed.shape[0]):
+        raise IndexError(f"row ids out of range for a matrix of {packed.shape[0]} rows")
+    out = torch.empty((rows.numel(), packed.shape[1]), dtype=torch.uint8)
+    status = lib.pagoda_gguf_unpack_rows(qtype, packed.data_ptr(), packed.shape[0], cols, rows.data_ptr(), rows.numel(),
+                                         out.data_ptr())
+    if status != 0:
+        raise RuntimeError(f"gguf kernel cannot read rows of a repacked {Q(qtype).name} matrix")
+    return out
+
+
+def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int, packed: bool = False) -> torch.Tensor:
+    """``x`` [M, cols] times the block matrix (uint8 [N, bytes per row], repacked by ``repack`` when
+    ``packed``), transposed: float32 [M, N]."""
     lib = library()
     assert lib is not None
     x = x.to(torch.float32).contiguous()
     n = blocks.shape[0]
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    status = lib.pagoda_gguf_matmul(qtype, blocks.data_ptr(), n, cols, x.data_ptr(), x.shape[0], y.data_ptr(),
-                                    torch.get_num_threads())
+    fn = lib.pagoda_gguf_matmul_packed if packed else lib.pagoda_gguf_matmul
+    status = fn(qtype, blocks.data_ptr(), n, cols, x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"gguf kernel refused type {Q(qtype).name} with {cols} columns")
+        raise RuntimeError(f"gguf kernel refused type {Q(qtype).name} with {cols} columns{' (repacked)' if packed else ''}")
     return y
