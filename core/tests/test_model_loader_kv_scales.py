@@ -103,3 +103,15 @@ def test_a_parent_with_two_attention_layers_names_neither() -> None:
     assert [n for n, _ in routed.take([("block.k_scale", torch.tensor([0.5]))])] == ["block.k_scale"]
     list(routed.take([("block.self_attn.k_scale", torch.tensor([0.5]))]))
     assert model.block.self_attn._k_scale_float == 0.5 and not model.block.cross_attn.kv_scales_from_checkpoint
+
+
+def test_layers_kept_apart_from_the_checkpoint_modules_are_found_by_index() -> None:
+    """The transformers fallback's layout: the Attention layers in one list, the checkpoint's modules elsewhere."""
+    model = nn.Module()
+    model.attn_layers = nn.ModuleList([Attention(num_heads=1, head_dim=2, scale=1.0, layer_idx=i) for i in range(3)])
+    stream = [("model.layers.1.self_attn.k_scale", torch.tensor([0.5])),
+              ("model.layers.1.self_attn.v_scale", torch.tensor([0.25])),
+              ("model.layers.7.self_attn.k_scale", torch.tensor([0.5]))]  # no layer 7: passed on
+    assert [n for n, _ in CheckpointKVScales(model).take(stream)] == ["model.layers.7.self_attn.k_scale"]
+    assert (model.attn_layers[1]._k_scale_float, model.attn_layers[1]._v_scale_float) == (0.5, 0.25)
+    assert not model.attn_layers[0].kv_scales_from_checkpoint and not model.attn_layers[2].kv_scales_from_checkpoint

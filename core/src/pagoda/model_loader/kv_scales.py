@@ -9,8 +9,9 @@ reads (its ``maybe_remap_kv_scale_name``):
 * ``<attn>.kv_scale`` (older: one scale for both).
 
 ``<attn>`` is the module holding the layer's ``pagoda.attention.Attention`` (``model.layers.N.self_attn``
-in the Llama family) or that layer itself. ``CheckpointKVScales.take`` wraps the stream a model's
-``load_weights`` reads: each scale goes to its layer (``Attention.load_kv_scale``) and never reaches
+in the Llama family) or that layer itself; failing both, the one layer whose ``layer_idx`` is the
+name's only number (the transformers fallback keeps its layers in a list). ``CheckpointKVScales.take``
+wraps the stream a model's ``load_weights`` reads: each scale goes to its layer (``Attention.load_kv_scale``) and never reaches
 the family's loader; every other tensor passes through. A name whose module is not an attention
 layer here passes through too (the family then refuses it by name, or skips it on a pipeline stage
 that does not hold it). Query / probability scales (``q_scale``, ``prob_scale``: fp8 attention
@@ -75,12 +76,23 @@ class CheckpointKVScales:
                 parents.setdefault(prefix.rpartition(".")[0], []).append(module)
         # a parent names its attention layer only when it holds one
         self.layers.update({parent: held[0] for parent, held in parents.items() if len(held) == 1})
+        # a model whose attention layers do not sit where the checkpoint's modules do (the transformers
+        # fallback keeps them in a list): the layer index in the name, when each index has one layer
+        by_index: dict[int, list[Attention]] = {}
+        for layer in {id(a): a for a in self.layers.values()}.values():
+            by_index.setdefault(layer.layer_idx, []).append(layer)
+        self.by_index = {i: held[0] for i, held in by_index.items() if len(held) == 1}
         self.loaded: dict[str, dict[str, float]] = {}
 
     def _layer(self, prefix: str) -> Attention | None:
         if prefix.endswith(".attn") and prefix not in self.layers:
             prefix = prefix[: -len(".attn")]
-        return self.layers.get(prefix)
+        found = self.layers.get(prefix)
+        if found is None:
+            numbers = [int(part) for part in prefix.split(".") if part.isdigit()]
+            if len(numbers) == 1:
+                found = self.by_index.get(numbers[0])
+        return found
 
     def take(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream without the KV cache scales, which are handed to their layers on the way."""
