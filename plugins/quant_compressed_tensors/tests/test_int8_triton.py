@@ -102,6 +102,8 @@ def test_layer_weights_take_triton_when_asked_on_cpu(monkeypatch: pytest.MonkeyP
     """A weight prepared off the C++ library (as on a GPU) runs Triton under PAGODA_KERNELS_IMPL=triton."""
     if DEVICE != "cpu":
         pytest.skip("checks the CPU dispatch")
+    monkeypatch.delenv("PAGODA_KERNELS_IMPL", raising=False)  # the defaults, whatever this run set
+    monkeypatch.delenv("PAGODA_INT8_KERNEL", raising=False)  # the defaults, whatever this run set
     w, scale = _weights(24, 64, 2, seed=9)
     x = _x(2, 64, seed=10)
     w8a8 = kernels.W8A8Weight.prepare(w, scale[:, 0].contiguous(), on_cpu=False)

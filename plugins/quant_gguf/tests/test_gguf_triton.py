@@ -87,6 +87,8 @@ def test_layer_takes_triton_when_asked_on_cpu(monkeypatch: pytest.MonkeyPatch) -
         pytest.skip("checks the CPU dispatch")
     blocks, x, reference = _case(Q.Q8_0, 2)
     shards = [config.Shard(int(Q.Q8_0), blocks)]
+    monkeypatch.delenv("PAGODA_KERNELS_IMPL", raising=False)  # the defaults, whatever this run set
+    monkeypatch.delenv("PAGODA_GGUF_KERNEL", raising=False)  # the defaults, whatever this run set
     assert not triton_path.supports(int(Q.Q8_0), x)
     monkeypatch.setenv("PAGODA_KERNELS_IMPL", "triton")
     assert triton_path.supports(int(Q.Q8_0), x)
