@@ -166,3 +166,26 @@ def test_kernel_refuses_what_it_cannot_run() -> None:
     assert not kernels.supports(int(Q.Q4_K), torch.randn(1, 288))  # not whole super-blocks
     assert not kernels.supports(int(Q.IQ4_NL), torch.randn(1, 256))  # a type without a kernel
     assert not kernels.supports(int(Q.Q4_K), torch.randn(1, 256, device="meta"))  # not a CPU tensor
+
+
+def test_layers_repack_on_cpu_unless_triton_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch import nn
+
+    from pagoda_quant_gguf import config
+
+    blocks, x, reference = _case(Q.Q4_1, 2, n=8)
+
+    def assemble() -> config.Shard:
+        layer = nn.Module()
+        config._register(layer)
+        config._weight_loader(layer.qweight_type, torch.tensor(int(Q.Q4_1)), None)
+        config._weight_loader(layer.qweight, blocks, None)
+        [shard] = config._assemble(layer, x.shape[1], blocks.shape[0])
+        assert layer.qweight.data_ptr() == shard.blocks.data_ptr()  # the memory report counts the kept bytes
+        return shard
+
+    shard = assemble()
+    assert shard.packed
+    assert torch.equal(config.matmul([shard], x, x.shape[1]), kernels.matmul(x, blocks, int(Q.Q4_1), x.shape[1]))
+    monkeypatch.setenv("PAGODA_KERNELS_IMPL", "triton")
+    assert not assemble().packed

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import envs
 from pagoda.quantization import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, QuantizeMethodBase
 from pagoda_quant_gguf import kernels, triton_path
 from pagoda_quant_gguf.dequant import SUPPORTED_TYPES, block_size, dequantize_blocks, type_name
@@ -115,6 +116,8 @@ def _assemble(layer: nn.Module, cols: int, rows: int) -> list[Shard]:
     if sum(s.rows for s in out) != rows:
         raise ValueError(f"GGUF layer got {sum(s.rows for s in out)} rows, expected {rows}")
     for i, shard in enumerate(out):
+        if envs.PAGODA_KERNELS_IMPL == "triton":  # Triton asked for (on CPU: its interpreter): it reads the stored layout
+            break
         # decode reads 4 rows' blocks at once on CPU: rewritten in place of the stored layout (no copy kept)
         packed = kernels.repack(shard.blocks, shard.qtype, cols)
         if packed is not None:
