@@ -166,6 +166,10 @@ _VARIABLES: list[EnvVar[Any]] = [
     EnvVar("PAGODA_CPU_LAYER_OPS", "bool", True,
            "Off: RMSNorm, SiLU-and-mul and RoPE use torch ops instead of the fused C++ kernels.",
            _CPU, _bool),
+    EnvVar("PAGODA_CPU_SHM_ALLREDUCE", "bool", True,
+           "Off: the CPU platform's all-reduce / all-gather among ranks of one host go over gloo (loopback TCP) "
+           "instead of a shared-memory segment (pagoda only; vLLM has no such switch).",
+           _CPU, _bool),
     # -- quantization plugins -------------------------------------------------------
     EnvVar("PAGODA_GGUF_KERNEL", "bool", True,
            "Off: GGUF layers kept in blocks run the plain-torch dequantize reference instead of the C++ "
@@ -216,6 +220,7 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns
     PAGODA_CPU_GEMM: bool
     PAGODA_CPU_GEMM_TUNE: bool
     PAGODA_CPU_LAYER_OPS: bool
+    PAGODA_CPU_SHM_ALLREDUCE: bool
     PAGODA_GGUF_KERNEL: bool
     PAGODA_INT8_KERNEL: str
     PAGODA_INT4_KERNEL: str
