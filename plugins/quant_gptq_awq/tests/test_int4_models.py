@@ -131,3 +131,30 @@ def test_torch_reference_path_serves_the_same_tokens(tmp_path: Path, monkeypatch
         outputs[setting] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     assert outputs["auto"] == outputs["0"]
+
+
+@pytest.mark.parametrize("method,desc_act", [("gptq", True), ("awq", False)])
+def test_triton_kernel_serves_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str,
+                                        desc_act: bool) -> None:
+    """The CUDA wiring on CPU: every layer given the Triton kernel (interpreted), greedy tokens as transformers'."""
+    pytest.importorskip("triton")
+    from pagoda import LLM, SamplingParams
+    from pagoda_quant_gptq_awq import config, linear
+
+    monkeypatch.setattr(linear, "kernel_for", lambda device: "triton")
+    monkeypatch.setattr(config, "kernel_for", lambda device: "triton")
+    model = _tiny_llama()
+    path = write_checkpoint(model, tmp_path / "ckpt", method, 32, desc_act=desc_act)
+    reference = _float_reference(model, tmp_path / "dequantized")
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, num_kv_blocks=16)
+    qkv = _runner(llm).model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.kernel == "triton"
+    prompts = [[1, 5, 9, 200, 17], list(range(3, 40))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert list(output.outputs[0].token_ids) == expected
