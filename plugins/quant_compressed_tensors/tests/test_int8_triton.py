@@ -149,3 +149,23 @@ def test_kernels_compile_for_gpus(target: str) -> None:
              **dict.fromkeys(("HAS_BIAS", "IEEE", *tiles), "constexpr")}, {"HAS_BIAS": False, "IEEE": ieee, **tiles}))
     results = compile_for_target(cases, target)
     assert results == {c.name: "ok" for c in cases}
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["w8a8", "w8a16"])
+def test_weights_go_to_the_models_device(dynamic: bool) -> None:
+    """The loader reads the int8 weight into host memory; a layer built on another device (a GPU; here
+    ``meta``, which holds no data) gets it there, unpacked for no CPU library (the Triton kernels read it)."""
+    from pagoda.layers import Linear
+    from pagoda_quant_compressed_tensors.config import CompressedTensorsLinearMethod, Scheme
+
+    w, scale = _weights(8, 32, 1, seed=2)
+    with torch.device("meta"):
+        layer = Linear(32, 8, bias=False, dtype=torch.float32)
+    method = CompressedTensorsLinearMethod(Scheme(("Linear",), "channel", None, dynamic, "int-quantized"))
+    method.create_weights(layer, 32, [8], 32, 8, torch.float32)
+    layer.weight.weight_loader(layer.weight, w, None)
+    layer.weight_scale.weight_loader(layer.weight_scale, scale, None)
+    method.process_weights_after_loading(layer)
+    assert method.kernel is not None and method.kernel.packed is None
+    assert method.kernel.weight.device.type == "meta" and method.kernel.scale.device.type == "meta"
+    assert layer.qweight.device.type == "meta"

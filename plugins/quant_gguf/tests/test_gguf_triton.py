@@ -121,3 +121,20 @@ def test_kernel_compiles_for_gpus(target: str) -> None:
                         "BLOCK_N": 64 if values == 32 else 32, "IEEE": x == "*fp32"}))
     results = compile_for_target(cases, target)
     assert results == {c.name: "ok" for c in cases}
+
+
+def test_blocks_go_to_the_models_device() -> None:
+    """The loader reads blocks into host memory; a layer built on another device (a GPU; here ``meta``, which
+    holds no data) gets them there, in the stored layout (the CPU kernel's repacking is for CPU layers)."""
+    from pagoda.layers import Linear
+
+    blocks = _blocks(Q.Q4_0, 8, 64, seed=1)
+    with torch.device("meta"):
+        layer = Linear(64, 8, bias=False, dtype=torch.float32)
+    method = config.GGUFLinearMethod()
+    method.create_weights(layer, 64, [8], 64, 8, torch.float32)
+    layer.qweight.weight_loader(layer.qweight, torch.tensor(int(Q.Q4_0)), None)
+    layer.qweight.weight_loader(layer.qweight, blocks, None)
+    method.process_weights_after_loading(layer)
+    assert [(s.blocks.device.type, s.packed) for s in method.shards] == [("meta", False)]
+    assert layer.qweight.device.type == "meta"

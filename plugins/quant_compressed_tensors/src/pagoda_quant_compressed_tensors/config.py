@@ -217,6 +217,10 @@ class CompressedTensorsLinearMethod(LinearMethodBase):
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
         self.in_features = input_size_per_partition
         self.out_features = sum(output_partition_sizes)
+        # the float weight was made on the model's device (and never filled): the int8 weight goes there,
+        # so a CUDA / ROCm model's layers hold it on the GPU (the loader reads it into host memory)
+        weight = getattr(layer, "weight", None)
+        self.device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
         names = ["weight_packed", "weight_shape"] if self.scheme.format == "pack-quantized" else ["weight"]
         if self.scheme.format != "pack-quantized":
             layer.register_parameter("weight", None)
@@ -230,7 +234,7 @@ class CompressedTensorsLinearMethod(LinearMethodBase):
 
     def _assembled(self, layer: nn.Module, name: str) -> list[torch.Tensor]:
         shards: dict[int, torch.Tensor] = getattr(layer, name).shards
-        return [shards[i] for i in sorted(shards)]
+        return [shards[i].to(self.device) for i in sorted(shards)]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.scheme.format == "pack-quantized":

@@ -86,11 +86,16 @@ def _weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | No
 
 def _register(layer: nn.Module) -> None:
     """The two parameters the loader fills; their data is assembled after loading."""
+    # the float weight was made on the model's device (and never filled): the blocks go there, so a
+    # CUDA / ROCm model's layers hold them on the GPU (the loader reads them into host memory)
+    weight = getattr(layer, "weight", None)
+    device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
     shards: dict[int, dict[str, torch.Tensor]] = {}
     for name in ("qweight", "qweight_type"):
-        param = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        param = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=device), requires_grad=False)
         param.weight_loader = _weight_loader  # type: ignore[attr-defined]
         param.gguf_shards = shards  # type: ignore[attr-defined]
+        param.gguf_device = device  # type: ignore[attr-defined]
         layer.register_parameter(name, param)
     layer.register_parameter("weight", None)
 
@@ -106,7 +111,7 @@ def _assemble(layer: nn.Module, cols: int, rows: int) -> list[Shard]:
         if qtype not in SUPPORTED_TYPES:
             raise ValueError(f"GGUF type {type_name(qtype)} is not supported by pagoda-quant-gguf")
         values, nbytes = block_size(qtype)
-        blocks = parts["qweight"]
+        blocks = parts["qweight"].to(layer.qweight.gguf_device)
         if cols % values or blocks.shape[1] != cols // values * nbytes:
             raise ValueError(f"GGUF {type_name(qtype)} tensor of {blocks.shape[1]} bytes a row does not hold {cols} values")
         if out and out[-1].qtype == qtype:  # rows of one type: one matrix
@@ -123,9 +128,10 @@ def _assemble(layer: nn.Module, cols: int, rows: int) -> list[Shard]:
         if packed is not None:
             out[i] = Shard(shard.qtype, packed, packed=True)
     # the assembled blocks become the parameters' data (what the model's memory report counts)
-    layer.qweight.data = out[0].blocks if len(out) == 1 else torch.empty(0, dtype=torch.uint8)
-    layer.qweight_type.data = torch.tensor([s.qtype for s in out], dtype=torch.uint8)
-    del layer.qweight.gguf_shards, layer.qweight_type.gguf_shards
+    device = layer.qweight.gguf_device
+    layer.qweight.data = out[0].blocks if len(out) == 1 else torch.empty(0, dtype=torch.uint8, device=device)
+    layer.qweight_type.data = torch.tensor([s.qtype for s in out], dtype=torch.uint8, device=device)
+    del layer.qweight.gguf_shards, layer.qweight_type.gguf_shards, layer.qweight.gguf_device, layer.qweight_type.gguf_device
     return out
 
 
