@@ -23,19 +23,21 @@ def _int32(values: torch.Tensor) -> torch.Tensor:
     return ((values + 2**31) % 2**32 - 2**31).to(torch.int32)
 
 
-def pack_along_rows(q: torch.Tensor) -> torch.Tensor:
-    """GPTQ qweight: [K, N] values -> [K / 8, N], row 8 i + j in nibble j of row i."""
-    words = torch.zeros(q.shape[0] // 8, q.shape[1], dtype=torch.int64)
-    for j in range(8):
-        words |= q[j::8].long() << (4 * j)
+def pack_along_rows(q: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """GPTQ qweight: [K, N] values -> [K / p, N] (p = 32 / bits), row p i + j in field j of row i."""
+    p = 32 // bits
+    words = torch.zeros(q.shape[0] // p, q.shape[1], dtype=torch.int64)
+    for j in range(p):
+        words |= q[j::p].long() << (bits * j)
     return _int32(words)
 
 
-def pack_along_columns(values: torch.Tensor, order: list[int]) -> torch.Tensor:
-    """[R, N] values -> [R, N / 8]: nibble j of word i holds column 8 i + order[j]."""
-    words = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int64)
-    for j in range(8):
-        words |= values[:, order[j]::8].long() << (4 * j)
+def pack_along_columns(values: torch.Tensor, order: list[int], bits: int = 4) -> torch.Tensor:
+    """[R, N] values -> [R, N / p]: field j of word i holds column p i + order[j]."""
+    p = 32 // bits
+    words = torch.zeros(values.shape[0], values.shape[1] // p, dtype=torch.int64)
+    for j in range(p):
+        words |= (values[:, order[j]::p].long() & ((1 << bits) - 1)) << (bits * j)
     return _int32(words)
 
 
@@ -53,38 +55,40 @@ class Quantized:
 
 
 def quantize(weight: torch.Tensor, group_size: int, g_idx: torch.Tensor | None = None, sym: bool = False,
-             min_zero: int = 0) -> Quantized:
-    """Min-max 4-bit quantization of ``weight`` [N, K] per group of input channels (``g_idx``: act order)."""
+             min_zero: int = 0, bits: int = 4) -> Quantized:
+    """Min-max ``bits``-bit quantization of ``weight`` [N, K] per group of input channels (``g_idx``: act order)."""
     n, k = weight.shape
     size = k if group_size == -1 else group_size
     if g_idx is None:
         g_idx = torch.arange(k) // size
     groups = int(g_idx.max()) + 1
+    maxq = (1 << bits) - 1
     w = weight.t().float()  # [K, N]
     scales = torch.empty(groups, n)
     zeros = torch.empty(groups, n)
     for g in range(groups):
         rows = w[g_idx == g]
         if sym:
-            scale = rows.abs().amax(0) * 2 / 15
-            zero = torch.full((n,), 8.0)
+            scale = rows.abs().amax(0) * 2 / maxq
+            zero = torch.full((n,), float((maxq + 1) // 2))
         else:
             lo, hi = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
-            scale = (hi - lo) / 15
+            scale = (hi - lo) / maxq
             zero = torch.round(-lo / scale)
         scales[g] = scale.clamp(min=1e-6)
-        zeros[g] = zero.clamp(min_zero, 15)
+        zeros[g] = zero.clamp(min_zero, maxq)
     scales16 = scales.half()
     s = scales16.float()[g_idx.long()]
     z = zeros[g_idx.long()]
-    q = torch.clamp(torch.round(w / s) + z, 0, 15)
+    q = torch.clamp(torch.round(w / s) + z, 0, maxq)
     dequantized = ((q - z) * s).t().contiguous()
     return Quantized(q.to(torch.uint8), zeros.to(torch.int64), scales16, g_idx.to(torch.int32), dequantized)
 
 
-def gptq_tensors(qz: Quantized) -> dict[str, torch.Tensor]:
+def gptq_tensors(qz: Quantized, bits: int = 4) -> dict[str, torch.Tensor]:
     """AutoGPTQ's v1 layout: zeros stored minus one."""
-    return {"qweight": pack_along_rows(qz.q), "qzeros": pack_along_columns(qz.zeros - 1, list(range(8))),
+    return {"qweight": pack_along_rows(qz.q, bits),
+            "qzeros": pack_along_columns(qz.zeros - 1, list(range(32 // bits)), bits),
             "scales": qz.scales, "g_idx": qz.g_idx}
 
 
@@ -94,7 +98,8 @@ def awq_tensors(qz: Quantized) -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(model: Any, path: Path, method: str, group_size: int, *, desc_act: bool = False,
-                     sym: bool = False, skip: tuple[str, ...] = (), lm_head: bool = False, seed: int = 0) -> Path:
+                     sym: bool = False, skip: tuple[str, ...] = (), lm_head: bool = False, seed: int = 0,
+                     bits: int = 4) -> Path:
     """Quantize ``model``'s decoder Linears (not those named in ``skip``; ``lm_head`` too when asked) into a
     ``method`` checkpoint under ``path``; ``model``'s weights become the dequantized ones (the reference)."""
     from safetensors.torch import save_file
@@ -113,8 +118,8 @@ def write_checkpoint(model: Any, path: Path, method: str, group_size: int, *, de
                 perm = torch.randperm(k, generator=gen)
                 g_idx = torch.empty(k, dtype=torch.int64)
                 g_idx[perm] = torch.arange(k) // (k if group_size == -1 else group_size)
-            qz = quantize(module.weight, group_size, g_idx, sym=sym, min_zero=1 if method == "gptq" else 0)
-            tensors = gptq_tensors(qz) if method == "gptq" else awq_tensors(qz)
+            qz = quantize(module.weight, group_size, g_idx, sym=sym, min_zero=1 if method == "gptq" else 0, bits=bits)
+            tensors = gptq_tensors(qz, bits) if method == "gptq" else awq_tensors(qz)
             del state[f"{name}.weight"]
             state.update({f"{name}.{key}": value.contiguous() for key, value in tensors.items()})
             module.weight.copy_(qz.dequantized)
@@ -125,7 +130,7 @@ def write_checkpoint(model: Any, path: Path, method: str, group_size: int, *, de
     config = json.loads(model.config.to_json_string())
     config["architectures"] = [type(model).__name__]
     if method == "gptq":
-        quant = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act, "sym": sym,
+        quant = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
                  "lm_head": lm_head, "checkpoint_format": "gptq", "true_sequential": True, "damp_percent": 0.01}
         if skip:  # GPTQ names what it quantizes in each block
             quant["modules_in_block_to_quantize"] = [[f"{'self_attn' if p in QUANTIZED[:4] else 'mlp'}.{p}"

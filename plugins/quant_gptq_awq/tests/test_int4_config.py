@@ -24,7 +24,7 @@ def test_registered_under_vllm_names() -> None:
 
 @pytest.mark.parametrize("change,message", [
     ({"bits": 3}, "3-bit weights"),
-    ({"bits": 8}, "8-bit weights"),
+    ({"bits": 2}, "2-bit weights"),
     ({"group_size": 0}, "group_size 0"),
     ({"dynamic": {"-:.*down_proj": {}}}, "per-module overrides"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),

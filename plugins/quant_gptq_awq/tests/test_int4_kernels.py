@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from int4_checkpoints import awq_tensors, gptq_tensors, quantize
 
 from pagoda_quant_gptq_awq import cpu_kernel
-from pagoda_quant_gptq_awq.formats import Int4Checkpoint, dequantize, group_index, unpack
+from pagoda_quant_gptq_awq.formats import PackedCheckpoint, dequantize, group_index, unpack
 
 
 def _checkpoint(fmt: str, n: int, k: int, group_size: int, act_order: bool = False, seed: int = 0,
-                zero_offset: int | None = None) -> tuple[Int4Checkpoint, torch.Tensor]:
+                bits: int = 4) -> tuple[PackedCheckpoint, torch.Tensor]:
     """A random [n, k] weight quantized and packed as ``fmt``, with the float weight it stores."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen)
@@ -26,10 +26,10 @@ def _checkpoint(fmt: str, n: int, k: int, group_size: int, act_order: bool = Fal
         perm = torch.randperm(k, generator=gen)
         g_idx = torch.empty(k, dtype=torch.int64)
         g_idx[perm] = torch.arange(k) // (k if group_size == -1 else group_size)
-    qz = quantize(weight, group_size, g_idx, min_zero=1 if fmt == "gptq" else 0)
-    tensors = gptq_tensors(qz) if fmt == "gptq" else awq_tensors(qz)
-    ckpt = Int4Checkpoint(fmt, tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"),  # type: ignore[arg-type]
-                          k if group_size == -1 else group_size, 1 if fmt == "gptq" else 0, k, n)
+    qz = quantize(weight, group_size, g_idx, min_zero=1 if fmt == "gptq" else 0, bits=bits)
+    tensors = gptq_tensors(qz, bits) if fmt == "gptq" else awq_tensors(qz)
+    ckpt = PackedCheckpoint(fmt, tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors.get("g_idx"),  # type: ignore[arg-type]
+                          k if group_size == -1 else group_size, 1 if fmt == "gptq" else 0, k, n, bits)
     ckpt.validate("test")
     return ckpt, qz.dequantized
 
@@ -53,6 +53,15 @@ def test_awq_interleaved_order_by_hand() -> None:
                                                       ("awq", 32, False), ("awq", -1, False)])
 def test_reference_dequantize_equals_the_packed_weight(fmt: str, group_size: int, act_order: bool) -> None:
     ckpt, expected = _checkpoint(fmt, 48, 64, group_size, act_order)
+    assert torch.equal(dequantize(ckpt), expected)
+
+
+def test_gptq_8bit_reference_and_by_hand() -> None:
+    from pagoda_quant_gptq_awq.formats import unpack_rows
+
+    assert unpack_rows(torch.tensor([[0x7F80FF01]], dtype=torch.int32), 8).flatten().tolist() == [1, 255, 128, 127]
+    ckpt, expected = _checkpoint("gptq", 24, 64, 16, act_order=True, bits=8)
+    assert tuple(ckpt.qweight.shape) == (16, 24) and tuple(ckpt.qzeros.shape) == (4, 6)
     assert torch.equal(dequantize(ckpt), expected)
 
 
@@ -89,7 +98,7 @@ def kernel_path(request: pytest.FixtureRequest) -> Any:
         os.environ[cpu_kernel.KERNEL_ENV] = previous
 
 
-def _cpu_weight(ckpt: Int4Checkpoint) -> cpu_kernel.CpuInt4Weight:
+def _cpu_weight(ckpt: PackedCheckpoint) -> cpu_kernel.CpuInt4Weight:
     lib = cpu_kernel.library()
     assert lib is not None, cpu_kernel.describe()
     q, zeros, scales = unpack(ckpt)
@@ -209,14 +218,16 @@ def test_a_path_this_cpu_lacks_is_an_error(monkeypatch: pytest.MonkeyPatch) -> N
 TRITON_SHAPES = [(1, 64, 64, 32), (5, 40, 96, 32), (17, 72, 128, -1)]
 
 
-@pytest.mark.parametrize("fmt,act_order", [("gptq", False), ("gptq", True), ("awq", False)])
+@pytest.mark.parametrize("fmt,act_order,bits", [("gptq", False, 4), ("gptq", True, 4), ("awq", False, 4),
+                                                ("gptq", True, 8)])
 @pytest.mark.parametrize("m,n,k,group", TRITON_SHAPES)
-def test_triton_kernel_equals_the_reference(fmt: str, act_order: bool, m: int, n: int, k: int, group: int) -> None:
+def test_triton_kernel_equals_the_reference(fmt: str, act_order: bool, bits: int, m: int, n: int, k: int,
+                                            group: int) -> None:
     pytest.importorskip("triton")
     from pagoda_quant_gptq_awq import triton_kernel
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ckpt, weight = _checkpoint(fmt, n, k, group, act_order, seed=m * n + k)
+    ckpt, weight = _checkpoint(fmt, n, k, group, act_order, seed=m * n + k, bits=bits)
     for name in ("qweight", "qzeros", "scales", "g_idx"):
         if getattr(ckpt, name) is not None:
             setattr(ckpt, name, getattr(ckpt, name).to(device))

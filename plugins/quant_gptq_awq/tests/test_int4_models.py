@@ -55,6 +55,7 @@ CASES = {
     "gptq-g32-desc_act": dict(method="gptq", group_size=32, desc_act=True),
     "gptq-g-1-sym-lm_head": dict(method="gptq", group_size=-1, sym=True, lm_head=True),
     "gptq-g32-down_proj-float": dict(method="gptq", group_size=32, skip=("down_proj",)),
+    "gptq8-g32-desc_act": dict(method="gptq", group_size=32, desc_act=True, bits=8),  # CPU: the torch reference
     "awq-g32": dict(method="awq", group_size=32),
     "awq-g-1-down_proj-float": dict(method="awq", group_size=-1, skip=("down_proj",)),
 }

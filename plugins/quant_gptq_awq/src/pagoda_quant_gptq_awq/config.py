@@ -6,8 +6,8 @@
 * ``awq`` (vLLM's ``AWQConfig``): ``w_bit`` / ``bits``, ``q_group_size`` / ``group_size``,
   ``zero_point``, ``modules_to_not_convert``, and transformers' ``version`` / ``backend``.
 
-Served: 4-bit weights, GPTQ ``checkpoint_format`` ``gptq`` (and ``gptq_v2``), AWQ's GEMM version.
-Everything else is refused with the reason rather than loaded wrong: other bit widths, GPTQ's
+Served: 4-bit weights (GPTQ also 8-bit), GPTQ ``checkpoint_format`` ``gptq`` (and ``gptq_v2``), AWQ's GEMM version.
+Everything else is refused with the reason rather than loaded wrong: other bit widths (GPTQ 2 / 3, AWQ 8), GPTQ's
 per-module ``dynamic`` overrides and Marlin-packed checkpoints, AWQ's GEMV / Marlin / ExLlama / IPEX
 versions, llm-awq's layout and AWQ without zero points.
 """
@@ -37,7 +37,7 @@ def _group_size(method: str, value: Any) -> int:
 
 def _refuse(method: str, what: str) -> ValueError:
     return ValueError(f"{method} checkpoint with {what} is not supported by {PLUGIN} "
-                      "(it serves 4-bit GPTQ in AutoGPTQ's layout and 4-bit AWQ in AutoAWQ's GEMM layout)")
+                      "(it serves 4- and 8-bit GPTQ in AutoGPTQ's layout and 4-bit AWQ in AutoAWQ's GEMM layout)")
 
 
 class _Int4Config(QuantizationConfig):
@@ -45,8 +45,9 @@ class _Int4Config(QuantizationConfig):
 
     format: str
 
-    def __init__(self, group_size: int, zero_offset: int) -> None:
+    def __init__(self, weight_bits: int, group_size: int, zero_offset: int) -> None:
         super().__init__()
+        self.weight_bits = weight_bits
         self.group_size = group_size
         self.zero_offset = zero_offset
         self._kernels: set[str] = set()
@@ -90,15 +91,16 @@ class _Int4Config(QuantizationConfig):
             return None  # MoE routers stay float (vLLM builds them without a quant_config)
         if self.is_layer_skipped(prefix):
             return None
-        self._kernels.add(kernel_for(layer.weight.device if layer.weight is not None else torch.device("cpu")))
-        return Int4LinearMethod(self.format, self.group_size, self.zero_offset)  # type: ignore[arg-type]
+        self._kernels.add(kernel_for(layer.weight.device if layer.weight is not None else torch.device("cpu"),
+                                     self.weight_bits))
+        return Int4LinearMethod(self.format, self.group_size, self.zero_offset, self.weight_bits)  # type: ignore[arg-type]
 
     def describe(self) -> str:
         names = {"cpu": cpu_kernel.describe(), "triton": "Triton dequantize-matmul",
                  "torch": "torch reference (dequantized per call)"}
         kernels = ", ".join(names[k] for k in sorted(self._kernels)) or "no layer"
         group = "one group" if self.group_size == -1 else f"groups of {self.group_size}"
-        return f"quantization: {self.get_name()} (4-bit, {group}{self._details()}; {kernels})"
+        return f"quantization: {self.get_name()} ({self.weight_bits}-bit, {group}{self._details()}; {kernels})"
 
     def _details(self) -> str:
         return ""
@@ -111,8 +113,7 @@ class GPTQConfig(_Int4Config):
 
     def __init__(self, weight_bits: int, group_size: int, desc_act: bool, lm_head_quantized: bool,
                  checkpoint_format: str, modules_in_block_to_quantize: list[str] | None) -> None:
-        super().__init__(group_size, 0 if checkpoint_format == "gptq_v2" else 1)
-        self.weight_bits = weight_bits
+        super().__init__(weight_bits, group_size, 0 if checkpoint_format == "gptq_v2" else 1)
         self.desc_act = desc_act
         self.lm_head_quantized = lm_head_quantized
         self.checkpoint_format = checkpoint_format
@@ -125,7 +126,7 @@ class GPTQConfig(_Int4Config):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
         bits = cls.get_from_keys(config, ["bits"])
-        if bits != 4:
+        if bits not in (4, 8):
             raise _refuse("gptq", f"{bits}-bit weights")
         group_size = _group_size("gptq", cls.get_from_keys(config, ["group_size"]))
         desc_act = bool(cls.get_from_keys(config, ["desc_act"]))
@@ -164,8 +165,7 @@ class AWQConfig(_Int4Config):
 
     def __init__(self, weight_bits: int, group_size: int, zero_point: bool,
                  modules_to_not_convert: list[str] | None) -> None:
-        super().__init__(group_size, 0)
-        self.weight_bits = weight_bits
+        super().__init__(weight_bits, group_size, 0)
         self.zero_point = zero_point
         self.modules_to_not_convert = modules_to_not_convert or []
 

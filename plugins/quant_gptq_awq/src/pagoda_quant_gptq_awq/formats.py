@@ -1,11 +1,11 @@
-"""The GPTQ and AWQ checkpoint layouts of a 4-bit linear layer, and the plain-torch reference.
+"""The GPTQ and AWQ checkpoint layouts of a quantized linear layer, and the plain-torch reference.
 
 Both store ``w[k, n] = scales[g, n] * (q[k, n] - zero[g, n])`` for input channel ``k``, output
-channel ``n`` and group ``g`` of ``k``, with 4-bit ``q`` and ``zero`` packed eight to an int32
-(the lowest nibble first):
+channel ``n`` and group ``g`` of ``k``, with ``q`` and ``zero`` packed 32 / bits to an int32 (the
+lowest bits first; 4-bit: eight nibbles; GPTQ also 8-bit: four bytes):
 
 * GPTQ (AutoGPTQ / GPTQModel, ``checkpoint_format`` ``gptq``): ``qweight`` int32 [K / 8, N] packed
-  along K (nibble j of row i is input channel 8 i + j); ``qzeros`` int32 [G, N / 8] packed along N
+  along K (nibble j of row i is input channel 8 i + j; 8-bit: [K / 4, N]); ``qzeros`` int32 [G, N / 8] packed along N
   and stored as zero - 1 (AutoGPTQ's v1 convention; ``gptq_v2`` stores the zero itself);
   ``scales`` [G, N]; ``g_idx`` int32 [K], the group of each input channel (i // group_size, or a
   permutation of that for act-order, ``desc_act``, checkpoints).
@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-PACK_FACTOR = 8  # 4-bit values per int32
+PACK_FACTOR = 8  # 4-bit values per int32 (the two formats' common case)
 # AWQ's GEMM packing: nibble j of an int32 holds column AWQ_PACK_ORDER[j] of its eight columns ...
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # ... so column c sits at nibble AWQ_NIBBLE_OF_COLUMN[c]
@@ -31,7 +31,7 @@ Format = Literal["gptq", "awq"]
 
 
 @dataclass
-class Int4Checkpoint:
+class PackedCheckpoint:
     """One linear layer's 4-bit tensors as the checkpoint stores them (fused layers: along N, concatenated)."""
 
     format: Format
@@ -43,6 +43,11 @@ class Int4Checkpoint:
     zero_offset: int  # added to the stored zeros: 1 for GPTQ v1 ("zeros minus one"), else 0
     in_features: int
     out_features: int
+    bits: int = 4  # GPTQ: 4 or 8; AWQ: 4
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.bits
 
     @property
     def num_groups(self) -> int:
@@ -50,13 +55,13 @@ class Int4Checkpoint:
 
     def validate(self, name: str) -> None:
         """ValueError naming the tensor whose shape or dtype does not fit a layer of in_features x out_features."""
-        k, n = self.in_features, self.out_features
-        if k % PACK_FACTOR or n % PACK_FACTOR:
-            raise ValueError(f"{name}: a 4-bit {self.format} layer needs in and out features that are multiples of "
-                             f"{PACK_FACTOR} (it has {k} x {n})")
+        k, n, pf = self.in_features, self.out_features, self.pack_factor
+        if k % pf or n % pf:
+            raise ValueError(f"{name}: a {self.bits}-bit {self.format} layer needs in and out features that are "
+                             f"multiples of {pf} (it has {k} x {n})")
         groups = -(-k // self.group_size)
-        qweight_shape = (k // PACK_FACTOR, n) if self.format == "gptq" else (k, n // PACK_FACTOR)
-        expected: dict[str, tuple[int, ...]] = {"qweight": qweight_shape, "qzeros": (groups, n // PACK_FACTOR),
+        qweight_shape = (k // pf, n) if self.format == "gptq" else (k, n // pf)
+        expected: dict[str, tuple[int, ...]] = {"qweight": qweight_shape, "qzeros": (groups, n // pf),
                                                 "scales": (groups, n)}
         if self.format == "gptq":
             expected["g_idx"] = (k,)
@@ -78,40 +83,40 @@ class Int4Checkpoint:
                 raise ValueError(f"{name}.g_idx holds groups outside 0 .. {groups - 1}")
 
 
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [...] -> [..., 8] of its nibbles, the lowest first (a negative int32 is just its bits)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    return (packed.unsqueeze(-1) >> shifts) & 0xF
+def _fields(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [...] -> [..., 32 / bits] of its bit fields, the lowest first (a negative int32 is just its bits)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    return (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
 
 
-def unpack_columns(packed: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """[R, N / 8] int32 packed along N (qzeros; AWQ's qweight) -> [R, N] int values in column order."""
-    values = _nibbles(packed)
+def unpack_columns(packed: torch.Tensor, fmt: Format, bits: int = 4) -> torch.Tensor:
+    """[R, N * bits / 32] int32 packed along N (qzeros; AWQ's qweight) -> [R, N] int values in column order."""
+    values = _fields(packed, bits)
     if fmt == "awq":
         values = values[..., list(AWQ_NIBBLE_OF_COLUMN)]
     return values.reshape(packed.shape[0], -1)
 
 
-def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """GPTQ's qweight [K / 8, N] packed along K -> [K, N] int values."""
-    return _nibbles(packed).permute(0, 2, 1).reshape(-1, packed.shape[1])
+def unpack_rows(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """GPTQ's qweight [K * bits / 32, N] packed along K -> [K, N] int values."""
+    return _fields(packed, bits).permute(0, 2, 1).reshape(-1, packed.shape[1])
 
 
-def group_index(ckpt: Int4Checkpoint) -> torch.Tensor:
+def group_index(ckpt: PackedCheckpoint) -> torch.Tensor:
     """int64 [K]: the group of each input channel."""
     if ckpt.g_idx is not None:
         return ckpt.g_idx.long()
     return torch.arange(ckpt.in_features, device=ckpt.qweight.device) // ckpt.group_size
 
 
-def unpack(ckpt: Int4Checkpoint) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack(ckpt: PackedCheckpoint) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [K, N] uint8, zeros [G, N] float32 with the format's offset applied, scales [G, N] float32)."""
-    q = unpack_rows(ckpt.qweight) if ckpt.format == "gptq" else unpack_columns(ckpt.qweight, "awq")
-    zeros = unpack_columns(ckpt.qzeros, ckpt.format).float() + ckpt.zero_offset
+    q = unpack_rows(ckpt.qweight, ckpt.bits) if ckpt.format == "gptq" else unpack_columns(ckpt.qweight, "awq")
+    zeros = unpack_columns(ckpt.qzeros, ckpt.format, ckpt.bits).float() + ckpt.zero_offset
     return q.to(torch.uint8), zeros, ckpt.scales.float()
 
 
-def dequantize(ckpt: Int4Checkpoint) -> torch.Tensor:
+def dequantize(ckpt: PackedCheckpoint) -> torch.Tensor:
     """The float32 weight [N, K] (``nn.Linear``'s layout): the reference every kernel is checked against."""
     q, zeros, scales = unpack(ckpt)
     g = group_index(ckpt)

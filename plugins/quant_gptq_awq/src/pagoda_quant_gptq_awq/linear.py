@@ -20,7 +20,7 @@ from torch import nn
 
 from pagoda.quantization import LinearMethodBase
 from pagoda_quant_gptq_awq import cpu_kernel
-from pagoda_quant_gptq_awq.formats import Format, Int4Checkpoint, dequantize, group_index, unpack
+from pagoda_quant_gptq_awq.formats import Format, PackedCheckpoint, dequantize, group_index, unpack
 
 TENSORS: dict[str, tuple[str, ...]] = {"gptq": ("qweight", "qzeros", "scales", "g_idx"),
                                        "awq": ("qweight", "qzeros", "scales")}
@@ -31,10 +31,11 @@ def _collect(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) ->
     param.shards[0 if shard_id is None else shard_id] = loaded  # type: ignore[attr-defined]
 
 
-def kernel_for(device: torch.device) -> str:
-    """"cpu", "triton" or "torch": the kernel a layer on ``device`` runs."""
+def kernel_for(device: torch.device, bits: int = 4) -> str:
+    """"cpu", "triton" or "torch": the kernel a ``bits``-bit layer on ``device`` runs."""
     if device.type == "cpu":
-        return "cpu" if cpu_kernel.library() is not None else "torch"
+        # the C++ kernel packs nibbles: 8-bit GPTQ runs the reference on CPU
+        return "cpu" if bits == 4 and cpu_kernel.library() is not None else "torch"
     if device.type == "cuda":  # ROCm's devices are "cuda" to torch as well
         return "triton"
     return "torch"
@@ -43,10 +44,10 @@ def kernel_for(device: torch.device) -> str:
 class _Part:
     """Output channels [start, start + N) of a layer and the kernel that computes them."""
 
-    def __init__(self, ckpt: Int4Checkpoint, kernel: str) -> None:
+    def __init__(self, ckpt: PackedCheckpoint, kernel: str) -> None:
         self.kernel = kernel
         self.out_features = ckpt.out_features
-        self.ckpt: Int4Checkpoint | None = ckpt
+        self.ckpt: PackedCheckpoint | None = ckpt
         self.cpu: cpu_kernel.CpuInt4Weight | None = None
         self.lib: ModuleType | None = None
         if kernel == "cpu":
@@ -76,10 +77,11 @@ class _Part:
 
 
 class Int4LinearMethod(LinearMethodBase):
-    """A 4-bit GPTQ or AWQ ``Linear``."""
+    """A 4-bit GPTQ or AWQ ``Linear`` (or an 8-bit GPTQ one)."""
 
-    def __init__(self, fmt: Format, group_size: int, zero_offset: int) -> None:
+    def __init__(self, fmt: Format, group_size: int, zero_offset: int, bits: int = 4) -> None:
         self.format = fmt
+        self.bits = bits
         self.group_size = group_size  # -1: one group over all input channels
         self.zero_offset = zero_offset
         self.parts: list[tuple[int, _Part]] = []
@@ -108,21 +110,21 @@ class Int4LinearMethod(LinearMethodBase):
         if len(set(counts.values())) != 1:
             raise ValueError(f"{self.format} layer: the checkpoint holds {counts} tensors per part")
         group_size = self.group_size if self.group_size != -1 else self.in_features
-        kernel = kernel_for(self.device)
-        pieces: list[Int4Checkpoint] = []
+        kernel = kernel_for(self.device, self.bits)
+        pieces: list[PackedCheckpoint] = []
         for i in range(counts["qweight"]):
             scales = tensors["scales"][i]
-            piece = Int4Checkpoint(self.format, tensors["qweight"][i].to(self.device), tensors["qzeros"][i].to(self.device),
+            piece = PackedCheckpoint(self.format, tensors["qweight"][i].to(self.device), tensors["qzeros"][i].to(self.device),
                                    scales.to(self.device),
                                    tensors["g_idx"][i].to(self.device) if self.format == "gptq" else None,
-                                   group_size, self.zero_offset, self.in_features, int(scales.shape[-1]))
+                                   group_size, self.zero_offset, self.in_features, int(scales.shape[-1]), self.bits)
             piece.validate(f"{self.format} part {i}")
             pieces.append(piece)
         if sum(p.out_features for p in pieces) != self.out_features:
             raise ValueError(f"{self.format} layer: the checkpoint's parts hold {[p.out_features for p in pieces]} "
                              f"output channels, the layer has {self.out_features}")
         # runs of parts that share their g_idx (always, without act order) become one concatenated weight
-        runs: list[list[Int4Checkpoint]] = []
+        runs: list[list[PackedCheckpoint]] = []
         for piece in pieces:
             if runs and _same_groups(runs[-1][0], piece):
                 runs[-1].append(piece)
@@ -155,18 +157,18 @@ class Int4LinearMethod(LinearMethodBase):
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
 
-def _same_groups(a: Int4Checkpoint, b: Int4Checkpoint) -> bool:
+def _same_groups(a: PackedCheckpoint, b: PackedCheckpoint) -> bool:
     if a.g_idx is None or b.g_idx is None:
         return a.g_idx is None and b.g_idx is None
     return bool(torch.equal(a.g_idx, b.g_idx))
 
 
-def _concat(run: list[Int4Checkpoint]) -> Int4Checkpoint:
+def _concat(run: list[PackedCheckpoint]) -> PackedCheckpoint:
     """Parts of one fused layer along N: every tensor is N-major in its last dimension."""
     if len(run) == 1:
         return run[0]
     first = run[0]
-    return Int4Checkpoint(first.format, torch.cat([p.qweight for p in run], dim=1),
+    return PackedCheckpoint(first.format, torch.cat([p.qweight for p in run], dim=1),
                           torch.cat([p.qzeros for p in run], dim=1), torch.cat([p.scales for p in run], dim=1),
                           first.g_idx, first.group_size, first.zero_offset, first.in_features,
-                          sum(p.out_features for p in run))
+                          sum(p.out_features for p in run), first.bits)
