@@ -141,12 +141,12 @@ def test_blocks_go_to_the_models_device() -> None:
     assert layer.qweight.device.type == "meta"
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_1, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K], ids=lambda q: q.name)  # one type: ~45 s interpreted
 def test_tiny_model_on_the_triton_kernel_equals_the_dequantized_model(tmp_path: Path, qtype: Q,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny Llama GGUF file served kept in blocks with every matmul on the Triton kernel (interpreted on
     CPU tensors) against the same file dequantized at load: the kernel keeps activations in float32, so
-    the logits agree to float rounding. Measured (max error / max |logit|): Q5_1 1.8e-6, Q4_K 5.5e-7; the
+    the logits agree to float rounding. Measured (max error / max |logit|): Q4_K 5.5e-7, Q5_1 1.8e-6; the
     CPU kernel, whose activations are int8, 0.18 and 5.9e-4 on the same files."""
     if DEVICE != "cpu":
         pytest.skip("drives the interpreter through the CPU platform")
