@@ -44,7 +44,9 @@ def describe() -> str:
     lib = library()
     if lib is None:
         return f"none ({EXTENSION.build_failure() or KERNEL_ENV + '=0'}): torch reference"
-    return f"{lib.pagoda_gguf_isa().decode()} for {', '.join(Q(t).name for t in sorted(KERNEL_TYPES))}"
+    repacked = [Q(t).name for t in sorted(KERNEL_TYPES) if lib.pagoda_gguf_repacks(t)]
+    return (f"{lib.pagoda_gguf_isa().decode()} for {', '.join(Q(t).name for t in sorted(KERNEL_TYPES))}"
+            + (f"; {', '.join(repacked)} repacked at load" if repacked else ""))
 
 
 def repack(blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor | None:

@@ -399,6 +399,16 @@ PAGODA_EXPORT int pagoda_gguf_matmul(int type, const uint8_t* w, int64_t N, int6
   }
 }
 
+// 1 where this build has a repacked kernel for the type (pagoda_gguf_repack rewrites it), else 0.
+PAGODA_EXPORT int pagoda_gguf_repacks(int type) {
+#if defined(GGUF_AVX2)
+  return pagoda_gguf::packs(type) ? 1 : 0;
+#else
+  (void)type;
+  return 0;
+#endif
+}
+
 // Rewrites W [N, K] (GGML type `type`, as stored) into `dst` (as many bytes) in the repacked layout
 // above. Returns 0, or -1 where this build has no repacked kernel for the type (the caller keeps the
 // stored layout and calls pagoda_gguf_matmul).
@@ -455,5 +465,6 @@ PAGODA_EXPORT int pagoda_gguf_matmul_packed(int type, const uint8_t* w, int64_t 
 }
 
 PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(pagoda_gguf_isa), PAGODA_FUNCTION(pagoda_gguf_matmul),
-                     PAGODA_FUNCTION(pagoda_gguf_repack), PAGODA_FUNCTION(pagoda_gguf_unpack_rows),
+                     PAGODA_FUNCTION(pagoda_gguf_repacks), PAGODA_FUNCTION(pagoda_gguf_repack),
+                     PAGODA_FUNCTION(pagoda_gguf_unpack_rows),
                      PAGODA_FUNCTION(pagoda_gguf_matmul_packed))
