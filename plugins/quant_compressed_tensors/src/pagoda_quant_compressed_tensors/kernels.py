@@ -86,7 +86,7 @@ class W8A8Weight:
     @classmethod
     def prepare(cls, weight: torch.Tensor, scale: torch.Tensor, on_cpu: bool) -> W8A8Weight:
         out = cls(weight.contiguous(), scale.float().contiguous())
-        lib = library() if on_cpu else None
+        lib = library() if on_cpu and not triton_path.asked_on_cpu() else None
         if lib is not None:
             n, k = weight.shape
             panels, kp = -(-n // PANEL), -(-k // 4) * 4
@@ -141,7 +141,7 @@ class W8A16Weight:
     @classmethod
     def prepare(cls, weight: torch.Tensor, scale: torch.Tensor, group_size: int, on_cpu: bool) -> W8A16Weight:
         out = cls(weight.contiguous(), scale.float().contiguous(), group_size)
-        lib = library() if on_cpu else None
+        lib = library() if on_cpu and not triton_path.asked_on_cpu() else None
         if lib is not None:
             n, k = weight.shape
             groups = out.scale.shape[1]

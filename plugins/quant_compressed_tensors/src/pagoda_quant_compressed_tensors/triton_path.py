@@ -22,6 +22,13 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def asked_on_cpu() -> bool:
+    """Triton asked for on CPU tensors (``PAGODA_KERNELS_IMPL=triton`` under the interpreter): a CPU layer
+    then keeps its weight unpacked for the Triton kernels instead of packing it for the C++ library."""
+    return (envs.PAGODA_KERNELS_IMPL == "triton" and envs.PAGODA_INT8_KERNEL != "0" and triton_available()
+            and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
 def supports(x: torch.Tensor) -> bool:
     if envs.PAGODA_INT8_KERNEL == "0" or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return False
