@@ -142,8 +142,8 @@ def test_triton_kernel_serves_the_model(tmp_path: Path, monkeypatch: pytest.Monk
     from pagoda import LLM, SamplingParams
     from pagoda_quant_gptq_awq import config, linear
 
-    monkeypatch.setattr(linear, "kernel_for", lambda device: "triton")
-    monkeypatch.setattr(config, "kernel_for", lambda device: "triton")
+    monkeypatch.setattr(linear, "kernel_for", lambda device, bits=4: "triton")
+    monkeypatch.setattr(config, "kernel_for", lambda device, bits=4: "triton")
     model = _tiny_llama()
     path = write_checkpoint(model, tmp_path / "ckpt", method, 32, desc_act=desc_act)
     reference = _float_reference(model, tmp_path / "dequantized")

@@ -1,8 +1,9 @@
-"""The 4-bit linear method both formats share: the checkpoint's tensors in, one of three kernels out.
+"""The linear method both formats share: the checkpoint's tensors in, one of three kernels out.
 
-Where the layer lives decides the kernel: on CPU the C++ kernel (``cpu_kernel``; the torch
-reference where it cannot be built or ``PAGODA_INT4_KERNEL=0``), on a CUDA / ROCm device the Triton
-kernel (``triton_kernel``), anywhere else the torch reference (``formats.dequantize`` per call).
+Where the layer lives decides the kernel: on CPU the C++ kernel (``cpu_kernel``, 4-bit; the torch
+reference for 8-bit GPTQ, where it cannot be built, or with ``PAGODA_INT4_KERNEL=0``), on a CUDA /
+ROCm device the Triton kernel (``triton_kernel``), anywhere else the torch reference
+(``formats.dequantize`` per call).
 
 A fused layer (q/k/v, gate/up) receives one tensor per checkpoint layer (``shard_id``); they are
 concatenated along the output channels. Act-order GPTQ layers whose parts carry different
