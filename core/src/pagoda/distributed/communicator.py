@@ -55,15 +55,20 @@ class DeviceCommunicatorBase:
             dim += x.dim()
         x = x.contiguous()
         # gathered along dim 0 ([world * d0, ...], as gloo and NCCL both take it), then moved to ``dim``
+        out = self._all_gather_dim0(x)
+        if dim == 0:
+            return out
+        out = out.view(self.world_size, *x.shape).movedim(0, dim)
+        return out.reshape(*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1:])
+
+    def _all_gather_dim0(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's contiguous ``x`` stacked along dim 0: [world * d0, ...] (a platform may override the transport)."""
         out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         t0 = time.perf_counter()
         dist.all_gather_single(out, x, group=self.group)
         self.stats.seconds += time.perf_counter() - t0
         self.stats.calls += 1
-        if dim == 0:
-            return out
-        out = out.view(self.world_size, *x.shape).movedim(0, dim)
-        return out.reshape(*x.shape[:dim], self.world_size * x.shape[dim], *x.shape[dim + 1:])
+        return out
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         """Send to group rank ``dst``."""
