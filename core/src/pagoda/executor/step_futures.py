@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
 from pagoda.scheduler.output import ModelRunnerOutput
 
@@ -33,7 +32,10 @@ class StepFuture(Future[ModelRunnerOutput]):
         return super().done()
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
-        # ``timeout`` is the executor's (PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS): a hung worker fails the executor
+        if timeout is not None:
+            # the executor bounds the wait itself (PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS fails a hung worker)
+            raise ValueError("a StepFuture takes no timeout: the executor's PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS "
+                             "bounds the wait")
         self._queue.collect_through(self)
         return super().result(0)
 
@@ -70,7 +72,7 @@ class StepQueue:
         if self._pending:
             self.collect_through(self._pending[-1])
 
-    def fail_all(self, exc: BaseException, first: Any = None) -> None:
+    def fail_all(self, exc: BaseException, first: StepFuture | None = None) -> None:
         """The executor failed: this step and every later one end with its error."""
         if first is not None:
             first.set_exception(exc)
