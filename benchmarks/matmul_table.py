@@ -111,15 +111,11 @@ def measure(rows_list: list[int], dtype: torch.dtype, shapes: dict[str, tuple[in
 
 
 def measure_peak(dtype: torch.dtype, threads: int) -> float:
-    from pagoda_platform_cpu.gemm import measure_peak_gflops
+    from pagoda_platform_cpu.gemm import measure_peak_gflops, measure_peak_gflops_thread_time
 
     if _clock is time.perf_counter:
         return max(measure_peak_gflops(dtype, threads) for _ in range(5))
-    # The library times its loop in wall time; here the loop's known FLOPs over this thread's CPU time
-    # (one thread: the OpenMP region runs on the calling thread).
-    iterations = 20_000_000
-    flops = iterations // 16 * 16 * (64.0 if dtype == torch.bfloat16 else 32.0)
-    return max(flops / _time(lambda: measure_peak_gflops(dtype, 1, iterations)) / 1e9 for _ in range(5))
+    return max(measure_peak_gflops_thread_time(dtype, 20_000_000) for _ in range(5))
 
 
 def markdown(tables: dict[str, list[dict[str, Any]]], peaks: dict[str, float]) -> str:

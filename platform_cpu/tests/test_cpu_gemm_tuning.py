@@ -160,3 +160,16 @@ def test_each_dtype_takes_its_own_measured_budget_and_start_up_logs_it(
     with caplog.at_level("INFO", logger="pagoda.engine.core"), pytest.raises(_Resolved):
         engine_core.prepare_engine_config(config)
     assert config.scheduler_config.max_num_batched_tokens == 300 and "platform's default" not in caplog.text
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_peak_in_cpu_time_is_never_below_the_peak_in_wall_time(dtype: torch.dtype) -> None:
+    # One thread's CPU time never exceeds the wall time of the same loop, so its rate is at least the
+    # wall-time rate (a 10% allowance for clock-speed drift between the two runs); on a shared core it
+    # is the higher one, the neighbours' turns not counted.
+    wall = max(gemm_module.measure_peak_gflops(dtype, 1) for _ in range(3))
+    cpu = max(gemm_module.measure_peak_gflops_thread_time(dtype) for _ in range(3))
+    assert cpu >= 0.9 * wall > 0
+    flops_per_cycle = 64 if dtype == torch.bfloat16 else 32  # >= one 512-bit multiply-add a cycle
+    assert cpu < flops_per_cycle * 2 * 6.0  # at most two a cycle, under 6 GHz: the FLOP count is right

@@ -12,6 +12,7 @@ measurement per CPU (``pagoda_platform_cpu.gemm_tuning``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -76,6 +77,22 @@ def measure_peak_gflops(dtype: torch.dtype, threads: int | None = None, iteratio
     if unavailable_reason(dtype) is not None:
         raise RuntimeError(f"no packed-matmul kernel for {dtype} here: {unavailable_reason(dtype)}")
     return float(kernel().peak(_DTYPE_CODES[dtype], iterations // 16, threads or torch.get_num_threads()))
+
+
+def measure_peak_gflops_thread_time(dtype: torch.dtype, iterations: int = 2_000_000) -> float:
+    """The same loop on the calling thread alone, its FLOPs over that thread's CPU time (``time.thread_time``).
+
+    On a shared core the wall-time figure counts the neighbours' turns; CPU time does not, so this is
+    the figure to set beside matmuls timed in CPU time (``gemm_tuning``, ``benchmarks.matmul_table --cpu-time``).
+    """
+    if unavailable_reason(dtype) is not None:
+        raise RuntimeError(f"no packed-matmul kernel for {dtype} here: {unavailable_reason(dtype)}")
+    rounds = iterations // 16
+    start = time.thread_time()
+    kernel().peak(_DTYPE_CODES[dtype], rounds, 1)  # one OpenMP thread: the region runs on this thread
+    seconds = time.thread_time() - start
+    flops = rounds * 16 * (64.0 if dtype == torch.bfloat16 else 32.0)  # kChains chains; 2 FLOP a lane, pairs for bf16
+    return flops / max(seconds, 1e-9) / 1e9
 
 
 @dataclass(frozen=True)
