@@ -9,7 +9,9 @@
 //
 // One entry point serves decode (M = 1: a read of W, one thread per contiguous range of rows) and
 // prefill (each weight block is unpacked once and applied to up to 4 rows of x; a row of W stays in L1
-// while all of x's rows pass it). Threads split W's rows (pagoda::parallel_for).
+// while all of x's rows pass it). Threads split W's rows (pagoda::parallel_for). Q4_0 / Q4_1 matrices
+// are repacked at load for a faster kernel with the same results (pagoda_gguf_repack and
+// pagoda_gguf_matmul_packed, below).
 //
 // Paths, chosen at compile time (-march=native): AVX-512 VNNI (+VL), AVX2 (+FMA, F16C), portable scalar.
 // Tests also build the file with -mno-avx512f to check the AVX2 path on a CPU that has AVX-512.
