@@ -2,6 +2,7 @@
 
     python -m benchmarks.distributed_tp --model tiny --tp 2 --rounds 3
     python -m benchmarks.distributed_tp --model default --tp 3 --rounds 2   # SmolLM2-135M: 9 heads, 3 KV heads
+    python -m benchmarks.distributed_tp --model tiny --tp 2 --gloo          # + TP=2 with its collectives on gloo
 
 Both engines stay up for the whole run and each round runs the same workload on one, then the other,
 so the ratios of a round compare like with like on a machine whose speed drifts. A workload: ``--seqs``
@@ -34,20 +35,23 @@ def _tiny_model(path: Path) -> str:
     return str(save_tiny_model(build_tiny_model(cfg), path))
 
 
-def _engine(model: str | None, tp: int, dtype: str, backend: str, threads: int | None = None, pp: int = 1) -> Any:
+def _engine(model: str | None, tp: int, dtype: str, backend: str, threads: int | None = None, pp: int = 1,
+            shm: bool = True) -> Any:
     from pagoda.config import EngineArgs
     from pagoda.engine.core import EngineCore, prepare_engine_config
 
     # read by the workers' platform when they start (the mp workers are spawned inside EngineCore)
-    before = os.environ.pop("PAGODA_CPU_THREADS", None)
-    if threads is not None:
-        os.environ["PAGODA_CPU_THREADS"] = str(threads)
+    settings = {"PAGODA_CPU_THREADS": None if threads is None else str(threads),
+                "PAGODA_CPU_SHM_ALLREDUCE": None if shm else "0"}
+    before = {key: os.environ.pop(key, None) for key in settings}
+    os.environ.update({key: value for key, value in settings.items() if value is not None})
     try:
         return _build(EngineArgs, EngineCore, prepare_engine_config, model, tp, dtype, backend, pp)
     finally:
-        os.environ.pop("PAGODA_CPU_THREADS", None)
-        if before is not None:
-            os.environ["PAGODA_CPU_THREADS"] = before
+        for key, value in before.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
 
 
 def _build(EngineArgs: Any, EngineCore: Any, prepare_engine_config: Any, model: str | None, tp: int, dtype: str,
@@ -109,6 +113,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--gloo", action="store_true",
+                        help="also run TP=N with PAGODA_CPU_SHM_ALLREDUCE=0 (collectives over gloo, not shared memory)")
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = _tiny_model(Path(tmp) / "tiny") if a.model == "tiny" else None if a.model == "default" else a.model
@@ -120,6 +126,8 @@ def main() -> None:
             "TP1 mp 1t": _engine(model, 1, a.dtype, "mp", threads=1),
             f"TP{a.tp} mp": _engine(model, a.tp, a.dtype, "mp"),
         }
+        if a.gloo:
+            engines[f"TP{a.tp} mp gloo"] = _engine(model, a.tp, a.dtype, "mp", shm=False)
         if a.pp > 1:
             engines[f"PP{a.pp} mp"] = _engine(model, 1, a.dtype, "mp", pp=a.pp)
         try:

@@ -318,3 +318,36 @@ def test_rank_killed_mid_call() -> None:
             p.kill()
             p.join(30)
     assert _leftovers() == before
+
+
+# -- end to end: a TP=2 engine ------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
+def test_tp2_engine_greedy_equals_transformers_over_shared_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mp executor's two workers map a segment (and with the switch off they do not); greedy tokens equal transformers'."""
+    import transformers
+
+    from pagoda import LLM, SamplingParams
+    from pagoda.testing.model_parity import _hf_greedy, build_tiny_model, mixed_prompts, save_tiny_model
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=131,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    hf_model = build_tiny_model(cfg, seed=7)
+    model = save_tiny_model(hf_model, tmp_path / "m")
+    prompts = mixed_prompts(131, num_prompts=8, max_len=40)
+    expected = [_hf_greedy(hf_model, p, 6) for p in prompts]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for setting in ("1", "0"):
+        monkeypatch.setenv("PAGODA_CPU_SHM_ALLREDUCE", setting)  # the spawned workers inherit it
+        llm = LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=256, num_kv_blocks=64,
+                  tensor_parallel_size=2, distributed_executor_backend="mp")
+        try:
+            pids = [p.pid for p in llm.llm_engine.engine_core.core.model_executor.workers]
+            mapped = [NAME_PREFIX in Path(f"/proc/{pid}/maps").read_text() for pid in pids]
+            assert mapped == [setting == "1"] * 2, (setting, mapped)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == expected, setting
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert not list(SHM_DIR.glob(f"{NAME_PREFIX}{pids[0]}-*"))
