@@ -152,8 +152,8 @@ def start_server():
     """Factory: (serve args, env) -> RunningServer; every server it started is stopped at the end."""
     started: list[RunningServer] = []
 
-    def start(args: list[str], env: dict[str, str] | None = None) -> RunningServer:
-        server = RunningServer(args, env)
+    def start(args: list[str], env: dict[str, str] | None = None, timeout: float = 180.0) -> RunningServer:
+        server = RunningServer(args, env, timeout)
         started.append(server)
         return server
 
