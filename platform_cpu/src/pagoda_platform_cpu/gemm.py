@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.cpp_extension import CppExtension
+from pagoda_platform_cpu import huge_pages
 
 EXTENSION_NAME = "pagoda_cpu_gemm"
 SOURCE = "csrc/gemm.cpp"
@@ -138,7 +139,8 @@ class PackedGemmKernel:
         weight = weight.contiguous()
         n, k = weight.shape
         step = _STEP[dtype]
-        packed = torch.zeros((-(-n // PANEL), -(-k // step), PANEL, step), dtype=dtype)
+        # In huge pages: at few rows the weight streams from memory every step (huge_pages).
+        packed = huge_pages.zeros((-(-n // PANEL), -(-k // step), PANEL, step), dtype)
         self._lib.pack[dtype](weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
         plain = weight if self.onednn_rows else None
         return PackedWeight(packed, n, k, dtype, packed.shape[0], packed.data_ptr(), self._lib.gemm[dtype], plain)
