@@ -168,6 +168,8 @@ class GemmaForCausalLM(nn.Module):
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
     packed_modules_mapping: dict[str, list[str]] = FUSED_PROJECTIONS
+    # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
+    supports_quant: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
