@@ -185,6 +185,8 @@ class NeoXFamilyForCausalLM(nn.Module):
     packed_modules_mapping: dict[str, list[str]] = {}
     # (checkpoint part, model part) from checkpoint names to this model's parameter names (weights.substitute)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
+    supports_quant: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -241,10 +243,13 @@ class GPTNeoXForCausalLM(NeoXFamilyForCausalLM):
         the model wants all q rows, then all k, then all v ([3, heads, head_dim]) so q, k and v are
         contiguous column blocks of the matmul output.
         """
-        if not name.endswith((".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")):
+        if ".self_attn.qkv_proj." not in name:
             return tensor
         heads, head_dim = self.config.num_attention_heads, self.options.head_dim
-        if tensor.shape[0] != 3 * heads * head_dim:
+        # every per-output-row tensor of the layer moves with its row: the weight and bias, and a
+        # quantized checkpoint's int8 weight and its per-channel weight_scale (a per-tensor scale
+        # or a weight_shape has no such rows)
+        if tensor.ndim == 0 or tensor.shape[0] != 3 * heads * head_dim:
             return tensor  # the loader reports the shape mismatch by name
         rest = tuple(tensor.shape[1:])
         return tensor.reshape(heads, 3, head_dim, *rest).transpose(0, 1).reshape(tensor.shape)
