@@ -351,3 +351,15 @@ def test_tp2_engine_greedy_equals_transformers_over_shared_memory(tmp_path: Path
         finally:
             llm.llm_engine.engine_core.shutdown()
     assert not list(SHM_DIR.glob(f"{NAME_PREFIX}{pids[0]}-*"))
+
+
+def test_stale_segments_of_dead_creators_are_removed(tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"{NAME_PREFIX}{gone.pid}-abc"
+    live = tmp_path / f"{NAME_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "unrelated-file"
+    for path in (stale, live, other):
+        path.write_bytes(b"x")
+    assert shm.remove_stale_segments(tmp_path) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()
