@@ -9,6 +9,7 @@ were never touched, so dropping them costs no memory.
 A family opts in with ``supports_quant = True`` on its model class: its ``load_weights`` calls a
 parameter's ``weight_loader(param, loaded_weight, shard_id)`` where the parameter has one
 (``shard_id``: the index of the checkpoint tensor within a fused layer, None for a whole one).
+A model that cannot may name why in ``quant_unsupported_reason``; the refusal quotes it.
 """
 
 from __future__ import annotations
@@ -49,14 +50,16 @@ def quantize_model(model: nn.Module, quant_config: QuantizationConfig) -> set[st
     ValueError when the model's family does not load quantized weights.
     """
     if not getattr(model, "supports_quant", False):
+        # a family may say why one of its architectures cannot (``quant_unsupported_reason``)
+        reason = getattr(model, "quant_unsupported_reason", None) or "its model family does not declare supports_quant"
         if quant_config.dequantize_unsupported:
-            logger.warning("%s does not hold quantized layers (its model family does not declare supports_quant): "
-                           "the %s weights are dequantized at load", type(model).__name__, quant_config.get_name())
+            logger.warning("%s does not hold quantized layers (%s): the %s weights are dequantized at load",
+                           type(model).__name__, reason, quant_config.get_name())
             return set()
         hint = " (quantization='none' loads a GGUF file dequantized)" if quant_config.dequantizable else ""
         raise ValueError(
-            f"{type(model).__name__} does not load quantized weights (its model family does not declare "
-            f"supports_quant); {quant_config.get_name()!r} cannot run it{hint}"
+            f"{type(model).__name__} does not load quantized weights ({reason}); "
+            f"{quant_config.get_name()!r} cannot run it{hint}"
         )
     quant_config.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", {}) or {})
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, Embedding) and m.weight is not None}

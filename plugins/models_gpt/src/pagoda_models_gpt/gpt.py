@@ -185,6 +185,8 @@ class GPTFamilyForCausalLM(nn.Module):
     packed_modules_mapping: dict[str, list[str]] = {}
     # (checkpoint part, model part) from checkpoint names to this model's parameter names (weights.substitute)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
+    supports_quant: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -240,6 +242,14 @@ _GPT2_CONV1D = (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight", ".mlp.
 
 class GPT2LMHeadModel(GPTFamilyForCausalLM):
     checkpoint_renames = GPT2_RENAMES
+    # Quantizers target nn.Linear (compressed-tensors' "Linear", GPTQ, AWQ): GPT-2's Conv1D projections are
+    # none, so no quantized GPT-2 layout is in use to be read; the [in, out] transpose below would also
+    # have to know each method's packing. Refused by name rather than guessed.
+    supports_quant = False
+    quant_unsupported_reason = (
+        "GPT-2's projections are transformers Conv1D layers ([in, out] weights), not nn.Linear: quantized "
+        "checkpoints have no layout for them that pagoda reads"
+    )
 
     @classmethod
     def decoder_options(cls, cfg: Any, dtype: torch.dtype) -> GPTOptions:
@@ -279,9 +289,12 @@ class FalconForCausalLM(GPTFamilyForCausalLM):
         return falcon_options(cfg, dtype)
 
     def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if not name.endswith((".self_attn.qkv_proj.weight", ".self_attn.qkv_proj.bias")):
+        if ".self_attn.qkv_proj." not in name:
             return tensor
         o = self.options
-        if tensor.shape[0] != (o.num_heads + 2 * o.num_kv_heads) * o.head_dim:
+        # every per-output-row tensor of the layer moves with its row: the weight and bias, and a
+        # quantized checkpoint's int8 weight and its per-channel weight_scale (a per-tensor scale
+        # or a weight_shape has no such rows)
+        if tensor.ndim == 0 or tensor.shape[0] != (o.num_heads + 2 * o.num_kv_heads) * o.head_dim:
             return tensor  # the loader reports the shape mismatch by name
         return regroup_fused_qkv(tensor, o.qkv_layout, o.num_heads, o.num_kv_heads, o.head_dim)
