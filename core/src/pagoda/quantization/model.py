@@ -127,15 +127,18 @@ def checkpoint_module_filter(model: nn.Module, quantized: set[str]) -> Callable[
     """``keep(hf_param_name)``: whether a checkpoint tensor belongs to a quantized layer (None: no layer is).
 
     Checkpoint names use the unfused layers (``q_proj``); the model's ``packed_modules_mapping``
-    maps them onto its fused ones (``qkv_proj``).
+    maps them onto its fused ones (``qkv_proj``). A family whose parameter names differ from the
+    checkpoint's (GPT-NeoX's ``gpt_neox.layers.0.attention.dense``) renames them with its
+    ``map_checkpoint_name(name)``.
     """
     if not quantized:
         return None
     fused_of = {part: fused for fused, parts in (getattr(model, "packed_modules_mapping", {}) or {}).items()
                 for part in parts}
+    rename: Callable[[str], str] = getattr(model, "map_checkpoint_name", None) or (lambda name: name)
 
     def keep(name: str) -> bool:
-        module = name.rsplit(".", 1)[0]
+        module = rename(name).rsplit(".", 1)[0]
         if module in quantized:
             return True
         head, _, last = module.rpartition(".")

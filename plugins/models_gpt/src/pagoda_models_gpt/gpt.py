@@ -57,6 +57,7 @@ from pagoda_models_gpt.weights import (
     QKV_PROJ,
     load_gpt_weights,
     regroup_fused_qkv,
+    substitute,
 )
 
 # (cos, sin) gathered once per step for rotary models; None for learned positions and ALiBi
@@ -223,6 +224,10 @@ class GPTFamilyForCausalLM(nn.Module):
     def normalize_checkpoint_name(self, name: str) -> str:
         """A checkpoint name under transformers' causal-LM prefix (base-model checkpoints lack it)."""
         return name
+
+    def map_checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name under this model's parameter names (the GGUF loader's filter asks too)."""
+        return substitute(self.normalize_checkpoint_name(name), self.checkpoint_renames)
 
     def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor (under this model's parameter name) in the layout the parameter has."""

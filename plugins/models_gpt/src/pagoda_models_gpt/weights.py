@@ -129,7 +129,7 @@ def load_gpt_weights(model: GPTFamilyForCausalLM, weights: Iterable[tuple[str, t
         packed_modules_mapping=model.packed_modules_mapping,
         skip_suffixes=SKIPPED_SUFFIXES,
         skip_names={"lm_head.weight"} if model.tie_word_embeddings else (),
-        name_mapper=lambda name: substitute(model.normalize_checkpoint_name(name), renames),
+        name_mapper=model.map_checkpoint_name,
         inverse_name_mapper=lambda name: substitute(name, inverse),
         tensor_mapper=convert,
     ).load_weights(weights)

@@ -48,7 +48,14 @@ from pagoda.layers import (
 )
 from pagoda.models.interface import config_for
 from pagoda_models_neox.arch import NeoXOptions, gpt_neox_options, phi_options, stablelm_options
-from pagoda_models_neox.weights import GATE_UP_PROJ, GPT_NEOX_RENAMES, PHI_RENAMES, QKV_PROJ, load_neox_weights
+from pagoda_models_neox.weights import (
+    GATE_UP_PROJ,
+    GPT_NEOX_RENAMES,
+    PHI_RENAMES,
+    QKV_PROJ,
+    load_neox_weights,
+    substitute,
+)
 
 
 def _qk_norm(options: NeoXOptions, num_heads: int, total_num_heads: int, first_head: int, eps: float,
@@ -216,6 +223,10 @@ class NeoXFamilyForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # In the model dtype: the sampler widens only when it must (not for a greedy argmax).
         return self.lm_head(hidden_states)
+
+    def map_checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name under this model's parameter names (the GGUF loader's filter asks too)."""
+        return substitute(name, self.checkpoint_renames)
 
     def convert_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor (under this model's parameter name) in the layout the parameter has."""

@@ -84,7 +84,7 @@ def load_neox_weights(model: NeoXFamilyForCausalLM, weights: Iterable[tuple[str,
         packed_modules_mapping=model.packed_modules_mapping,
         skip_suffixes=_SKIPPED_SUFFIXES,
         skip_names={"lm_head.weight"} if model.tie_word_embeddings else (),
-        name_mapper=lambda name: substitute(name, renames),
+        name_mapper=model.map_checkpoint_name,
         inverse_name_mapper=lambda name: substitute(name, inverse),
         tensor_mapper=convert,
     ).load_weights(weights)
