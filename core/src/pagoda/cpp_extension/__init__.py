@@ -13,5 +13,6 @@ unavailable and fall back. Every build gets ``-I`` to ``include/`` (``pagoda/sim
 """
 
 from pagoda.cpp_extension.build import CppExtension, ExtensionBuildError, include_dir
+from pagoda.cpp_extension.switched import SwitchedKernelLibrary
 
-__all__ = ["CppExtension", "ExtensionBuildError", "include_dir"]
+__all__ = ["CppExtension", "ExtensionBuildError", "SwitchedKernelLibrary", "include_dir"]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda import envs
-from pagoda.cpp_extension import CppExtension, ExtensionBuildError
+from pagoda.cpp_extension import CppExtension, SwitchedKernelLibrary
 from pagoda_quant_compressed_tensors import triton_path
 
 EXTENSION = CppExtension("pagoda_int8_gemm", "pagoda_quant_compressed_tensors", ["csrc/int8_gemm.cpp"])
@@ -24,36 +24,21 @@ KERNEL_ENV = "PAGODA_INT8_KERNEL"
 PATHS = {"auto": 0, "vnni512": 1, "avx512bw": 2, "avx2": 3, "scalar": 4}
 PANEL = 16
 
-_library: ModuleType | None = None
+_KERNEL = SwitchedKernelLibrary(EXTENSION, lambda: envs.PAGODA_INT8_KERNEL, PATHS, "pagoda_int8_paths")
 
 
 def library() -> ModuleType | None:
     """The compiled library, or None where it cannot be built (``EXTENSION.build_failure()`` says why) or is turned off."""
-    global _library
-    if envs.PAGODA_INT8_KERNEL == "0":
-        return None
-    if _library is None:
-        try:
-            _library = EXTENSION.library()
-        except ExtensionBuildError:
-            return None
-    return _library
+    return _KERNEL.library()
 
 
 def path_code() -> int:
-    return PATHS[envs.PAGODA_INT8_KERNEL]  # envs refuses a name outside 0 and PATHS
+    return _KERNEL.path_code()  # envs refuses a name outside 0 and PATHS
 
 
 def paths() -> list[str]:
     """The library's paths this CPU runs, the one ``auto`` picks first."""
-    lib = library()
-    if lib is None:
-        return []
-    bits = int(lib.pagoda_int8_paths())
-    names = {code: name for name, code in PATHS.items()}
-    runnable = [names[c] for c in range(1, 5) if bits & (1 << c)]
-    chosen = names[(bits >> 8) & 0xFF]
-    return [chosen] + [p for p in runnable if p != chosen]
+    return _KERNEL.paths()
 
 
 def describe() -> str:

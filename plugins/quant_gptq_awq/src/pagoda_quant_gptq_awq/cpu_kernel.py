@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 from pagoda import envs
-from pagoda.cpp_extension import CppExtension, ExtensionBuildError
+from pagoda.cpp_extension import CppExtension, SwitchedKernelLibrary
 
 EXTENSION = CppExtension("pagoda_int4_gemm", "pagoda_quant_gptq_awq", ["csrc/int4_gemm.cpp"])
 KERNEL_ENV = "PAGODA_INT4_KERNEL"
@@ -34,36 +34,21 @@ IN_REGISTER_MAX_ROWS: dict[str, int | None] = {"avx512": None, "avx2": 64, "scal
 # Floats one widened slab holds (16 MiB): bounds the extra memory of the many-rows path.
 SLAB_FLOATS = 4 << 20
 
-_library: ModuleType | None = None
+_KERNEL = SwitchedKernelLibrary(EXTENSION, lambda: envs.PAGODA_INT4_KERNEL, PATHS, "pagoda_int4_paths")
 
 
 def library() -> ModuleType | None:
     """The compiled library, or None where it cannot be built (``EXTENSION.build_failure()`` says why) or is off."""
-    global _library
-    if envs.PAGODA_INT4_KERNEL == "0":
-        return None
-    if _library is None:
-        try:
-            _library = EXTENSION.library()
-        except ExtensionBuildError:
-            return None
-    return _library
+    return _KERNEL.library()
 
 
 def path_code() -> int:
-    return PATHS[envs.PAGODA_INT4_KERNEL]  # envs refuses a name outside 0 and PATHS
+    return _KERNEL.path_code()  # envs refuses a name outside 0 and PATHS
 
 
 def paths() -> list[str]:
     """The library's paths this CPU runs, the one ``auto`` picks first."""
-    lib = library()
-    if lib is None:
-        return []
-    bits = int(lib.pagoda_int4_paths())
-    names = {code: name for name, code in PATHS.items()}
-    runnable = [names[c] for c in range(1, 4) if bits & (1 << c)]
-    chosen = names[(bits >> 8) & 0xFF]
-    return [chosen] + [p for p in runnable if p != chosen]
+    return _KERNEL.paths()
 
 
 _auto_path: str | None = None
