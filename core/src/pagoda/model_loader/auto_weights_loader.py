@@ -171,3 +171,42 @@ class AutoWeightsLoader:
         """The checkpoint names (under the checkpoint's own naming) that no tensor filled."""
         return [self.inverse_name_mapper(name) for names in self.pieces.values() for name in names
                 if name not in self.filled]
+
+
+def substitute(name: str, pairs: Iterable[tuple[str, str]]) -> str:
+    """``name`` with each (old, new) pair applied in order: "."-led parts anywhere, others as a prefix.
+
+    Plain string pairs rather than patterns, so a family's rename table also runs backwards (a
+    missing weight is reported under the checkpoint's own name).
+    """
+    for old, new in pairs:
+        if old.startswith("."):
+            name = name.replace(old, new)
+        elif name.startswith(old):
+            name = new + name[len(old):]
+    return name
+
+
+def load_renamed_checkpoint(model: Any, weights: Iterable[tuple[str, torch.Tensor]],
+                            skip_suffixes: Sequence[str] = ()) -> set[str]:
+    """Load a family whose model renames checkpoint names by a table; returns the checkpoint names consumed.
+
+    The model provides ``checkpoint_renames`` ((checkpoint part, model part) pairs for ``substitute``),
+    ``map_checkpoint_name`` (checkpoint name -> parameter name; the table, and whatever else the family
+    normalises first), ``convert_checkpoint_tensor(name, tensor)`` (a layout change after renaming),
+    ``packed_modules_mapping`` and ``tie_word_embeddings`` (the LM head's checkpoint weight is then skipped).
+    """
+    inverse = [(new, old) for old, new in reversed(model.checkpoint_renames)]
+
+    def convert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        yield name, model.convert_checkpoint_tensor(name, tensor)
+
+    return AutoWeightsLoader(
+        model,
+        packed_modules_mapping=model.packed_modules_mapping,
+        skip_suffixes=skip_suffixes,
+        skip_names={"lm_head.weight"} if model.tie_word_embeddings else (),
+        name_mapper=model.map_checkpoint_name,
+        inverse_name_mapper=lambda name: substitute(name, inverse),
+        tensor_mapper=convert,
+    ).load_weights(weights)

@@ -47,6 +47,7 @@ from pagoda.layers import (
     VocabParallelEmbedding,
     rope_config_from_hf,
 )
+from pagoda.model_loader.auto_weights_loader import substitute
 from pagoda.models.interface import config_for
 from pagoda_models_gpt.arch import GPTOptions, falcon_options, gpt2_options, opt_options
 from pagoda_models_gpt.weights import (
@@ -57,7 +58,6 @@ from pagoda_models_gpt.weights import (
     QKV_PROJ,
     load_gpt_weights,
     regroup_fused_qkv,
-    substitute,
 )
 
 # (cos, sin) gathered once per step for rotary models; None for learned positions and ALiBi
@@ -184,7 +184,7 @@ class GPTFamilyForCausalLM(nn.Module):
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
     packed_modules_mapping: dict[str, list[str]] = {}
-    # (checkpoint part, model part) from checkpoint names to this model's parameter names (weights.substitute)
+    # (checkpoint part, model part) from checkpoint names to this model's parameter names (pagoda.model_loader.auto_weights_loader.substitute)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
     supports_quant: bool = True

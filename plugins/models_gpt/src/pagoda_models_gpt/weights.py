@@ -26,12 +26,12 @@ These feed core's ``AutoWeightsLoader``; each parameter's own ``weight_loader``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.model_loader.auto_weights_loader import AutoWeightsLoader
+from pagoda.model_loader.auto_weights_loader import load_renamed_checkpoint
 
 if TYPE_CHECKING:
     from pagoda_models_gpt.gpt import GPTFamilyForCausalLM
@@ -80,16 +80,6 @@ FALCON_TWO_NORM_RENAMES: tuple[tuple[str, str], ...] = (
 SKIPPED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
-def substitute(name: str, pairs: Iterable[tuple[str, str]]) -> str:
-    """``name`` with each (old, new) pair applied in order: "."-led parts anywhere, others as a prefix."""
-    for old, new in pairs:
-        if old.startswith("."):
-            name = name.replace(old, new)
-        elif name.startswith(old):
-            name = new + name[len(old) :]
-    return name
-
-
 def regroup_fused_qkv(tensor: torch.Tensor, layout: str, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """Falcon's fused query_key_value rows (weight or bias) -> [all q; all k; all v].
 
@@ -118,18 +108,4 @@ def load_gpt_weights(model: GPTFamilyForCausalLM, weights: Iterable[tuple[str, t
     weight: parameters start uninitialised (``torch.empty``). With tied embeddings the LM head's
     weight is skipped (it is the embedding).
     """
-    renames = model.checkpoint_renames
-    inverse = [(new, old) for old, new in reversed(renames)]
-
-    def convert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        yield name, model.convert_checkpoint_tensor(name, tensor)
-
-    return AutoWeightsLoader(
-        model,
-        packed_modules_mapping=model.packed_modules_mapping,
-        skip_suffixes=SKIPPED_SUFFIXES,
-        skip_names={"lm_head.weight"} if model.tie_word_embeddings else (),
-        name_mapper=model.map_checkpoint_name,
-        inverse_name_mapper=lambda name: substitute(name, inverse),
-        tensor_mapper=convert,
-    ).load_weights(weights)
+    return load_renamed_checkpoint(model, weights, SKIPPED_SUFFIXES)

@@ -46,6 +46,7 @@ from pagoda.layers import (
     gated_activation,
     rope_config_from_hf,
 )
+from pagoda.model_loader.auto_weights_loader import substitute
 from pagoda.models.interface import config_for
 from pagoda_models_neox.arch import NeoXOptions, gpt_neox_options, phi_options, stablelm_options
 from pagoda_models_neox.weights import (
@@ -54,7 +55,6 @@ from pagoda_models_neox.weights import (
     PHI_RENAMES,
     QKV_PROJ,
     load_neox_weights,
-    substitute,
 )
 
 
@@ -190,7 +190,7 @@ class NeoXFamilyForCausalLM(nn.Module):
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
     packed_modules_mapping: dict[str, list[str]] = {}
-    # (checkpoint part, model part) from checkpoint names to this model's parameter names (weights.substitute)
+    # (checkpoint part, model part) from checkpoint names to this model's parameter names (pagoda.model_loader.auto_weights_loader.substitute)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
     supports_quant: bool = True

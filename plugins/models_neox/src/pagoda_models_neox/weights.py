@@ -23,12 +23,12 @@ and core's ``PerHeadLayerNorm`` (StableLM's per-head q/k norms) declares its
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.model_loader.auto_weights_loader import AutoWeightsLoader
+from pagoda.model_loader.auto_weights_loader import load_renamed_checkpoint
 
 if TYPE_CHECKING:
     from pagoda_models_neox.neox import NeoXFamilyForCausalLM
@@ -56,16 +56,6 @@ PHI_RENAMES: tuple[tuple[str, str], ...] = (
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
 
 
-def substitute(name: str, pairs: Iterable[tuple[str, str]]) -> str:
-    """``name`` with each (old, new) pair applied in order: "."-led parts anywhere, others as a prefix."""
-    for old, new in pairs:
-        if old.startswith("."):
-            name = name.replace(old, new)
-        elif name.startswith(old):
-            name = new + name[len(old) :]
-    return name
-
-
 def load_neox_weights(model: NeoXFamilyForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Copy each (HF name, tensor) into the model, casting to its dtype; return the HF names consumed.
 
@@ -73,18 +63,4 @@ def load_neox_weights(model: NeoXFamilyForCausalLM, weights: Iterable[tuple[str,
     weight: parameters start uninitialised (``torch.empty``). With tied embeddings the LM head's
     weight is skipped (it is the embedding).
     """
-    renames = model.checkpoint_renames
-    inverse = [(new, old) for old, new in reversed(renames)]
-
-    def convert(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        yield name, model.convert_checkpoint_tensor(name, tensor)
-
-    return AutoWeightsLoader(
-        model,
-        packed_modules_mapping=model.packed_modules_mapping,
-        skip_suffixes=_SKIPPED_SUFFIXES,
-        skip_names={"lm_head.weight"} if model.tie_word_embeddings else (),
-        name_mapper=model.map_checkpoint_name,
-        inverse_name_mapper=lambda name: substitute(name, inverse),
-        tensor_mapper=convert,
-    ).load_weights(weights)
+    return load_renamed_checkpoint(model, weights, _SKIPPED_SUFFIXES)
