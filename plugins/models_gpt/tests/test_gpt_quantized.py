@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from transformers import FalconConfig, GPT2Config, OPTConfig
 
-from pagoda.testing.model_parity import build_tiny_model, check_parity, save_tiny_model
+from pagoda.testing.model_parity import build_tiny_model, save_tiny_model
 
 pytest.importorskip("compressed_tensors", reason="the test makes its checkpoints with compressed-tensors")
 pytest.importorskip("pagoda_quant_compressed_tensors", reason="pagoda serves compressed-tensors through that plugin")
@@ -35,18 +35,9 @@ def _config(case: str) -> Any:
 
 @pytest.mark.parametrize("case", ["opt", "falcon"])
 def test_w8a8_matches_its_dequantized_reference(tmp_path: Path, case: str) -> None:
-    from pagoda.testing.quantized_checkpoint import (
-        W8A8_LOGPROB_ATOL,
-        W8A8_TIE_GAP,
-        dequantized_w8a8_reference,
-        save_w8a8_checkpoint,
-    )
+    from pagoda.testing.quantized_checkpoint import check_w8a8_parity
 
-    path = save_w8a8_checkpoint(build_tiny_model(_config(case), seed=1), tmp_path / "ckpt")
-    reference = dequantized_w8a8_reference(build_tiny_model(_config(case), seed=1), path)
-    report = check_parity(reference, tmp_path, model_path=path, logprob_atol=W8A8_LOGPROB_ATOL, tie_gap=W8A8_TIE_GAP,
-                          llm_kwargs={"model_impl": "pagoda"})
-    assert report.num_tokens_compared >= 80, report
+    check_w8a8_parity(_config(case), tmp_path, model_impl="pagoda")
 
 
 def test_quantized_gpt2_is_refused_by_name(tmp_path: Path) -> None:

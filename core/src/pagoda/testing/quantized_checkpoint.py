@@ -89,3 +89,17 @@ def _fake_quantize_input(module: Any, args: tuple[torch.Tensor, ...]) -> tuple[t
     safe = torch.where(scale > 0, scale, 1.0)
     q = torch.where(scale > 0, torch.round(x / safe), 0.0).clamp(-127, 127)
     return (q * scale, *args[1:])
+
+
+def check_w8a8_parity(config: Any, tmp_path: Path, min_tokens: int = 80, **llm_kwargs: Any) -> Any:
+    """A tiny seeded model of ``config`` saved as W8A8 and served by the engine: ``check_parity`` against
+    its dequantized reference, with the tolerances above; returns the report (at least ``min_tokens``
+    tokens compared). ``llm_kwargs`` go to the engine (e.g. ``model_impl``)."""
+    from pagoda.testing.model_parity import build_tiny_model, check_parity
+
+    path = save_w8a8_checkpoint(build_tiny_model(config, seed=1), tmp_path / "ckpt")
+    reference = dequantized_w8a8_reference(build_tiny_model(config, seed=1), path)
+    report = check_parity(reference, tmp_path, model_path=path, logprob_atol=W8A8_LOGPROB_ATOL, tie_gap=W8A8_TIE_GAP,
+                          llm_kwargs=llm_kwargs or None)
+    assert report.num_tokens_compared >= min_tokens, report
+    return report
