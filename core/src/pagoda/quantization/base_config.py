@@ -98,6 +98,15 @@ class QuantizationConfig(ABC):
         # GGUF files always loaded, instead of failing.
         self.dequantize_unsupported = False
 
+    def checkpoint_layer_names(self, prefix: str) -> list[str]:
+        """The checkpoint layers a (possibly fused) model layer holds: ``...qkv_proj`` -> ``...q_proj``,
+        ``...k_proj``, ``...v_proj`` (through ``packed_modules_mapping``); an unfused layer is itself."""
+        head, _, last = prefix.rpartition(".")
+        parts = self.packed_modules_mapping.get(last)
+        if not parts:
+            return [prefix]
+        return [f"{head}.{p}" if head else p for p in parts]
+
     @classmethod
     @abstractmethod
     def get_name(cls) -> str:

@@ -152,23 +152,15 @@ class CompressedTensorsConfig(QuantizationConfig):
         return cls(schemes, list(config.get("ignore") or []))
 
     def is_layer_skipped(self, prefix: str) -> bool:
-        names = self._checkpoint_names(prefix)
+        names = self.checkpoint_layer_names(prefix)
         skipped = [any(_matches(p, name, "Linear") for p in self.ignore) for name in names]
         if any(skipped) and not all(skipped):
             raise ValueError(f"compressed-tensors ignores some of {names} but not all: the fused layer {prefix} "
                              "cannot be half quantized")
         return all(skipped)
 
-    def _checkpoint_names(self, prefix: str) -> list[str]:
-        """The checkpoint layers a (possibly fused) model layer holds: qkv_proj -> q_proj, k_proj, v_proj."""
-        head, _, last = prefix.rpartition(".")
-        parts = self.packed_modules_mapping.get(last)
-        if not parts:
-            return [prefix]
-        return [f"{head}.{p}" if head else p for p in parts]
-
     def scheme_for(self, prefix: str) -> Scheme | None:
-        names = self._checkpoint_names(prefix)
+        names = self.checkpoint_layer_names(prefix)
         found = [next((s for s in self.schemes if any(_matches(t, n, "Linear") for t in s.targets)), None)
                  for n in names]
         if any(s != found[0] for s in found):

@@ -56,20 +56,12 @@ class _Int4Config(QuantizationConfig):
     def get_supported_act_dtypes(cls) -> list[torch.dtype]:
         return list(ACT_DTYPES)
 
-    def _checkpoint_names(self, prefix: str) -> list[str]:
-        """The checkpoint layers a (possibly fused) model layer holds: qkv_proj -> q_proj, k_proj, v_proj."""
-        head, _, last = prefix.rpartition(".")
-        parts = self.packed_modules_mapping.get(last)
-        if not parts:
-            return [prefix]
-        return [f"{head}.{p}" if head else p for p in parts]
-
     @abstractmethod
     def _layer_quantized(self, name: str) -> bool:
         """Whether the checkpoint layer ``name`` (unfused) is stored quantized."""
 
     def is_layer_skipped(self, prefix: str) -> bool:
-        names = self._checkpoint_names(prefix)
+        names = self.checkpoint_layer_names(prefix)
         kept = [not self._layer_quantized(name) for name in names]
         if any(kept) and not all(kept):
             raise ValueError(f"{self.get_name()} quantizes some of {names} but not all: the fused layer {prefix} "
