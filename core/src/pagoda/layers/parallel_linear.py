@@ -184,12 +184,95 @@ class RowParallelLinear(Linear):
         if self.tp_size == 1:
             return super().forward(x)
         # the bias joins after the sum, or every rank would add it once
-        y = F.linear(x, self.weight) if self.kernel is None else self.kernel.apply(x, self.prepared, None)
+        if self.quant_method is not None:  # this rank's slice of the quantized weight times its slice of x
+            y = self.quant_method.apply(self, x, None)
+        elif self.kernel is None:
+            y = F.linear(x, self.weight)
+        else:
+            y = self.kernel.apply(x, self.prepared, None)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def output_split(layer: nn.Module) -> bool:
+    """Whether ``layer`` holds only its rank's output features (a column-parallel layer over several ranks)."""
+    return isinstance(layer, ColumnParallelLinear) and layer.tp_size > 1
+
+
+def input_split(layer: nn.Module) -> bool:
+    """Whether ``layer`` holds only its rank's input features (a row-parallel layer over several ranks)."""
+    return isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+
+
+def check_input_split(layer: nn.Module, unit: int, what: str) -> None:
+    """ValueError unless this rank's input features fall on whole ``unit``-feature blocks of the checkpoint
+    (a quantization method's packed rows or groups), which it cannot slice inside."""
+    if not input_split(layer):
+        return
+    assert isinstance(layer, RowParallelLinear)
+    if layer.in_features % unit:
+        raise ValueError(
+            f"{what}: tensor_parallel_size={layer.tp_size} gives each rank {layer.in_features} of the layer's "
+            f"{layer.input_size} input features, not a multiple of the checkpoint's {unit}; the input size is not "
+            "aligned with the quantized weight shape (use a smaller tensor_parallel_size)")
+
+
+def shard_input(layer: nn.Module, loaded: torch.Tensor, *, dim: int, unit: int = 1, what: str) -> torch.Tensor:
+    """This rank's input features of a quantization method's checkpoint tensor for ``layer``.
+
+    ``dim``: the tensor's input-feature dim; ``unit``: input features per element along it (GPTQ's
+    qweight rows pack 8; a row of group scales covers ``group_size``). A row-parallel layer over several
+    ranks takes its slice (``check_input_split`` refuses a slice inside a block); any other layer keeps it whole.
+    """
+    if not input_split(layer):
+        return loaded
+    assert isinstance(layer, RowParallelLinear)
+    check_input_split(layer, unit, what)
+    if loaded.shape[dim] * unit != layer.input_size:
+        raise ValueError(f"{what}: checkpoint tensor of shape {tuple(loaded.shape)} covers {loaded.shape[dim] * unit} "
+                         f"input features along dim {dim}, the layer has {layer.input_size}")
+    rows = layer.in_features // unit
+    # a copy: a view would keep the whole checkpoint tensor alive on every rank
+    return loaded.narrow(dim, layer.tp_rank * rows, rows).clone()
+
+
+def shard_output(layer: nn.Module, loaded: torch.Tensor, shard_id: int | None, *, dim: int, pack_factor: int = 1,
+                 what: str) -> torch.Tensor:
+    """This rank's output features of a quantization method's checkpoint tensor for ``layer``.
+
+    Sliced as the layer slices its float weight (stacked projection ``shard_id``; a checkpoint tensor
+    holding them all, ``shard_id`` None, is split into the projections first); ``pack_factor``: output
+    features per element along ``dim`` (int4 zeros packed eight to an int32). Any layer that is not
+    column-parallel over several ranks keeps the tensor whole.
+    """
+    if not output_split(layer):
+        return loaded
+    assert isinstance(layer, ColumnParallelLinear)
+    if hasattr(layer, "org_vocab_size"):
+        # a vocab-parallel LM head pads the vocabulary to the ranks: packed rows would straddle the padding
+        raise ValueError(f"{what}: a quantized LM head is not split across tensor-parallel ranks "
+                         f"(tensor_parallel_size={layer.tp_size}); keep the LM head unquantized")
+    if shard_id is None and len(layer.output_sizes) > 1:
+        if any(n % pack_factor for n in layer.output_sizes):
+            raise ValueError(f"{what}: projections of {layer.output_sizes} output features do not fall on the "
+                             f"checkpoint's packing of {pack_factor}")
+        parts = loaded.split([n // pack_factor for n in layer.output_sizes], dim)
+        return torch.cat([shard_output(layer, part, i, dim=dim, pack_factor=pack_factor, what=what)
+                          for i, part in enumerate(parts)], dim)
+    index = shard_id or 0
+    _, size, start = layer.shard_range(index)
+    if size % pack_factor or start % pack_factor:
+        raise ValueError(f"{what}: tensor_parallel_size={layer.tp_size} gives this rank output features "
+                         f"{start}..{start + size} of {layer.output_sizes[index]}, not on the checkpoint's packing "
+                         f"of {pack_factor} (use a smaller tensor_parallel_size)")
+    if loaded.shape[dim] * pack_factor != layer.output_sizes[index]:
+        raise ValueError(f"{what}: checkpoint tensor of shape {tuple(loaded.shape)} covers "
+                         f"{loaded.shape[dim] * pack_factor} output features along dim {dim}, projection {index} "
+                         f"of the layer has {layer.output_sizes[index]}")
+    return loaded.narrow(dim, start // pack_factor, size // pack_factor).clone()
 
 
 def check_tensor_parallel_support(model: nn.Module, architecture: str) -> None:

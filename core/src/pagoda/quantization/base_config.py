@@ -91,6 +91,12 @@ class QuantizationConfig(ABC):
     # true for GGUF files, whose loader can dequantize every block type.
     dequantizable: ClassVar[bool] = False
 
+    # Whether the methods load each tensor-parallel rank's slice of their tensors (through
+    # pagoda.layers.parallel_linear's shard_output / shard_input). A config that does not is refused
+    # at tensor_parallel_size > 1, quoting ``tensor_parallel_unsupported_reason``.
+    supports_tensor_parallel: ClassVar[bool] = False
+    tensor_parallel_unsupported_reason: ClassVar[str] = "its methods do not split their weights across ranks"
+
     def __init__(self) -> None:
         self.packed_modules_mapping = {}
         # Set by resolve_quantization for a GGUF file's method found from its tensor types (not asked

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.distributed import get_tensor_model_parallel_world_size
 from pagoda.layers.embedding import Embedding
 from pagoda.layers.linear import Linear
 from pagoda.quantization.base_config import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig
@@ -61,6 +62,10 @@ def quantize_model(model: nn.Module, quant_config: QuantizationConfig) -> set[st
             f"{type(model).__name__} does not load quantized weights ({reason}); "
             f"{quant_config.get_name()!r} cannot run it{hint}"
         )
+    tp_size = get_tensor_model_parallel_world_size()
+    if tp_size > 1 and not quant_config.supports_tensor_parallel:
+        raise ValueError(f"{quant_config.get_name()!r} quantization runs with tensor_parallel_size=1 only "
+                         f"({quant_config.tensor_parallel_unsupported_reason}); tensor_parallel_size={tp_size} asked")
     quant_config.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", {}) or {})
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, Embedding) and m.weight is not None}
     quantized: set[str] = set()
@@ -78,8 +83,11 @@ def quantize_model(model: nn.Module, quant_config: QuantizationConfig) -> set[st
             if not isinstance(method, LinearMethodBase):
                 raise TypeError(f"{quant_config.get_name()} gave {prefix} (a Linear) a {type(method).__name__}")
             dtype = module.weight.dtype
-            method.create_weights(module, module.in_features, [module.out_features], module.in_features,
-                                  module.out_features, dtype)
+            # a parallel layer's sizes on this rank and in the checkpoint (a plain Linear: both its own)
+            partition_sizes = list(getattr(module, "output_partition_sizes", [module.out_features]))
+            output_size = sum(getattr(module, "output_sizes", [module.out_features]))
+            method.create_weights(module, module.in_features, partition_sizes,
+                                  getattr(module, "input_size", module.in_features), output_size, dtype)
         else:
             if not isinstance(method, EmbeddingMethodBase):
                 raise TypeError(f"{quant_config.get_name()} gave {prefix} (an Embedding) a {type(method).__name__}")

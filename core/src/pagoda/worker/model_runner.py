@@ -153,9 +153,6 @@ class ModelRunner:
                              "supports_pp; pooling models never do); run it with pipeline_parallel_size=1")
         if self.config.parallel_config.tensor_parallel_size > 1:
             check_tensor_parallel_support(model, archs[0])
-            if getattr(self.config.resolved, "quant_config", None) is not None:
-                raise ValueError("quantized models run with tensor_parallel_size=1 only (the quantization "
-                                 "methods' weights are not split across ranks yet)")
         quant_config = self.config.resolved.quant_config
         keep_quantized = None
         if quant_config is not None:
