@@ -10,6 +10,7 @@ import torch
 
 from pagoda_platform_cpu import gemm as gemm_module
 from pagoda_platform_cpu.huge_pages import HUGE_PAGE, HugePageArena
+from pagoda_platform_cpu.platform import GEMM_ENV, GEMV_ENV, PACKED_LINEAR_ENV, CpuPlatform
 
 needs_madvise = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this OS")
 
@@ -48,3 +49,20 @@ def test_packed_weights_in_huge_pages_multiply_exactly_as_before() -> None:
     prepared = kernel.prepare(w)
     assert prepared.packed.untyped_storage().nbytes() >= HUGE_PAGE  # a view into the arena, not its own allocation
     torch.testing.assert_close(kernel.apply(x, prepared, None), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_madvise
+@pytest.mark.skipif(gemm_module.unavailable_reason(torch.float32) is not None, reason="no packed-matmul kernel")
+def test_the_platform_hands_its_one_arena_to_every_packed_matmul_it_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (PACKED_LINEAR_ENV, GEMV_ENV, GEMM_ENV):
+        monkeypatch.delenv(name, raising=False)
+    platform = CpuPlatform()
+    first, second = platform.linear_kernel(torch.float32), platform.linear_kernel(torch.float32)
+    assert isinstance(first, gemm_module.PackedGemmKernel) and isinstance(second, gemm_module.PackedGemmKernel)
+    assert first.arena is second.arena is platform.packed_weight_arena
+    assert CpuPlatform().packed_weight_arena is not platform.packed_weight_arena  # owned, not process-wide
+    a = first.prepare(torch.ones(32, 16))
+    b = second.prepare(torch.ones(32, 16))
+    # consecutive weights of one model lie page after page in the same mapping
+    assert b.packed.data_ptr() - a.packed.data_ptr() == 4096
+    assert a.packed.untyped_storage().data_ptr() == b.packed.untyped_storage().data_ptr()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.cpp_extension import CppExtension
-from pagoda_platform_cpu import huge_pages
+from pagoda_platform_cpu.huge_pages import HugePageArena
 
 EXTENSION_NAME = "pagoda_cpu_gemm"
 SOURCE = "csrc/gemm.cpp"
@@ -115,9 +115,11 @@ class PackedGemmKernel:
     name = "cpu_packed_gemm"
 
     def __init__(self, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
-                 row_tile: int = DEFAULT_ROW_TILE, onednn_rows: tuple[tuple[int, int], ...] = ()) -> None:
+                 row_tile: int = DEFAULT_ROW_TILE, onednn_rows: tuple[tuple[int, int], ...] = (),
+                 arena: HugePageArena | None = None) -> None:
         """``row_tile``: rows per register tile; ``onednn_rows``: [lo, hi) row ranges (hi 0: unbounded) that
-        ``F.linear`` serves instead, where this CPU measured oneDNN faster (``gemm_tuning``)."""
+        ``F.linear`` serves instead, where this CPU measured oneDNN faster (``gemm_tuning``); ``arena``: the
+        huge-page memory packed weights are cut from (the platform's; a kernel made without one gets its own)."""
         if row_tile not in ROW_TILES:
             raise ValueError(f"row_tile must be one of {ROW_TILES}, got {row_tile}")
         for lo, hi in onednn_rows:
@@ -127,6 +129,7 @@ class PackedGemmKernel:
         self.dtypes = dtypes
         self.row_tile = row_tile
         self.onednn_rows = tuple(onednn_rows)
+        self.arena = arena if arena is not None else HugePageArena()
 
     def supports(self, weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self.dtypes and weight.numel() > 0
@@ -140,7 +143,7 @@ class PackedGemmKernel:
         n, k = weight.shape
         step = _STEP[dtype]
         # In huge pages: at few rows the weight streams from memory every step (huge_pages).
-        packed = huge_pages.zeros((-(-n // PANEL), -(-k // step), PANEL, step), dtype)
+        packed = self.arena.zeros((-(-n // PANEL), -(-k // step), PANEL, step), dtype)
         self._lib.pack[dtype](weight.data_ptr(), packed.data_ptr(), n, k, torch.get_num_threads())
         plain = weight if self.onednn_rows else None
         return PackedWeight(packed, n, k, dtype, packed.shape[0], packed.data_ptr(), self._lib.gemm[dtype], plain)

@@ -10,7 +10,9 @@ read at start-up, so the memory is mapped here and ``madvise(MADV_HUGEPAGE)`` as
 Tensors are carved from 64 MiB anonymous mappings (already zero); each tensor keeps its mapping
 alive through ``torch.frombuffer``, so a mapping is unmapped once the last tensor cut from it (and
 the arena, which holds only the newest one) lets go. Where ``MADV_HUGEPAGE`` does not exist (not
-Linux) the tensors are plain ``torch.zeros``.
+Linux) the tensors are plain ``torch.zeros``. The CPU platform owns the process's arena
+(``CpuPlatform.packed_weight_arena``) and hands it to the packed matmul it chooses, so every packed
+weight of a model is cut from the same mappings.
 """
 
 from __future__ import annotations
@@ -59,11 +61,3 @@ class HugePageArena:
         whole = torch.frombuffer(region, dtype=torch.uint8)
         start = -whole.data_ptr() % HUGE_PAGE
         return whole[start:start + nbytes]
-
-
-_arena = HugePageArena()
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros`` in huge-page memory (the process-wide arena)."""
-    return _arena.zeros(shape, dtype)

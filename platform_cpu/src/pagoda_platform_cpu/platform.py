@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 from pagoda import envs
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from pagoda.config import EngineConfig
     from pagoda.layers import LayerOps, LinearKernel
+    from pagoda_platform_cpu.huge_pages import HugePageArena
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,9 @@ class CpuPlatform(Platform):
                 from pagoda_platform_cpu.gemm_tuning import tuning
 
                 tuned = tuning(dtype)
-                return PackedGemmKernel((dtype,), row_tile=tuned.row_tile, onednn_rows=tuned.onednn_rows)
+                return PackedGemmKernel(
+                    (dtype,), row_tile=tuned.row_tile, onednn_rows=tuned.onednn_rows, arena=self.packed_weight_arena
+                )
             logger.info("pagoda's packed CPU matmul does not run %s here (%s); linears use the GEMV and oneDNN", dtype, reason)
         packer: LinearKernel | None = OneDNNLinearKernel() if onednn_available() else None
         if envs.PAGODA_CPU_GEMV:
@@ -210,6 +213,13 @@ class CpuPlatform(Platform):
 
     def describe(self) -> str:
         return f"cpu ({self.num_threads()} threads, native bf16: {has_native_bf16()})"
+
+    @cached_property
+    def packed_weight_arena(self) -> HugePageArena:
+        """The huge-page memory every packed weight this platform's matmul makes is cut from."""
+        from pagoda_platform_cpu.huge_pages import HugePageArena
+
+        return HugePageArena()
 
 
 def start_kernel_builds() -> None:
