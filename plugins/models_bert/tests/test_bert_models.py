@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from pagoda import LLM, PoolingParams
+from pagoda.testing.tiny_bert import save_tiny_bert
 
 TOKEN_LISTS = [
     [2, 17, 33, 4],
@@ -25,23 +26,6 @@ TOKEN_LISTS = [
     [2, 88, 77, 66, 55, 44, 4],
     [2, 3, 3, 3, 3, 4],
 ]
-
-
-def _tiny(config_cls: type, model_cls: type, path: Path, **extra: object) -> Path:
-    config = config_cls(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=96, hidden_act="gelu", **extra)
-    config.architectures = [model_cls.__name__]
-    torch.manual_seed(0)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        # large enough that outputs differ clearly between inputs; LayerNorm scales around 1
-        for name, p in model.named_parameters():
-            if "LayerNorm.weight" in name:
-                p.normal_(1.0, 0.2)
-            else:
-                p.normal_(0, 0.3 if p.ndim == 1 else 0.6)
-    model.save_pretrained(path)
-    return path
 
 
 def _hf_outputs(model_dir: Path, model_cls: type, token_lists: list[list[int]],
@@ -60,14 +44,12 @@ def _hf_outputs(model_dir: Path, model_cls: type, token_lists: list[list[int]],
 
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta", "roberta"])
 def test_sequence_classification_logits_match_transformers(tmp_path: Path, family: str) -> None:
-    if family == "bert":
-        config_cls, model_cls, extra = transformers.BertConfig, transformers.BertForSequenceClassification, {}
-    elif family == "roberta":
-        config_cls, model_cls, extra = transformers.RobertaConfig, transformers.RobertaForSequenceClassification, {}
-    else:
-        config_cls, model_cls = transformers.XLMRobertaConfig, transformers.XLMRobertaForSequenceClassification
-        extra = {}
-    model_dir = _tiny(config_cls, model_cls, tmp_path / family, num_labels=3, **extra)
+    model_cls = {
+        "bert": transformers.BertForSequenceClassification,
+        "roberta": transformers.RobertaForSequenceClassification,
+        "xlm-roberta": transformers.XLMRobertaForSequenceClassification,
+    }[family]
+    model_dir = save_tiny_bert(model_cls, tmp_path / family, num_labels=3)
     expected = _hf_outputs(model_dir, model_cls, TOKEN_LISTS)
     llm = LLM(model=str(model_dir), dtype="float32", skip_tokenizer_init=True, attention_backend="torch_paged")
     assert llm.supported_tasks == ("classify", "token_classify")
@@ -84,8 +66,7 @@ def test_sequence_classification_logits_match_transformers(tmp_path: Path, famil
 
 
 def test_bert_token_type_ids_reach_the_model(tmp_path: Path) -> None:
-    model_dir = _tiny(transformers.BertConfig, transformers.BertForSequenceClassification, tmp_path / "bert",
-                      num_labels=1)
+    model_dir = save_tiny_bert(transformers.BertForSequenceClassification, tmp_path / "bert", num_labels=1)
     ids = TOKEN_LISTS[3]
     types = [0, 0, 0, 0, 0, 1, 1, 1]
     expected = _hf_outputs(model_dir, transformers.BertForSequenceClassification, [ids, ids], [types, [0] * len(ids)])
@@ -99,7 +80,7 @@ def test_bert_token_type_ids_reach_the_model(tmp_path: Path) -> None:
 
 
 def test_bert_model_embeddings_and_poolers(tmp_path: Path) -> None:
-    model_dir = _tiny(transformers.BertConfig, transformers.BertModel, tmp_path / "bert")
+    model_dir = save_tiny_bert(transformers.BertModel, tmp_path / "bert")
     hidden = _hf_outputs(model_dir, transformers.BertModel, TOKEN_LISTS)
     llm = LLM(model=str(model_dir), dtype="float32", skip_tokenizer_init=True, attention_backend="torch_paged")
     assert llm.supported_tasks == ("embed", "token_embed")
@@ -124,7 +105,7 @@ def test_bert_model_embeddings_and_poolers(tmp_path: Path) -> None:
 
 
 def test_pooler_config_overrides_and_matryoshka(tmp_path: Path) -> None:
-    model_dir = _tiny(transformers.BertConfig, transformers.BertModel, tmp_path / "bert", matryoshka_dimensions=[8, 16])
+    model_dir = save_tiny_bert(transformers.BertModel, tmp_path / "bert", matryoshka_dimensions=[8, 16])
     hidden = _hf_outputs(model_dir, transformers.BertModel, TOKEN_LISTS[:3])
     llm = LLM(model=str(model_dir), dtype="float32", skip_tokenizer_init=True, attention_backend="torch_paged",
               pooler_config={"pooling_type": "MEAN", "normalize": False})
@@ -156,8 +137,7 @@ def test_bad_pooler_config_is_an_error() -> None:
 
 
 def test_step_pooling_and_encode_task(tmp_path: Path) -> None:
-    model_dir = _tiny(transformers.BertConfig, transformers.BertForSequenceClassification, tmp_path / "bert",
-                      num_labels=4)
+    model_dir = save_tiny_bert(transformers.BertForSequenceClassification, tmp_path / "bert", num_labels=4)
     model = transformers.BertForSequenceClassification.from_pretrained(model_dir).eval()
     ids = [2, 9, 50, 11, 50, 12, 13, 50, 4]
     with torch.no_grad():

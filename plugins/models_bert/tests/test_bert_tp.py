@@ -13,28 +13,13 @@ import transformers
 
 from pagoda import LLM, PoolingParams
 from pagoda.testing.model_parity import TENSOR_PARALLEL_2
+from pagoda.testing.tiny_bert import save_tiny_bert
 
 TOKEN_LISTS = [[2, 17, 33, 4], [2, 9, 4], [2] + list(range(60, 95)) + [4], [2, 88, 77, 66, 55, 44, 4]]
 
 
-def _tiny(model_cls: type, path: Path, **extra: object) -> Path:
-    config = transformers.BertConfig(vocab_size=131, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, max_position_embeddings=96, hidden_act="gelu", **extra)
-    config.architectures = [model_cls.__name__]
-    torch.manual_seed(0)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm.weight" in name:
-                p.normal_(1.0, 0.2)
-            else:
-                p.normal_(0, 0.3 if p.ndim == 1 else 0.6)
-    model.save_pretrained(path)
-    return path
-
-
 def test_bert_classifier_and_embeddings_tp2_match_transformers(tmp_path: Path) -> None:
-    model_dir = _tiny(transformers.BertForSequenceClassification, tmp_path / "bert", num_labels=3)
+    model_dir = save_tiny_bert(transformers.BertForSequenceClassification, tmp_path / "bert", num_labels=3, vocab_size=131)
     hf = transformers.BertForSequenceClassification.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     types = [0, 0, 0, 1, 1, 1, 1]
     with torch.no_grad():
@@ -52,7 +37,7 @@ def test_bert_classifier_and_embeddings_tp2_match_transformers(tmp_path: Path) -
     assert not torch.allclose(pair, expected[3], atol=1e-3)
     assert not torch.allclose(expected[0], expected[1], atol=1e-2)
     del llm
-    embedder_dir = _tiny(transformers.BertModel, tmp_path / "bert-embed")
+    embedder_dir = save_tiny_bert(transformers.BertModel, tmp_path / "bert-embed", vocab_size=131)
     hf_embed = transformers.BertModel.from_pretrained(embedder_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         hidden = [hf_embed(input_ids=torch.tensor([ids])).last_hidden_state[0] for ids in TOKEN_LISTS]

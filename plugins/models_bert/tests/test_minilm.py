@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from pagoda import LLM
+from pagoda.testing.tiny_bert import save_tiny_bert
 
 pytest.importorskip("sentence_transformers")
 from sentence_transformers import CrossEncoder, SentenceTransformer  # noqa: E402
@@ -73,16 +74,8 @@ def _cross_encoder(path: Path) -> Path:
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
     tokenizer = transformers.BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
     tokenizer.save_pretrained(path)
-    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, max_position_embeddings=64, num_labels=1)
-    config.architectures = ["BertForSequenceClassification"]
-    torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.2) if "LayerNorm.weight" in name else p.normal_(0, 0.3 if p.ndim == 1 else 0.6)
-    model.save_pretrained(path)
-    return path
+    return save_tiny_bert(transformers.BertForSequenceClassification, path, vocab_size=len(vocab),
+                          max_position_embeddings=64, num_labels=1)
 
 
 def test_score_equals_cross_encoder(tmp_path: Path) -> None:
