@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.layers.parallel_linear import check_input_split, input_split, output_split, shard_input, shard_output
 from pagoda.quantization import LinearMethodBase, QuantizationConfig, QuantizeMethodBase
 from pagoda_quant_compressed_tensors import kernels
 
@@ -118,6 +119,8 @@ def _matches(pattern: str, prefix: str, layer_type: str) -> bool:
 class CompressedTensorsConfig(QuantizationConfig):
     """vLLM's ``CompressedTensorsConfig`` for the int8 schemes above."""
 
+    supports_tensor_parallel = True  # every tensor is sliced per rank (``_collector``)
+
     def __init__(self, schemes: list[Scheme], ignore: list[str]) -> None:
         super().__init__()
         self.schemes = schemes
@@ -183,9 +186,33 @@ class CompressedTensorsConfig(QuantizationConfig):
         return f"quantization: compressed-tensors ({used}; {kernels.describe()})"
 
 
-def _collect(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
-    """Keeps one checkpoint tensor under its shard (fused layers get one per checkpoint layer)."""
-    param.shards[0 if shard_id is None else shard_id] = loaded  # type: ignore[attr-defined]
+def _collector(layer: nn.Module, name: str, scheme: Scheme) -> Any:
+    """The ``weight_loader`` of ``layer``'s tensor ``name``: keeps this tensor-parallel rank's slice of
+    each checkpoint tensor under its shard (fused layers get one per checkpoint layer).
+
+    Column-parallel layers take their output rows of the weight and of per-channel / per-group scales;
+    row-parallel ones their input columns of the weight (``weight_packed``: four to an int32) and of
+    per-group scales (whole groups). A per-tensor scale, and per-channel scales of a row-parallel
+    layer, hold for every rank's slice and stay whole.
+    """
+    what = f"compressed-tensors {name}"
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        if name == "weight_shape":  # [rows, cols] of the checkpoint tensor; the rank's shape is set after loading
+            part = loaded
+        elif name == "weight_scale":
+            part = loaded
+            if scheme.strategy != "tensor":
+                part = shard_output(layer, part, shard_id, dim=0, what=what)
+            if scheme.strategy == "group":
+                assert scheme.group_size is not None
+                part = shard_input(layer, part, dim=1, unit=scheme.group_size, what=what)
+        else:
+            part = shard_output(layer, loaded, shard_id, dim=0, what=what)
+            part = shard_input(layer, part, dim=1, unit=4 if name == "weight_packed" else 1, what=what)
+        param.shards[0 if shard_id is None else shard_id] = part  # type: ignore[attr-defined]
+
+    return load
 
 
 def _unpack_int8(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
@@ -209,6 +236,7 @@ class CompressedTensorsLinearMethod(LinearMethodBase):
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
         self.in_features = input_size_per_partition
         self.out_features = sum(output_partition_sizes)
+        self.input_size = input_size
         # the float weight was made on the model's device (and never filled): the int8 weight goes there,
         # so a CUDA / ROCm model's layers hold it on the GPU (the loader reads it into host memory)
         weight = getattr(layer, "weight", None)
@@ -216,9 +244,13 @@ class CompressedTensorsLinearMethod(LinearMethodBase):
         names = ["weight_packed", "weight_shape"] if self.scheme.format == "pack-quantized" else ["weight"]
         if self.scheme.format != "pack-quantized":
             layer.register_parameter("weight", None)
+        if self.scheme.format == "pack-quantized":
+            check_input_split(layer, 4, "compressed-tensors weight_packed (four int8 values to an int32)")
+        if self.scheme.group_size:
+            check_input_split(layer, self.scheme.group_size, f"compressed-tensors groups of {self.scheme.group_size}")
         for name in [*names, "weight_scale"]:
             param = nn.Parameter(torch.empty(0), requires_grad=False)
-            param.weight_loader = _collect  # type: ignore[attr-defined]
+            param.weight_loader = _collector(layer, name, self.scheme)  # type: ignore[attr-defined]
             param.shards = {}  # type: ignore[attr-defined]
             layer.register_parameter(name, param)
         if self.scheme.format == "pack-quantized":
@@ -228,10 +260,19 @@ class CompressedTensorsLinearMethod(LinearMethodBase):
         shards: dict[int, torch.Tensor] = getattr(layer, name).shards
         return [shards[i].to(self.device) for i in sorted(shards)]
 
+    def _rank_shape(self, layer: nn.Module, packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's ``weight_shape`` for the slice of ``weight_packed`` this rank holds."""
+        if not (output_split(layer) or input_split(layer)):
+            return shape
+        rows, cols = (int(v) for v in shape.tolist())
+        if cols != self.input_size:
+            raise ValueError(f"compressed-tensors weight_shape {(rows, cols)} for a layer of {self.input_size} inputs")
+        return torch.tensor([packed.shape[0], self.in_features])
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.scheme.format == "pack-quantized":
-            parts = [_unpack_int8(p, s) for p, s in zip(self._assembled(layer, "weight_packed"),
-                                                        self._assembled(layer, "weight_shape"), strict=True)]
+            parts = [_unpack_int8(p, self._rank_shape(layer, p, s)) for p, s in zip(
+                self._assembled(layer, "weight_packed"), self._assembled(layer, "weight_shape"), strict=True)]
         else:
             parts = self._assembled(layer, "weight")
         if any(p.dtype != torch.int8 for p in parts):
