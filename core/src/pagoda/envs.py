@@ -183,6 +183,11 @@ _VARIABLES: list[EnvVar[Any]] = [
            "GPTQ / AWQ 4-bit matmul on CPU: auto (the best path this CPU runs), 0 (the torch reference), "
            "or one path of the C++ library.",
            "pagoda-quant-gptq-awq", _choice("auto", "0", "avx512", "avx2", "scalar")),
+    EnvVar("PAGODA_GPTQ8_KERNEL", "one of auto, 0, avx512, avx2, scalar, vnni512", "auto",
+           "GPTQ 8-bit matmul on CPU: auto (the best path this CPU runs), 0 (the torch reference), or one path "
+           "of the C++ library (vnni512: activations quantized to int8 per 32 inputs, 2-5x faster, never picked "
+           "by auto).",
+           "pagoda-quant-gptq-awq", _choice("auto", "0", "avx512", "avx2", "scalar", "vnni512")),
     # -- kernels ------------------------------------------------------------------
     EnvVar("PAGODA_KERNELS_IMPL", "one of auto, triton, torch", "auto",
            "pagoda-kernels' implementation when a call does not choose: auto (Triton on GPU tensors), "
@@ -224,6 +229,7 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns
     PAGODA_GGUF_KERNEL: bool
     PAGODA_INT8_KERNEL: str
     PAGODA_INT4_KERNEL: str
+    PAGODA_GPTQ8_KERNEL: str
     PAGODA_KERNELS_IMPL: str
     PAGODA_BENCH_VLLM_PYTHON: str | None
     PAGODA_BENCH_LLAMACPP_PYTHON: str | None
