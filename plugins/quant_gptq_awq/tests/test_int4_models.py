@@ -55,7 +55,9 @@ CASES = {
     "gptq-g32-desc_act": dict(method="gptq", group_size=32, desc_act=True),
     "gptq-g-1-sym-lm_head": dict(method="gptq", group_size=-1, sym=True, lm_head=True),
     "gptq-g32-down_proj-float": dict(method="gptq", group_size=32, skip=("down_proj",)),
-    "gptq8-g32-desc_act": dict(method="gptq", group_size=32, desc_act=True, bits=8),  # CPU: the torch reference
+    "gptq8-g32-desc_act": dict(method="gptq", group_size=32, desc_act=True, bits=8),  # CPU: the 8-bit kernel
+    "gptq8-g-1-sym-lm_head": dict(method="gptq", group_size=-1, sym=True, lm_head=True, bits=8),
+    "gptq8-g16-down_proj-float": dict(method="gptq", group_size=16, skip=("down_proj",), bits=8),
     "awq-g32": dict(method="awq", group_size=32),
     "awq-g-1-down_proj-float": dict(method="awq", group_size=-1, skip=("down_proj",)),
 }
@@ -159,3 +161,32 @@ def test_triton_kernel_serves_the_model(tmp_path: Path, monkeypatch: pytest.Monk
             expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert list(output.outputs[0].token_ids) == expected
+
+
+def test_gptq_8bit_layers_run_the_8bit_kernel_and_its_off_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """8-bit GPTQ on CPU: the C++ kernel's panels replace the checkpoint's tensors, the log names its path, and
+    PAGODA_GPTQ8_KERNEL=0 (the torch reference, dequantizing per call) serves the same greedy tokens."""
+    from pagoda import LLM, SamplingParams
+    from pagoda_quant_gptq_awq import cpu_int8_kernel
+
+    model = _tiny_llama()
+    path = write_checkpoint(model, tmp_path / "ckpt", "gptq", 32, desc_act=True, bits=8)
+    prompts = [{"prompt_token_ids": [1, 5, 9, 200, 17]}, {"prompt_token_ids": list(range(3, 60))}]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for setting in ("auto", "0"):
+        monkeypatch.setenv("PAGODA_GPTQ8_KERNEL", setting)
+        with caplog.at_level(logging.INFO):
+            llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, num_kv_blocks=32)
+        qkv = _runner(llm).model.model.layers[0].self_attn.qkv_proj
+        assert qkv.quant_method.kernel == ("cpu" if setting == "auto" else "torch")
+        if setting == "auto":
+            assert f"quantization: gptq (8-bit, groups of 32, desc_act, gptq; GPTQ 8-bit C++ kernel, path " \
+                   f"{cpu_int8_kernel.paths()[0]})" in caplog.text
+            assert qkv.qweight is None and len(qkv.quant_method.parts) == 3
+            part = qkv.quant_method.parts[0][1]
+            assert isinstance(part.cpu, cpu_int8_kernel.CpuInt8Weight) and part.cpu.packed.dtype == torch.uint8
+        outputs[setting] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    assert outputs["auto"] == outputs["0"]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagoda.quantization import QuantizationConfig, QuantizeMethodBase
-from pagoda_quant_gptq_awq import cpu_kernel
+from pagoda_quant_gptq_awq import cpu_int8_kernel, cpu_kernel
 from pagoda_quant_gptq_awq.linear import Int4LinearMethod, kernel_for
 
 PLUGIN = "pagoda-quant-gptq-awq"
@@ -44,6 +44,8 @@ class _Int4Config(QuantizationConfig):
     """What the two methods share: which layers are quantized, and naming the kernels in the log."""
 
     format: str
+    desc_act = False  # GPTQ's act order (AWQ has none)
+    supports_tensor_parallel = True  # each rank loads its slice (linear._collector)
 
     def __init__(self, weight_bits: int, group_size: int, zero_offset: int) -> None:
         super().__init__()
@@ -85,10 +87,11 @@ class _Int4Config(QuantizationConfig):
             return None
         self._kernels.add(kernel_for(layer.weight.device if layer.weight is not None else torch.device("cpu"),
                                      self.weight_bits))
-        return Int4LinearMethod(self.format, self.group_size, self.zero_offset, self.weight_bits)  # type: ignore[arg-type]
+        return Int4LinearMethod(self.format, self.group_size, self.zero_offset, self.weight_bits,  # type: ignore[arg-type]
+                                self.desc_act)
 
     def describe(self) -> str:
-        names = {"cpu": cpu_kernel.describe(), "triton": "Triton dequantize-matmul",
+        names = {"cpu": cpu_kernel.describe() if self.weight_bits == 4 else cpu_int8_kernel.describe(), "triton": "Triton dequantize-matmul",
                  "torch": "torch reference (dequantized per call)"}
         kernels = ", ".join(names[k] for k in sorted(self._kernels)) or "no layer"
         group = "one group" if self.group_size == -1 else f"groups of {self.group_size}"
