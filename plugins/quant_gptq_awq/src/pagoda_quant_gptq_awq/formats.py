@@ -44,6 +44,9 @@ class PackedCheckpoint:
     in_features: int
     out_features: int
     bits: int = 4  # GPTQ: 4 or 8; AWQ: 4
+    # rows of scales / qzeros when they are not ceil(in_features / group_size): an act-order layer split
+    # over its input features keeps every group (its g_idx names them), each rank its slice of g_idx
+    groups: int | None = None
 
     @property
     def pack_factor(self) -> int:
@@ -59,7 +62,7 @@ class PackedCheckpoint:
         if k % pf or n % pf:
             raise ValueError(f"{name}: a {self.bits}-bit {self.format} layer needs in and out features that are "
                              f"multiples of {pf} (it has {k} x {n})")
-        groups = -(-k // self.group_size)
+        groups = self.groups if self.groups is not None else -(-k // self.group_size)
         qweight_shape = (k // pf, n) if self.format == "gptq" else (k, n // pf)
         expected: dict[str, tuple[int, ...]] = {"qweight": qweight_shape, "qzeros": (groups, n // pf),
                                                 "scales": (groups, n)}
