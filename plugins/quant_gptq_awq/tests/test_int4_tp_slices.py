@@ -22,15 +22,17 @@ def _at_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
     monkeypatch.setattr(parallel_linear, "get_tensor_model_parallel_rank", lambda: rank)
 
 
-def _checkpoint(fmt: str, n: int, k: int, group_size: int, act_order: bool, seed: int) -> dict[str, torch.Tensor]:
+def _checkpoint(fmt: str, n: int, k: int, group_size: int, act_order: bool, seed: int, bits: int = 4,
+                sorted_groups: bool = False) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen)
     g_idx = None
     if act_order:
         g_idx = torch.empty(k, dtype=torch.int64)
-        g_idx[torch.randperm(k, generator=gen)] = torch.arange(k) // group_size
-    qz = quantize(weight, group_size, g_idx, min_zero=1 if fmt == "gptq" else 0)
-    return gptq_tensors(qz) if fmt == "gptq" else awq_tensors(qz)
+        order = torch.arange(k) if sorted_groups else torch.randperm(k, generator=gen)
+        g_idx[order] = torch.arange(k) // group_size
+    qz = quantize(weight, group_size, g_idx, min_zero=1 if fmt == "gptq" else 0, bits=bits)
+    return gptq_tensors(qz, bits) if fmt == "gptq" else awq_tensors(qz)
 
 
 def _load(layer: Any, method: Int4LinearMethod, parts: list[dict[str, torch.Tensor]]) -> None:
@@ -44,24 +46,30 @@ def _load(layer: Any, method: Int4LinearMethod, parts: list[dict[str, torch.Tens
     method.process_weights_after_loading(layer)
 
 
-CASES = [("gptq", 32, False), ("gptq", 16, True), ("gptq", -1, False), ("awq", 32, False), ("awq", -1, False)]
+# (format, group_size, act order, bits, act-order groups in input order: each rank then holds only its half
+# of the groups, the other half's left empty in its kernel)
+CASES = [("gptq", 32, False, 4, False), ("gptq", 16, True, 4, False), ("gptq", 16, True, 4, True),
+         ("gptq", -1, False, 4, False), ("gptq", 32, False, 8, False), ("gptq", 16, True, 8, True),
+         ("awq", 32, False, 4, False), ("awq", -1, False, 4, False)]
 
 
-@pytest.mark.parametrize("fmt,group_size,act_order", CASES, ids=[f"{f}-g{g}{'-act' if a else ''}" for f, g, a in CASES])
+@pytest.mark.parametrize("fmt,group_size,act_order,bits,sorted_groups", CASES,
+                         ids=[f"{f}{b}-g{g}{'-act' if a else ''}{'-sorted' if o else ''}" for f, g, a, b, o in CASES])
 def test_row_parallel_ranks_sum_to_the_whole_layer(monkeypatch: pytest.MonkeyPatch, fmt: str, group_size: int,
-                                                   act_order: bool) -> None:
+                                                   act_order: bool, bits: int, sorted_groups: bool) -> None:
     n, k = 48, 128
-    tensors = _checkpoint(fmt, n, k, group_size if group_size != -1 else k, act_order, seed=1)
+    tensors = _checkpoint(fmt, n, k, group_size if group_size != -1 else k, act_order, seed=1, bits=bits,
+                          sorted_groups=sorted_groups)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
     _at_rank(monkeypatch, 0, 1)
     whole = RowParallelLinear(k, n, bias=False, dtype=torch.float32)
-    _load(whole, Int4LinearMethod(fmt, group_size, 1 if fmt == "gptq" else 0, act_order=act_order), [tensors])
+    _load(whole, Int4LinearMethod(fmt, group_size, 1 if fmt == "gptq" else 0, bits, act_order), [tensors])
     expected = whole.quant_method.apply(whole, x)
     total = torch.zeros_like(expected)
     for rank in range(2):
         _at_rank(monkeypatch, rank, 2)
         layer = RowParallelLinear(k, n, bias=False, dtype=torch.float32)
-        method = Int4LinearMethod(fmt, group_size, 1 if fmt == "gptq" else 0, act_order=act_order)
+        method = Int4LinearMethod(fmt, group_size, 1 if fmt == "gptq" else 0, bits, act_order)
         _load(layer, method, [tensors])
         held = method.parts[0][1]
         assert held.out_features == n and method.in_features == k // 2
