@@ -1,40 +1,25 @@
 """When the ``compressed-tensors`` method runs its Triton kernels (``triton_kernels``), imported only then.
 
-They run on CUDA / ROCm tensors where triton is installed, as pagoda-kernels' own Triton kernels
-do; on CPU tensors only when asked for (``PAGODA_KERNELS_IMPL=triton``) under Triton's
-interpreter (``TRITON_INTERPRET=1``, a correctness check). ``PAGODA_KERNELS_IMPL=torch`` or
-``PAGODA_INT8_KERNEL=0`` keeps the torch reference.
+Where Triton serves an input is core's choice for every method (``pagoda.triton_utils``: CUDA /
+ROCm tensors, or CPU tensors under ``PAGODA_KERNELS_IMPL=triton`` and ``TRITON_INTERPRET=1``);
+``PAGODA_INT8_KERNEL=0`` keeps this method's torch reference as well.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from functools import lru_cache
-
 import torch
 
 from pagoda import envs
+from pagoda.triton_utils import triton_asked_on_cpu, triton_available, triton_serves
 
-
-@lru_cache(maxsize=1)
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+__all__ = ["asked_on_cpu", "supports", "triton_available"]
 
 
 def asked_on_cpu() -> bool:
-    """Triton asked for on CPU tensors (``PAGODA_KERNELS_IMPL=triton`` under the interpreter): a CPU layer
-    then keeps its weight unpacked for the Triton kernels instead of packing it for the C++ library."""
-    return (envs.PAGODA_KERNELS_IMPL == "triton" and envs.PAGODA_INT8_KERNEL != "0" and triton_available()
-            and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    """Triton asked for on CPU tensors: a CPU layer then keeps its weight unpacked for the Triton kernels
+    instead of packing it for the C++ library."""
+    return envs.PAGODA_INT8_KERNEL != "0" and triton_asked_on_cpu()
 
 
 def supports(x: torch.Tensor) -> bool:
-    if envs.PAGODA_INT8_KERNEL == "0" or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return False
-    impl = envs.PAGODA_KERNELS_IMPL
-    if impl == "torch" or not triton_available():
-        return False
-    if x.device.type == "cuda":
-        return True
-    return impl == "triton" and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.PAGODA_INT8_KERNEL != "0" and triton_serves(x)

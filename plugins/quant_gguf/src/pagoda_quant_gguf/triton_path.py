@@ -1,42 +1,28 @@
 """When the ``gguf`` method runs its Triton kernel (``triton_kernels``), imported only then.
 
-The kernel runs on CUDA / ROCm tensors where triton is installed, as pagoda-kernels' own Triton
-kernels do; on CPU tensors only when asked for (``PAGODA_KERNELS_IMPL=triton``) under Triton's
-interpreter (``TRITON_INTERPRET=1``, a correctness check: far slower than the C++ kernel).
-``PAGODA_KERNELS_IMPL=torch`` or ``PAGODA_GGUF_KERNEL=0`` keeps the torch reference.
+Where Triton serves an input is core's choice for every method (``pagoda.triton_utils``: CUDA /
+ROCm tensors, or CPU tensors under ``PAGODA_KERNELS_IMPL=triton`` and ``TRITON_INTERPRET=1``, a
+correctness check far slower than the C++ kernel); ``PAGODA_GGUF_KERNEL=0`` keeps this method's
+torch reference as well.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import os
-from functools import lru_cache
 
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from pagoda import envs
+from pagoda.triton_utils import triton_available, triton_serves
+
+__all__ = ["TRITON_TYPES", "matmul", "supports", "triton_available"]
 
 # every block type dequant serves (the float types need no kernel: F.linear runs them)
 TRITON_TYPES = frozenset(int(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
                                           Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
 
 
-@lru_cache(maxsize=1)
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def supports(qtype: int, x: torch.Tensor) -> bool:
-    if qtype not in TRITON_TYPES or not envs.PAGODA_GGUF_KERNEL or x.dtype not in (torch.float32, torch.float16,
-                                                                                     torch.bfloat16):
-        return False
-    impl = envs.PAGODA_KERNELS_IMPL
-    if impl == "torch" or not triton_available():
-        return False
-    if x.device.type == "cuda":
-        return True
-    return impl == "triton" and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return qtype in TRITON_TYPES and bool(envs.PAGODA_GGUF_KERNEL) and triton_serves(x)
 
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
