@@ -178,7 +178,7 @@ def test_create_decode_graphs_turns_off_where_it_must(monkeypatch: pytest.Monkey
     assert AttentionBackend.supports_cuda_graphs is False
     # No CUDA here: no capturer, so no graphs even when everything else allows them.
     assert create_decode_graphs(_fake_runner(_Platform(), _GraphBackend)) is None
-    monkeypatch.setattr(graphs, "make_capturer", lambda device: EagerReplay())
+    monkeypatch.setattr(graphs, "make_capturer", lambda device, roots=None: EagerReplay())
     assert create_decode_graphs(_fake_runner(_NoGraphsPlatform(), _GraphBackend)) is None
     assert create_decode_graphs(_fake_runner(_Platform(), AttentionBackend)) is None
     made = create_decode_graphs(_fake_runner(_Platform(), _GraphBackend))

@@ -170,6 +170,10 @@ _VARIABLES: list[EnvVar[Any]] = [
            "Off: the CPU platform's all-reduce / all-gather among ranks of one host go over gloo (loopback TCP) "
            "instead of a shared-memory segment (pagoda only; vLLM has no such switch).",
            _CPU, _bool),
+    EnvVar("PAGODA_CPU_KERNEL_GRAPHS", "bool", True,
+           "Off: pure-decode steps on CPU run the model eagerly instead of replaying a captured kernel graph "
+           "(pagoda only; --enforce-eager turns graphs off too).",
+           _CPU, _bool),
     # -- quantization plugins -------------------------------------------------------
     EnvVar("PAGODA_GGUF_KERNEL", "bool", True,
            "Off: GGUF layers kept in blocks run the plain-torch dequantize reference instead of the C++ "
@@ -226,6 +230,7 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns
     PAGODA_CPU_GEMM_TUNE: bool
     PAGODA_CPU_LAYER_OPS: bool
     PAGODA_CPU_SHM_ALLREDUCE: bool
+    PAGODA_CPU_KERNEL_GRAPHS: bool
     PAGODA_GGUF_KERNEL: bool
     PAGODA_INT8_KERNEL: str
     PAGODA_INT4_KERNEL: str

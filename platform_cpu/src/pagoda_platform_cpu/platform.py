@@ -31,6 +31,8 @@ GEMM_ENV = "PAGODA_CPU_GEMM"
 LAYER_OPS_ENV = "PAGODA_CPU_LAYER_OPS"
 DEFAULT_KVCACHE_GIB = 4.0
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# Decode batch sizes with a kernel graph when cuda_graph_sizes is not given (see cuda_graph_capture_sizes).
+DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32)
 GiB = 1 << 30
 
 
@@ -63,6 +65,8 @@ class CpuPlatform(Platform):
     default_block_size = 16
     # quantization methods with CPU kernels (each method is a plugin; see docs/quantization.md)
     supported_quantization = ["gguf", "compressed-tensors", "gptq", "awq"]
+    # kernel graphs (pagoda.cpp_extension.graph) for pure-decode steps
+    supports_graphs = True
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
@@ -151,6 +155,22 @@ class CpuPlatform(Platform):
         except ExtensionBuildError as exc:
             logger.warning("fused CPU layer ops unavailable, using torch ops: %s", exc)
             return None
+
+    def cuda_graph_capture_sizes(self, config: EngineConfig) -> list[int]:
+        """Decode batch sizes to capture kernel graphs for (pagoda.cpp_extension.graph); [] runs eagerly.
+
+        ``enforce_eager`` and PAGODA_CPU_KERNEL_GRAPHS=0 turn them off; ``cuda_graph_sizes`` (vLLM's
+        name) picks the sizes. By default 1-32: a graph keeps its activations, and above ~32 rows a
+        decode step's matmuls outweigh the per-call Python a graph saves.
+        """
+        if config.model.enforce_eager or not envs.PAGODA_CPU_KERNEL_GRAPHS:
+            return []
+        max_num_seqs = config.scheduler_config.max_num_seqs
+        given = config.scheduler_config.cuda_graph_sizes
+        sizes = given if given is not None else [s for s in DEFAULT_GRAPH_SIZES if s <= max_num_seqs]
+        if given is None and max_num_seqs < DEFAULT_GRAPH_SIZES[-1] and max_num_seqs not in sizes:
+            sizes.append(max_num_seqs)  # the largest decode batch pads into a graph too
+        return sorted({s for s in sizes if 0 < s <= max_num_seqs})
 
     def num_threads(self) -> int:
         n: int | None = envs.PAGODA_CPU_THREADS  # a positive int, or a ValueError naming the variable

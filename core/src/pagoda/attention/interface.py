@@ -98,6 +98,10 @@ class AttentionBackend:
     # copies; ``prepare`` and ``forward`` on it must not sync with the device,
     # read tensor values on the host, or pick shapes or kernels from the data.
     supports_cuda_graphs: ClassVar[bool] = False
+    # The CPU counterpart (pagoda.cpp_extension.graph): the same contract, with ``forward``'s work done
+    # by pagoda kernel-module calls (or torch ops) on the prepared metadata's tensors, whose storage
+    # the backend or the metadata holds. A capture that breaks it fails and the runner stays eager.
+    supports_kernel_graphs: ClassVar[bool] = False
     # True when ``forward`` reads and writes an fp8 KV cache (spec.kv_cache_dtype float8_e4m3fn /
     # float8_e5m2) with the k_scale / v_scale it is given; the selector refuses fp8 to the others.
     supports_fp8_kv_cache: ClassVar[bool] = False

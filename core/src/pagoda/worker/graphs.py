@@ -1,4 +1,5 @@
-"""CUDA graph capture and replay of the model's forward pass for pure-decode steps.
+"""Graph capture and replay of the model's forward pass for pure-decode steps: CUDA graphs on a GPU,
+kernel graphs (``pagoda.cpp_extension.graph``) on CPU.
 
 A decode step of ``n`` requests runs the same kernels for every ``n`` of a
 given size, with only data changing. At start-up the runner captures one graph
@@ -7,6 +8,11 @@ device buffers; a decode step with ``n <= max(N)`` is then padded up to the
 next captured size, its inputs are copied into the static buffers and the
 graph is replayed, which saves the per-kernel launch cost that dominates small
 decode batches on a GPU.
+
+On CPU the capture is a kernel graph (``pagoda.cpp_extension.graph``: the forward's
+kernel calls recorded and replayed from C), taken by the first decode step of each size
+rather than at start-up: it costs one forward and keeps its activations, so sizes a
+workload never reaches cost nothing.
 
 Padding rows carry slot -1 (the KV-write kernels skip negative slots, so they
 write nothing), token 0 at position 0, and seq_len 1 over block 0, the
@@ -17,7 +23,7 @@ only the first ``n`` rows of the static output.
 Everything else runs eagerly: prefills and mixed steps, steps larger than the
 largest capture size, steps that want prompt logprobs, ``enforce_eager``,
 platforms without graphs and attention backends that do not declare
-``supports_cuda_graphs``. A captured graph bakes in each backend's per-step
+``supports_cuda_graphs`` (GPU) or ``supports_kernel_graphs`` (CPU). A captured graph bakes in each backend's per-step
 host decisions (``prepare``), so the static metadata is prepared once per size
 with ``max_seq_len = max_model_len``, an upper bound valid for every replay.
 """
@@ -35,6 +41,7 @@ import numpy as np
 import torch
 
 from pagoda.attention import AttentionMetadata
+from pagoda.distributed import get_tensor_model_parallel_world_size
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
@@ -95,10 +102,35 @@ class EagerReplay:
         return CapturedStep(replay, output)
 
 
-def make_capturer(device: torch.device) -> Capturer | None:
+class KernelGraphCapture:
+    """CPU: the forward's kernel calls recorded once and replayed from C (``pagoda.cpp_extension.graph``).
+
+    ``roots`` hold every tensor a recorded call may point into besides the capture's own (the
+    model, the attention backend, the graph runner's static buffers and prepared metadata).
+    """
+
+    def __init__(self, roots: list[object]) -> None:
+        self.roots = roots
+        self.kernel_calls = 0
+        self.torch_calls = 0
+        self.kept_bytes = 0
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> CapturedStep:
+        from pagoda.cpp_extension import graph as kernel_graph
+
+        graph, output = kernel_graph.capture(fn, self.roots)
+        self.kernel_calls += graph.num_kernel_calls
+        self.torch_calls += graph.num_torch_calls
+        self.kept_bytes += graph.own_bytes
+        return CapturedStep(graph.replay, output)
+
+
+def make_capturer(device: torch.device, roots: list[object] | None = None) -> Capturer | None:
     """The capture mechanism for ``device``; None where there is none (the runner stays eager)."""
     if device.type == "cuda" and torch.cuda.is_available():
         return CudaGraphCapture()
+    if device.type == "cpu":
+        return KernelGraphCapture(roots or [])
     return None
 
 
@@ -173,6 +205,8 @@ class DecodeGraphRunner:
         self.metadata: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
         self.capture_seconds = 0.0
+        # set when a first-use capture failed: every later step runs eagerly
+        self.disabled = False
         self.capture_bytes = 0
 
     # -- set-up ---------------------------------------------------------------
@@ -216,12 +250,16 @@ class DecodeGraphRunner:
             for _ in range(NUM_WARMUP_RUNS):
                 forward()
             _synchronize(self.device)
-            self.steps[size] = self.capturer.capture(forward)
+            # before the capture: a kernel graph keeps what the prepared metadata holds alive through it
             self.metadata[size] = md
+            self.steps[size] = self.capturer.capture(forward)
         _synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         free_after = _free_device_bytes(self.device)
-        self.capture_bytes = max(free_before - free_after, 0) if free_before is not None and free_after is not None else 0
+        if isinstance(self.capturer, KernelGraphCapture):
+            self.capture_bytes = self.capturer.kept_bytes
+        else:
+            self.capture_bytes = max(free_before - free_after, 0) if free_before is not None and free_after is not None else 0
 
     # -- per step -------------------------------------------------------------
     def bucket(self, num_tokens: int) -> int | None:
@@ -244,7 +282,7 @@ class DecodeGraphRunner:
         The result is a view of the graph's static output, valid until the next replay.
         """
         n = len(input_ids)
-        if len(num_scheduled) != n or not (num_scheduled == 1).all():
+        if self.disabled or len(num_scheduled) != n or not (num_scheduled == 1).all():
             return None
         size = self.bucket(n)
         if size is None:
@@ -274,13 +312,41 @@ class DecodeGraphRunner:
         self.block_tables[:size, :w].copy_(self._h_bt[: size * w].view(size, w), non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        step = self.steps[size]
+        step = self.steps.get(size)
+        if step is None:
+            # captured on first use (kernel graphs): the capture runs this step's forward for real
+            return self._capture_now(size, n)
         step.replay()
         self.num_replays += 1
         return step.output[:n]
 
+    def _capture_now(self, size: int, n: int) -> torch.Tensor | None:
+        from pagoda.cpp_extension.graph import NotCapturable
+
+        t0 = time.perf_counter()
+        md = self.metadata[size] = self.static_metadata(size)
+        ids, pos = self.input_ids[:size], self.positions[:size]
+        try:
+            step = self.steps[size] = self.capturer.capture(lambda: self.model(ids, pos, md))
+        except NotCapturable as exc:
+            # the forward may have stopped part-way: the eager rerun rewrites the same KV slots
+            logger.warning("kernel graphs off from now on, every step runs eagerly: %s", exc)
+            self.disabled = True
+            return None
+        self.capture_seconds += time.perf_counter() - t0
+        if isinstance(self.capturer, KernelGraphCapture):
+            self.capture_bytes = self.capturer.kept_bytes
+        logger.info("%s", self.describe())
+        return step.output[:n]
+
     def describe(self) -> str:
         mib = self.capture_bytes / (1 << 20)
+        if isinstance(self.capturer, KernelGraphCapture):
+            return (
+                f"CPU kernel graphs captured for decode batch sizes {sorted(self.steps)} of {self.sizes} "
+                f"in {self.capture_seconds:.2f}s: {self.capturer.kernel_calls} kernel calls and "
+                f"{self.capturer.torch_calls} torch calls replayed, {mib:.1f} MiB of activations kept"
+            )
         return (
             f"captured decode graphs for {len(self.sizes)} batch sizes ({self.sizes[0]}..{self.max_size}) "
             f"in {self.capture_seconds:.2f}s using {mib:.1f} MiB of device memory"
@@ -293,22 +359,28 @@ def create_decode_graphs(runner: ModelRunner) -> DecodeGraphRunner | None:
     # A decode batch never exceeds these; larger graphs would never replay.
     limit = min(runner.max_num_seqs, runner.max_num_batched_tokens)
     sizes = [s for s in sizes if s <= limit]
+    kind = "CUDA graphs" if runner.device.type == "cuda" else "kernel graphs"
     if not sizes:
         if runner.platform.supports_graphs:
-            logger.info("CUDA graphs off (enforce_eager or no capture sizes): every step runs eagerly")
+            logger.info("%s off (enforce_eager or no capture sizes): every step runs eagerly", kind)
         return None
     # Optional on a model class (default True): pagoda.layers.FusedMoE reads its per-expert token
-    # counts on the host, which a CUDA graph cannot capture.
+    # counts on the host, which a graph cannot capture.
     if not getattr(runner.model, "supports_cuda_graphs", True):
-        logger.info("CUDA graphs off: model %s does not support them", type(runner.model).__name__)
+        logger.info("%s off: model %s does not support them", kind, type(runner.model).__name__)
         return None
     backend = runner.attn_backend
-    if not backend.supports_cuda_graphs:
-        logger.info("CUDA graphs off: attention backend %r does not support them", type(backend).name)
-        return None
-    capturer = make_capturer(runner.device)
+    capturer = make_capturer(runner.device, [runner.model, backend])
     if capturer is None:
-        logger.info("CUDA graphs off: no CUDA runtime for device %s", runner.device)
+        logger.info("%s off: no graph runtime for device %s", kind, runner.device)
+        return None
+    kernel_graphs = isinstance(capturer, KernelGraphCapture)
+    if not (backend.supports_kernel_graphs if kernel_graphs else backend.supports_cuda_graphs):
+        logger.info("%s off: attention backend %r does not support them", kind, type(backend).name)
+        return None
+    if kernel_graphs and get_tensor_model_parallel_world_size() > 1:
+        # a collective between ranks is not a recorded kernel call
+        logger.info("kernel graphs off: tensor parallelism")
         return None
     return build_decode_graphs(runner, sizes, capturer)
 
@@ -319,6 +391,13 @@ def build_decode_graphs(runner: ModelRunner, sizes: Sequence[int], capturer: Cap
         runner.model, runner.attn_backend.prepare, sizes, runner.batch.block_table.shape[1], runner.max_model_len,
         runner.device, capturer, pin_memory=pin,
     )
+    if isinstance(capturer, KernelGraphCapture):
+        capturer.roots.append(graphs)  # its static buffers and prepared metadata
+        # Each size is captured by the first decode step that needs it (a capture costs a forward
+        # and keeps its activations: sizes a workload never reaches cost nothing).
+        graphs._reset_padding()
+        logger.info("CPU kernel graphs for decode batch sizes %s, each captured on first use", graphs.sizes)
+        return graphs
     graphs.capture()
     logger.info("%s", graphs.describe())
     return graphs

@@ -62,6 +62,9 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     name: ClassVar[str] = "cpu_paged"
     # fp8 caches: written quantized and read with in-register conversion by the C++ kernel
     supports_fp8_kv_cache: ClassVar[bool] = True
+    # All-decode steps: one kernel call per layer on the prepared step's tensors (views of the
+    # graph runner's static buffers), no host reads of their values.
+    supports_kernel_graphs: ClassVar[bool] = True
 
     def __init__(self, spec: AttentionSpec) -> None:
         reasons = self.reasons_unsupported(spec)

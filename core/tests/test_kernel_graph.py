@@ -1,0 +1,148 @@
+"""pagoda.cpp_extension.graph: kernel calls recorded during a capture replay from C over changed inputs.
+
+A small kernel module built with pagoda/python.h stands in for the platform's kernels; each test
+compares a replay against running the same Python again, and checks that what a replay could
+not reproduce fails the capture instead of replaying wrong."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from pagoda.cpp_extension import CppExtension
+from pagoda.cpp_extension.graph import NotCapturable, capture
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+
+_SOURCE = """
+#include <pagoda/python.h>
+#include <pagoda/simd.h>
+#include <cstdint>
+// y[i] = a * x[i] + b (float and double arguments travel as 8-byte slots too)
+PAGODA_EXPORT void axpb(const float* x, float* y, int64_t n, float a, double b) {
+  for (int64_t i = 0; i < n; ++i) y[i] = a * x[i] + static_cast<float>(b);
+}
+// 0 while x[0] is not negative, else an error status (as the attention kernel reports bad metadata)
+PAGODA_EXPORT int check_first(const float* x) { return x[0] < 0 ? 3 : 0; }
+// a scalar argument taken from the data on the host would be baked in: the count is read from memory here
+PAGODA_EXPORT void sum_first(const float* x, const int32_t* count, float* out) {
+  float total = 0;
+  for (int32_t i = 0; i < count[0]; ++i) total += x[i];
+  out[0] = total;
+}
+PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(axpb), PAGODA_FUNCTION(check_first), PAGODA_FUNCTION(sum_first))
+"""
+
+
+@pytest.fixture
+def kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    monkeypatch.setenv("PAGODA_CACHE_ROOT", str(tmp_path / "cache"))
+    name = f"pagoda_test_graph_{tmp_path.name.replace('-', '_')}"
+    root = tmp_path / "pkgs" / name
+    (root / "csrc").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "csrc" / "kernel.cpp").write_text(_SOURCE)
+    monkeypatch.syspath_prepend(str(root.parent))
+    yield CppExtension("pagoda_test_graph", name, ["csrc/kernel.cpp"]).library()
+    sys.modules.pop(name, None)
+
+
+class Static:
+    """Inputs whose storage lives across replays, as the graph runner's static buffers do."""
+
+    def __init__(self) -> None:
+        self.x = torch.arange(8, dtype=torch.float32)
+        self.table = torch.linspace(0, 1, 16)
+        self.index = torch.tensor([1, 3], dtype=torch.int64)
+        self.count = torch.tensor([4], dtype=torch.int32)
+
+
+def _forward(k: ModuleType, s: Static) -> torch.Tensor:
+    y = torch.empty(8)
+    k.axpb(s.x.data_ptr(), y.data_ptr(), 8, 2.5, 0.25)
+    z = y[2:] * 2 + s.table[s.index].sum()  # torch ops between kernels, a gather by index among them
+    out = torch.empty(1)
+    k.sum_first(z.data_ptr(), s.count.data_ptr(), out.data_ptr())
+    assert k.check_first(s.x.data_ptr()) == 0
+    return torch.cat([z, out])
+
+
+def test_replay_equals_running_the_python_again(kernels: ModuleType) -> None:
+    s = Static()
+    graph, output = capture(lambda: _forward(kernels, s), [s])
+    assert graph.num_kernel_calls == 3 and graph.num_torch_calls >= 3
+    for step in range(3):
+        s.x.copy_(torch.randn(8).abs() + step)
+        s.index.copy_(torch.tensor([step, 15 - step]))
+        s.count.fill_(step + 1)
+        graph.replay()
+        assert torch.equal(output, _forward(kernels, s))
+
+
+def test_kernel_result_differing_from_the_capture_stops_the_replay(kernels: ModuleType) -> None:
+    s = Static()
+    graph, _ = capture(lambda: _forward(kernels, s), [s])
+    s.x[0] = -1.0
+    with pytest.raises(RuntimeError, match="check_first returned 3, where it returned 0"):
+        graph.replay()
+
+
+def test_reading_values_on_the_host_fails_the_capture(kernels: ModuleType) -> None:
+    s = Static()
+
+    def branches_on_data() -> torch.Tensor:
+        y = torch.empty(8)
+        kernels.axpb(s.x.data_ptr(), y.data_ptr(), int(s.count.tolist()[0]), 1.0, 0.0)
+        return y
+
+    with pytest.raises(NotCapturable, match="tolist"):
+        capture(branches_on_data, [s])
+    with pytest.raises(NotCapturable, match="value on the host"):
+        capture(lambda: s.x * s.count.item(), [s])
+    with pytest.raises(NotCapturable, match="depends on tensor values"):
+        capture(lambda: s.x[s.x > 2], [s])
+    assert s.count.tolist() == [4], "the guard is gone after the capture"
+
+
+def test_pointer_into_memory_nothing_keeps_fails_the_capture(kernels: ModuleType) -> None:
+    s = Static()
+    temporary = torch.ones(8)  # made before the capture, held by no root: freed before any replay
+
+    def reads_a_temporary() -> torch.Tensor:
+        y = torch.empty(8)
+        kernels.axpb(temporary.data_ptr(), y.data_ptr(), 8, 1.0, 0.0)
+        return y
+
+    with pytest.raises(NotCapturable, match="argument 0 points at memory"):
+        capture(reads_a_temporary, [s])
+    graph, output = capture(reads_a_temporary, [s, temporary])  # named as a root: kept alive by the graph
+    graph.replay()
+    assert torch.equal(output, temporary)
+
+
+def test_kernel_calls_on_other_threads_are_not_recorded(kernels: ModuleType) -> None:
+    s = Static()
+    other = torch.empty(8)
+    started, release = threading.Event(), threading.Event()
+
+    def background() -> None:
+        started.set()
+        while not release.is_set():
+            kernels.axpb(s.x.data_ptr(), other.data_ptr(), 8, 1.0, 0.0)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    started.wait()
+    try:
+        graph, _ = capture(lambda: _forward(kernels, s), [s])
+    finally:
+        release.set()
+        thread.join()
+    assert graph.num_kernel_calls == 3
