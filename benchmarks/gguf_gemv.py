@@ -12,6 +12,8 @@ figure is the fastest of ``reps`` (the minimum filters other sessions' load on a
 - ``f32-dequant``: Q4_1 only, weights dequantized in registers to float and multiplied with the float
   activations (the alternative the issue asks to measure; built here from ``_F32_DEQUANT``, 4 rows a
   pass like the stored kernel, 8-wide FMA);
+- ``read``: ``torch.sum`` over a float32 buffer of the same bytes (also cold), the plain sequential
+  read that ``benchmarks/decode_bandwidth.py`` compares against: the GEMV's ceiling;
 - ``torch-dequant``: K-quants only, the weight dequantized per call in torch and ``F.linear`` (the
   path K-quant layers took before their kernel).
 
@@ -119,7 +121,10 @@ def _variants(qtype: int, n: int, k: int, threads: int, copies: list[torch.Tenso
     def cold(tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[next(turn) % len(tensors)]
 
-    fns: dict[str, Callable[[], object]] = {"stored": lambda: kernels.matmul(x, cold(copies), qtype, k)}
+    # the memory's plain sequential read of as many bytes (float32 ones: no denormal assists), on the same threads
+    reads = [torch.ones(c.numel() // 4) for c in copies]
+    fns: dict[str, Callable[[], object]] = {"stored": lambda: kernels.matmul(x, cold(copies), qtype, k),
+                                            "read": lambda: cold(reads).sum()}
     packed = [kernels.repack(c, qtype, k) for c in copies]
     if packed[0] is not None:
         fns["repacked"] = lambda: kernels.matmul(x, cold(packed), qtype, k, packed=True)  # type: ignore[arg-type]

@@ -135,30 +135,44 @@ def test_other_isa_builds_match_reference(tmp_path: Path, flags: list[str]) -> N
     library.pagoda_gguf_isa.restype = ctypes.c_char_p
     expected = "avx2" if "-mno-avx2" not in flags else "scalar"
     assert library.pagoda_gguf_isa().decode() == expected
-    fn = library.pagoda_gguf_matmul
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_int]
-    library.pagoda_gguf_matmul_packed.argtypes = fn.argtypes
+    fn = library.pagoda_gguf_linear
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     library.pagoda_gguf_repack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    library.pagoda_gguf_unpack_rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     for qtype in KERNEL_TYPES:
         for m in (1, 5):
             blocks, x, reference = _case(qtype, m, k=512 if qtype in K_QUANT_SCALES else 320)
-            y = torch.empty(m, blocks.shape[0])
-            assert fn(int(qtype), blocks.data_ptr(), blocks.shape[0], x.shape[1], x.data_ptr(), m, y.data_ptr(), 2) == 0
+            n, k = blocks.shape[0], x.shape[1]
+            y = torch.empty(m, n)
+            assert fn(int(qtype), 0, blocks.data_ptr(), n, k, x.data_ptr(), 0, m, y.data_ptr(), 0, 2) == 0
             _close(y, reference)
+            # 16-bit activations in and out: the float32 result of the same (exactly widened) x, rounded
+            for dtype, code in ((torch.bfloat16, 1), (torch.float16, 2)):
+                x16 = x.to(dtype)
+                x16_widened, y32, y16 = x16.float(), torch.empty(m, n), torch.empty(m, n, dtype=dtype)
+                assert fn(int(qtype), 0, blocks.data_ptr(), n, k, x16_widened.data_ptr(), 0, m, y32.data_ptr(), 0, 2) == 0
+                assert fn(int(qtype), 0, blocks.data_ptr(), n, k, x16.data_ptr(), code, m, y16.data_ptr(), code, 2) == 0
+                assert torch.equal(y16, y32.to(dtype))
             packed = torch.empty_like(blocks)
-            repacked = library.pagoda_gguf_repack(int(qtype), blocks.data_ptr(), blocks.shape[0], x.shape[1],
-                                                  packed.data_ptr()) == 0
+            repacked = library.pagoda_gguf_repack(int(qtype), blocks.data_ptr(), n, k, packed.data_ptr()) == 0
             # the repacked kernel is built on AVX2 (and its AVX-512 VNNI form); the portable build has none
             assert repacked == (qtype in PACKED and expected == "avx2") == bool(library.pagoda_gguf_repacks(int(qtype)))
             if repacked:
-                y_packed = torch.empty(m, blocks.shape[0])
-                assert library.pagoda_gguf_matmul_packed(int(qtype), packed.data_ptr(), blocks.shape[0], x.shape[1],
-                                                         x.data_ptr(), m, y_packed.data_ptr(), 2) == 0
+                y_packed = torch.empty(m, n)
+                assert fn(int(qtype), 1, packed.data_ptr(), n, k, x.data_ptr(), 0, m, y_packed.data_ptr(), 0, 2) == 0
                 assert torch.equal(y_packed, y)
+                ids = torch.tensor([n - 1, 0, n // 2])
+                rows = torch.empty((3, blocks.shape[1]), dtype=torch.uint8)
+                assert library.pagoda_gguf_unpack_rows(int(qtype), packed.data_ptr(), n, k, ids.data_ptr(), 3,
+                                                       rows.data_ptr()) == 0
+                assert torch.equal(rows, blocks[ids])
+            else:
+                assert fn(int(qtype), 1, blocks.data_ptr(), n, k, x.data_ptr(), 0, m, y.data_ptr(), 0, 2) == -1
             if qtype in K_QUANT_SCALES:
-                expected = _k_exact_reference(blocks, qtype, x)
-                torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+                exact = _k_exact_reference(blocks, qtype, x)
+                torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
 
 
 def test_kernel_refuses_what_it_cannot_run() -> None:

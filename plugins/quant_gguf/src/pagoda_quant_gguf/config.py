@@ -14,6 +14,7 @@ the kernel lacks, the weight is dequantized per call in torch (``dequant``), the
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda import envs
+from pagoda.layers.parallel_linear import input_split, shard_input, shard_output
 from pagoda.quantization import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, QuantizeMethodBase
 from pagoda_quant_gguf import kernels, triton_path
 from pagoda_quant_gguf.dequant import SUPPORTED_TYPES, block_size, dequantize_blocks, type_name
@@ -33,6 +35,8 @@ class GGUFConfig(QuantizationConfig):
     """A GGUF file's quantization: every type per tensor, so there is nothing to configure."""
 
     dequantizable = True
+    # Linear layers split on whole rows (output) and whole blocks (input); see get_quant_method for the vocabulary
+    supports_tensor_parallel = True
 
     @classmethod
     def get_name(cls) -> str:
@@ -52,6 +56,10 @@ class GGUFConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from pagoda.layers import Embedding, Linear
 
+        if getattr(layer, "tp_size", 1) > 1 and (isinstance(layer, Embedding) or hasattr(layer, "org_vocab_size")):
+            # Across ranks the vocabulary is padded to a multiple of them and split by rows: the table and
+            # the LM head are loaded dequantized there (the float layers split it), the linear layers keep blocks.
+            return None
         if isinstance(layer, Linear):
             return GGUFLinearMethod()
         if isinstance(layer, Embedding):
@@ -77,11 +85,20 @@ class Shard:
         return int(self.blocks.shape[0])
 
 
-def _weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
-    """Collects one checkpoint tensor's type or blocks under its shard; ``process_weights_after_loading`` assembles them."""
-    shards: dict[int, dict[str, torch.Tensor]] = param.gguf_shards  # type: ignore[attr-defined]
-    key = "qweight_type" if loaded.dim() == 0 else "qweight"
-    shards.setdefault(0 if shard_id is None else shard_id, {})[key] = loaded
+def _weight_loader(layer: nn.Module) -> Callable[[nn.Parameter, torch.Tensor, int | None], None]:
+    """Collects one checkpoint tensor's type or blocks under its shard; ``process_weights_after_loading`` assembles them.
+
+    A column-parallel layer over several ranks keeps its rows (whole rows of blocks) right away; the
+    input features of a row-parallel one are cut in ``_assemble``, once the type says the block width.
+    """
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        shards: dict[int, dict[str, torch.Tensor]] = param.gguf_shards  # type: ignore[attr-defined]
+        key = "qweight_type" if loaded.dim() == 0 else "qweight"
+        if key == "qweight":
+            loaded = shard_output(layer, loaded, shard_id, dim=0, what="gguf qweight")
+        shards.setdefault(0 if shard_id is None else shard_id, {})[key] = loaded
+
+    return load
 
 
 def _register(layer: nn.Module) -> None:
@@ -93,7 +110,7 @@ def _register(layer: nn.Module) -> None:
     shards: dict[int, dict[str, torch.Tensor]] = {}
     for name in ("qweight", "qweight_type"):
         param = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=device), requires_grad=False)
-        param.weight_loader = _weight_loader  # type: ignore[attr-defined]
+        param.weight_loader = _weight_loader(layer)  # type: ignore[attr-defined]
         param.gguf_shards = shards  # type: ignore[attr-defined]
         param.gguf_device = device  # type: ignore[attr-defined]
         layer.register_parameter(name, param)
@@ -111,7 +128,12 @@ def _assemble(layer: nn.Module, cols: int, rows: int) -> list[Shard]:
         if qtype not in SUPPORTED_TYPES:
             raise ValueError(f"GGUF type {type_name(qtype)} is not supported by pagoda-quant-gguf")
         values, nbytes = block_size(qtype)
-        blocks = parts["qweight"].to(layer.qweight.gguf_device)
+        blocks = parts["qweight"]
+        if input_split(layer):  # this rank's whole blocks of every row
+            per_row = blocks.reshape(blocks.shape[0], -1, nbytes)
+            blocks = shard_input(layer, per_row, dim=1, unit=values,
+                                 what=f"gguf {type_name(qtype)} blocks of {values}").reshape(blocks.shape[0], -1)
+        blocks = blocks.to(layer.qweight.gguf_device)
         if cols % values or blocks.shape[1] != cols // values * nbytes:
             raise ValueError(f"GGUF {type_name(qtype)} tensor of {blocks.shape[1]} bytes a row does not hold {cols} values")
         if out and out[-1].qtype == qtype:  # rows of one type: one matrix
@@ -151,6 +173,62 @@ def matmul(shards: list[Shard], x: torch.Tensor, cols: int) -> torch.Tensor:
     return outs[0] if len(outs) == 1 else torch.cat([o.to(x.dtype) for o in outs], dim=-1)
 
 
+Forward = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class KernelForward:
+    """A layer's one CPU-kernel shard, bound at load: the entry point, type, layout and weight pointer are
+    fixed then, so a call is a few attribute reads and the kernel call (measured: Python's part of a
+    1-row call fell from 9.9 to ~2 us in float32, from 13.7 in bfloat16, whose two conversions the
+    kernel now makes). Every call goes through the module's ``pagoda_gguf_linear`` and reads no tensor
+    values, so a kernel graph captures it (the weight is the layer's ``qweight``, which the model holds)."""
+
+    __slots__ = ("blocks", "cols", "fn", "packed", "ptr", "qtype", "rows")
+
+    def __init__(self, shard: Shard, cols: int) -> None:
+        lib = kernels.library()
+        assert lib is not None
+        self.fn = lib.pagoda_gguf_linear
+        self.blocks = shard.blocks  # holds the memory ptr points into
+        self.qtype, self.packed, self.ptr = shard.qtype, int(shard.packed), shard.blocks.data_ptr()
+        self.rows, self.cols = shard.rows, cols
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        code = kernels.DTYPE_CODES.get(x.dtype)
+        if code is None or x.shape[-1] != self.cols:
+            raise ValueError(f"gguf layer takes [..., {self.cols}] float32/bfloat16/float16 input; got "
+                             f"{list(x.shape)} {x.dtype}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = x.new_empty((*x.shape[:-1], self.rows))  # (torch.empty with a dtype costs ~1 us more)
+        status = self.fn(self.qtype, self.packed, self.ptr, self.rows, self.cols, x.data_ptr(), code,
+                         x.numel() // self.cols, y.data_ptr(), code, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"gguf kernel refused type {type_name(self.qtype)} with {self.cols} columns")
+        return y if bias is None else y + bias
+
+
+def bind(shards: list[Shard], cols: int, rows: int) -> Forward:
+    """The layer's forward, decided once at load: the bound CPU kernel where one shard runs on it, else
+    ``matmul`` over the shards (several types, the Triton kernel, the torch reference), which decides per call."""
+    if len(shards) == 1:
+        shard = shards[0]
+        on_cpu = shard.blocks.device.type == "cpu"
+        probe = torch.empty(0, cols)
+        if on_cpu and (shard.packed or (kernels.supports(shard.qtype, probe)
+                                        and not triton_path.supports(shard.qtype, probe))):
+            return KernelForward(shard, cols)
+
+    def forward(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = matmul(shards, x.reshape(-1, cols), cols).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*lead, rows)
+
+    return forward
+
+
 class GGUFLinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],  # type: ignore[override]
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
@@ -161,13 +239,10 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.shards = _assemble(layer, self.cols, self.rows)
+        self.forward = bind(self.shards, self.cols, self.rows)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
-        lead = x.shape[:-1]
-        y = matmul(self.shards, x.reshape(-1, self.cols), self.cols).to(x.dtype)
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*lead, self.rows)
+        return self.forward(x, bias)
 
 
 class GGUFEmbeddingMethod(EmbeddingMethodBase):
@@ -183,6 +258,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         self.shards = _assemble(layer, self.cols, self.rows)
         if len(self.shards) != 1:
             raise ValueError("a GGUF embedding table is one tensor of one type")
+        self.forward = bind(self.shards, self.cols, self.rows)
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         shard = self.shards[0]
@@ -195,8 +271,4 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         return out.reshape(*input_ids.shape, self.cols)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
-        lead = x.shape[:-1]
-        y = matmul(self.shards, x.reshape(-1, self.cols), self.cols).to(x.dtype)
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*lead, self.rows)
+        return self.forward(x, bias)

@@ -1,8 +1,9 @@
 """The CPU kernel on GGUF blocks, built once per machine through ``pagoda.cpp_extension``: ``csrc/gguf_gemm.cpp``
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and ``csrc/gguf_kquants.cpp`` (Q2_K .. Q6_K), one library, one entry point.
 
-``matmul`` serves decode and prefill; ``supports`` says whether a call can take it (a CPU tensor,
-a block type the kernel handles, the library built). Set ``PAGODA_GGUF_KERNEL=0`` to force the
+``matmul`` serves decode and prefill (the layers bind ``pagoda_gguf_linear`` once at load instead, see
+``config``); ``supports`` says whether a call can take it (a CPU tensor, a block type the kernel
+handles, the library built). Set ``PAGODA_GGUF_KERNEL=0`` to force the
 plain-torch reference path (dequantize per call) for A/B measurements.
 """
 
@@ -20,6 +21,8 @@ from pagoda.cpp_extension import CppExtension, ExtensionBuildError
 EXTENSION = CppExtension("pagoda_gguf_gemm", "pagoda_quant_gguf", ["csrc/gguf_gemm.cpp", "csrc/gguf_kquants.cpp"])
 KERNEL_TYPES = frozenset(int(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
 KERNEL_ENV = "PAGODA_GGUF_KERNEL"
+# pagoda_gguf_linear's codes for x's and y's dtype
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _library: ModuleType | None = None
 
@@ -64,30 +67,35 @@ def repack(blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor | None:
 
 
 def unpack_rows(packed: torch.Tensor, qtype: int, cols: int, rows: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` (int64 ids) of a repacked matrix, in the stored layout: uint8 [len(rows), bytes per row]."""
+    """Rows ``rows`` (int64 ids) of a repacked matrix, in the stored layout: uint8 [len(rows), bytes per row].
+    The kernel checks the ids' range (an id outside raises IndexError): no id is read on the host."""
     lib = library()
     assert lib is not None
-    rows = rows.to(torch.int64).contiguous()
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= packed.shape[0]):
-        raise IndexError(f"row ids out of range for a matrix of {packed.shape[0]} rows")
+    if rows.dtype != torch.int64 or not rows.is_contiguous():
+        rows = rows.to(torch.int64).contiguous()
     out = torch.empty((rows.numel(), packed.shape[1]), dtype=torch.uint8)
     status = lib.pagoda_gguf_unpack_rows(qtype, packed.data_ptr(), packed.shape[0], cols, rows.data_ptr(), rows.numel(),
                                          out.data_ptr())
+    if status == -2:
+        raise IndexError(f"row ids out of range for a matrix of {packed.shape[0]} rows")
     if status != 0:
         raise RuntimeError(f"gguf kernel cannot read rows of a repacked {Q(qtype).name} matrix")
     return out
 
 
-def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int, packed: bool = False) -> torch.Tensor:
-    """``x`` [M, cols] times the block matrix (uint8 [N, bytes per row], repacked by ``repack`` when
-    ``packed``), transposed: float32 [M, N]."""
+def matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, cols: int, packed: bool = False,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x`` [M, cols] (float32, bfloat16 or float16) times the block matrix (uint8 [N, bytes per row],
+    repacked by ``repack`` when ``packed``), transposed: [M, N] in ``out_dtype``."""
     lib = library()
     assert lib is not None
-    x = x.to(torch.float32).contiguous()
+    if x.dtype not in DTYPE_CODES:
+        x = x.to(torch.float32)
+    x = x.contiguous()
     n = blocks.shape[0]
-    y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    fn = lib.pagoda_gguf_matmul_packed if packed else lib.pagoda_gguf_matmul
-    status = fn(qtype, blocks.data_ptr(), n, cols, x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads())
+    y = torch.empty((x.shape[0], n), dtype=out_dtype)
+    status = lib.pagoda_gguf_linear(qtype, int(packed), blocks.data_ptr(), n, cols, x.data_ptr(), DTYPE_CODES[x.dtype],
+                                    x.shape[0], y.data_ptr(), DTYPE_CODES[out_dtype], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"gguf kernel refused type {Q(qtype).name} with {cols} columns{' (repacked)' if packed else ''}")
     return y

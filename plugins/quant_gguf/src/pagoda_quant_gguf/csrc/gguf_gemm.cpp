@@ -31,6 +31,14 @@ namespace pagoda_gguf {
 enum : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8 };
 constexpr int kBlock = 32;
 
+#ifndef GGUF_PREFETCH
+#define GGUF_PREFETCH 2048
+#endif
+// Decode streams each weight byte from memory once. The hardware prefetchers do not cross a 4 KiB page
+// and restart on each, so the kernels ask GGUF_PREFETCH bytes ahead of what they read (tuned in
+// benchmarks/gguf_gemv.py, weights from memory).
+constexpr int64_t kPrefetch = GGUF_PREFETCH;
+
 template <int T> struct Layout;
 template <> struct Layout<kQ4_0> { static constexpr int bytes = 18, qs = 2; };
 template <> struct Layout<kQ4_1> { static constexpr int bytes = 20, qs = 4; };
@@ -38,11 +46,38 @@ template <> struct Layout<kQ5_0> { static constexpr int bytes = 22, qs = 6; };
 template <> struct Layout<kQ5_1> { static constexpr int bytes = 24, qs = 8; };
 template <> struct Layout<kQ8_0> { static constexpr int bytes = 34, qs = 2; };
 
-// x [M, K] -> int8 per 32-block (round to nearest), its scale d and d * sum(q).
+// x [M, K] -> int8 per 32-block (round to nearest), its scale d and d * sum(q). The AVX2 form computes
+// exactly the scalar one's values (the same float product rounded to nearest even, the same integer sum):
+// the scalar loop's nearbyint calls were ~2 ns a value, 3 us of a 1536-column GEMV.
 void quantize_x(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t nb = K / kBlock;
   for (int64_t i = 0; i < M * nb; ++i) {
     const float* xb = x + i * kBlock;
+#if defined(GGUF_AVX2)
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    __m256i qi[4];
+    for (int j = 0; j < 4; ++j)
+      qi[j] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+    const int sum = _mm_cvtsi128_si32(sum4);
+    // packs interleave the 128-bit lanes: dwords come out as rows 0, 4, 1, 5, ... of 4 values each
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * kBlock),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
     float amax = 0.f;
     for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
     const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -52,6 +87,7 @@ void quantize_x(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float
       q[i * kBlock + j] = static_cast<int8_t>(v);
       sum += v;
     }
+#endif
     d[i] = scale;
     s[i] = scale * static_cast<float>(sum);
   }
@@ -98,6 +134,8 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float
   for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps(), corr[r] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * Layout<T>::bytes;
+    // the next rows follow this one: a line a block (every type's block is under 64 bytes)
+    if constexpr (MB == 1) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
     const float dw = half_to_float(blk);
     if constexpr (T == kQ8_0) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
@@ -132,7 +170,10 @@ inline void dot_4rows(const uint8_t* w, int64_t row_bytes, int64_t nb, const int
   alignas(32) float scale[8];
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk[4];
-    for (int r = 0; r < 4; ++r) blk[r] = w + r * row_bytes + b * Layout<T>::bytes;
+    for (int r = 0; r < 4; ++r) {
+      blk[r] = w + r * row_bytes + b * Layout<T>::bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk[r] + kPrefetch), _MM_HINT_T0);
+    }
     // lanes 0-3: the rows' d; 4-7: their m (Q4_1 / Q5_1), else zero: the bytes after d are quants,
     // and as f16 they may be denormals, whose float arithmetic takes microcode assists (measured 25x slower)
     constexpr bool has_min = T == kQ4_1 || T == kQ5_1;
@@ -317,6 +358,11 @@ inline void packed_dot(const uint8_t* g, int64_t nb, const int8_t* xq, const flo
         ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + b * 16)))
         : _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + b * 8))));
     const uint8_t* q = quants + b * Packed<T>::quants;
+    // a group's bytes (scales, then quants) and the next group's follow on: a block's worth of them
+    // (72 / 80 bytes, so two lines) kPrefetch ahead
+    const uint8_t* ahead = g + b * (Packed<T>::scales + Packed<T>::quants) + kPrefetch;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + Packed<T>::scales + Packed<T>::quants - 1), _MM_HINT_T0);
     // rows 0 and 1 in one vector (a 128-bit lane each), rows 2 and 3 in the other
     const __m256i v01 = loadu256(q), v23 = loadu256(q + 32);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -379,28 +425,6 @@ void packed_matmul(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, con
 
 PAGODA_EXPORT const char* pagoda_gguf_isa() { return pagoda_gguf::kIsa; }
 
-// y [M, N] (float32) = x [M, K] (float32, contiguous) times W [N, K] in GGML type `type` (row-major
-// rows of blocks), transposed. Returns 0, or -1 for a type this library does not handle or K not a
-// multiple of the type's block (32 values; 256 for the K-quants).
-PAGODA_EXPORT int pagoda_gguf_matmul(int type, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M,
-                                     float* y, int threads) {
-  using namespace pagoda_gguf;
-  if (is_kquant(type)) return kquant_matmul(type, w, N, K, x, M, y, threads);
-  if (K % kBlock) return -1;
-  const int64_t nb = K / kBlock;
-  std::vector<int8_t> xq(static_cast<size_t>(M * K));
-  std::vector<float> xd(static_cast<size_t>(M * nb)), xs(static_cast<size_t>(M * nb));
-  quantize_x(x, M, K, xq.data(), xd.data(), xs.data());
-  switch (type) {
-    case kQ4_0: matmul<kQ4_0>(w, N, K, xq.data(), xd.data(), xs.data(), M, y, N, threads); return 0;
-    case kQ4_1: matmul<kQ4_1>(w, N, K, xq.data(), xd.data(), xs.data(), M, y, N, threads); return 0;
-    case kQ5_0: matmul<kQ5_0>(w, N, K, xq.data(), xd.data(), xs.data(), M, y, N, threads); return 0;
-    case kQ5_1: matmul<kQ5_1>(w, N, K, xq.data(), xd.data(), xs.data(), M, y, N, threads); return 0;
-    case kQ8_0: matmul<kQ8_0>(w, N, K, xq.data(), xd.data(), xs.data(), M, y, N, threads); return 0;
-    default: return -1;
-  }
-}
-
 // 1 where this build has a repacked kernel for the type (pagoda_gguf_repack rewrites it), else 0.
 PAGODA_EXPORT int pagoda_gguf_repacks(int type) {
 #if defined(GGUF_AVX2)
@@ -429,12 +453,15 @@ PAGODA_EXPORT int pagoda_gguf_repack(int type, const uint8_t* w, int64_t N, int6
 #endif
 }
 
-// Rows `ids` (count of them, each in [0, N)) of a matrix pagoda_gguf_repack rewrote, in the stored
-// layout, into dst [count, bytes per row]. Returns 0, or -1 for a type without a repacked layout.
+// Rows `ids` (count of them) of a matrix pagoda_gguf_repack rewrote, in the stored layout, into
+// dst [count, bytes per row]. Returns 0; -1 for a type without a repacked layout; -2 when an id is
+// outside [0, N) (checked here, so the caller reads no token id on the host).
 PAGODA_EXPORT int pagoda_gguf_unpack_rows(int type, const uint8_t* w, int64_t N, int64_t K, const int64_t* ids,
                                           int64_t count, uint8_t* dst) {
   using namespace pagoda_gguf;
   if (K % kBlock || !packs(type)) return -1;
+  for (int64_t i = 0; i < count; ++i)
+    if (ids[i] < 0 || ids[i] >= N) return -2;
   for (int64_t i = 0; i < count; ++i) {
     switch (type) {
       case kQ4_0: unpack_row<kQ4_0>(w, N, K, ids[i], dst + i * (K / kBlock) * Layout<kQ4_0>::bytes); break;
@@ -444,29 +471,97 @@ PAGODA_EXPORT int pagoda_gguf_unpack_rows(int type, const uint8_t* w, int64_t N,
   return 0;
 }
 
-// pagoda_gguf_matmul on a matrix pagoda_gguf_repack rewrote. Returns 0, or
-// -1 where this build has no repacked kernel for the type.
-PAGODA_EXPORT int pagoda_gguf_matmul_packed(int type, const uint8_t* w, int64_t N, int64_t K, const float* x,
-                                            int64_t M, float* y, int threads) {
-  using namespace pagoda_gguf;
-#if defined(GGUF_AVX2)
-  if (K % kBlock || !packs(type)) return -1;
-  const int64_t nb = K / kBlock;
-  std::vector<int8_t> xq(static_cast<size_t>(M * K));
-  std::vector<float> xd(static_cast<size_t>(M * nb)), xs(static_cast<size_t>(M * nb));
-  quantize_x(x, M, K, xq.data(), xd.data(), xs.data());
-  switch (type) {
-    case kQ4_0: packed_matmul<kQ4_0>(w, N, K, xq.data(), xd.data(), xs.data(), M, y, threads); return 0;
-    case kQ4_1: packed_matmul<kQ4_1>(w, N, K, xq.data(), xd.data(), xs.data(), M, y, threads); return 0;
-    default: return -1;
-  }
-#else
-  (void)type, (void)w, (void)N, (void)K, (void)x, (void)M, (void)y, (void)threads;
-  return -1;
-#endif
+namespace pagoda_gguf {
+
+enum : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+template <typename T>
+void widen(const T* src, int64_t count, float* dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(pagoda_gguf_isa), PAGODA_FUNCTION(pagoda_gguf_matmul),
+template <typename T>
+void narrow(const float* src, int64_t count, T* dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = T(src[i]);
+}
+
+// The call's scratch, kept per thread between calls (decode makes hundreds of calls a step, each of which
+// allocated these). A kernel graph's replay runs the calls on one thread, in order, as the capture did.
+struct Scratch {
+  std::vector<float> x, y, xd, xs;
+  std::vector<int8_t> xq;
+};
+
+int linear(int type, int packed, const uint8_t* w, int64_t N, int64_t K, const void* x, int x_dtype, int64_t M,
+           void* y, int y_dtype, int threads) {
+  if (x_dtype < kFloat32 || x_dtype > kFloat16 || y_dtype < kFloat32 || y_dtype > kFloat16) return -2;
+  if (packed && (K % kBlock || !packs(type))) return -1;
+#if !defined(GGUF_AVX2)
+  if (packed) return -1;
+#endif
+  if (!is_kquant(type) && (K % kBlock || !(type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 ||
+                                           type == kQ8_0)))
+    return -1;
+  thread_local Scratch scratch;
+  // x and y in float32: the tensors themselves, or the scratch (16-bit values convert exactly to float32;
+  // y rounds to nearest even, as torch's .to() did on the float32 result)
+  const float* xf = static_cast<const float*>(x);
+  if (x_dtype != kFloat32) {
+    scratch.x.resize(static_cast<size_t>(M * K));
+    if (x_dtype == kBFloat16) widen(static_cast<const pagoda::bf16*>(x), M * K, scratch.x.data());
+    else widen(static_cast<const pagoda::half*>(x), M * K, scratch.x.data());
+    xf = scratch.x.data();
+  }
+  float* yf = static_cast<float*>(y);
+  if (y_dtype != kFloat32) {
+    scratch.y.resize(static_cast<size_t>(M * N));
+    yf = scratch.y.data();
+  }
+  int status = 0;
+  if (is_kquant(type)) {
+    status = kquant_matmul(type, w, N, K, xf, M, yf, threads);
+  } else {
+    const int64_t nb = K / kBlock;
+    scratch.xq.resize(static_cast<size_t>(M * K));
+    scratch.xd.resize(static_cast<size_t>(M * nb));
+    scratch.xs.resize(static_cast<size_t>(M * nb));
+    int8_t* xq = scratch.xq.data();
+    float *xd = scratch.xd.data(), *xs = scratch.xs.data();
+    quantize_x(xf, M, K, xq, xd, xs);
+#if defined(GGUF_AVX2)
+    if (packed) {
+      if (type == kQ4_0) packed_matmul<kQ4_0>(w, N, K, xq, xd, xs, M, yf, threads);
+      else packed_matmul<kQ4_1>(w, N, K, xq, xd, xs, M, yf, threads);
+    } else
+#endif
+    {
+      switch (type) {
+        case kQ4_0: matmul<kQ4_0>(w, N, K, xq, xd, xs, M, yf, N, threads); break;
+        case kQ4_1: matmul<kQ4_1>(w, N, K, xq, xd, xs, M, yf, N, threads); break;
+        case kQ5_0: matmul<kQ5_0>(w, N, K, xq, xd, xs, M, yf, N, threads); break;
+        case kQ5_1: matmul<kQ5_1>(w, N, K, xq, xd, xs, M, yf, N, threads); break;
+        default: matmul<kQ8_0>(w, N, K, xq, xd, xs, M, yf, N, threads); break;
+      }
+    }
+  }
+  if (status == 0 && y_dtype == kBFloat16) narrow(yf, M * N, static_cast<pagoda::bf16*>(y));
+  if (status == 0 && y_dtype == kFloat16) narrow(yf, M * N, static_cast<pagoda::half*>(y));
+  return status;
+}
+
+}  // namespace pagoda_gguf
+
+// y [M, N] = x [M, K] (contiguous) times W [N, K] in GGML type `type`, transposed. W is row-major rows of
+// blocks as stored (`packed` 0) or a matrix pagoda_gguf_repack rewrote (`packed` 1). x and y are float32,
+// bfloat16 or float16 (dtype 0, 1, 2; y may differ from x): a layer's activations go in and out in the
+// model's dtype without torch conversions around the call. Returns 0; -1 for a type (or a packed type)
+// this build does not handle or K not a multiple of the type's block (32 values; 256 for the K-quants);
+// -2 for another dtype code.
+PAGODA_EXPORT int pagoda_gguf_linear(int type, int packed, const uint8_t* w, int64_t N, int64_t K, const void* x,
+                                     int x_dtype, int64_t M, void* y, int y_dtype, int threads) {
+  return pagoda_gguf::linear(type, packed, w, N, K, x, x_dtype, M, y, y_dtype, threads);
+}
+
+PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(pagoda_gguf_isa), PAGODA_FUNCTION(pagoda_gguf_linear),
                      PAGODA_FUNCTION(pagoda_gguf_repacks), PAGODA_FUNCTION(pagoda_gguf_repack),
-                     PAGODA_FUNCTION(pagoda_gguf_unpack_rows),
-                     PAGODA_FUNCTION(pagoda_gguf_matmul_packed))
+                     PAGODA_FUNCTION(pagoda_gguf_unpack_rows))
