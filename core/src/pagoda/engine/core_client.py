@@ -45,6 +45,32 @@ class EngineCoreOutputs:
     scheduler_stats: SchedulerStats | None = None
 
 
+def step_and_hand_off(
+    core: EngineCore,
+    hand_off: Callable[[EngineCoreOutputs], None],
+    portable: Callable[[Exception], BaseException] = lambda exc: exc,
+) -> None:
+    """One step of ``core``, its ``EngineCoreOutputs`` handed to ``hand_off`` (the core thread's callback,
+    or the core process's output socket).
+
+    A step that raises fails only the requests it ran, each reported with the error (``portable``
+    makes it one that crosses a process boundary), and the loop goes on. An ``ExecutorFailedError``
+    (a worker is gone) is handed off the same way, then raised: this engine is dead.
+    """
+    batch = EngineCoreOutputs()
+    try:
+        batch.outputs = core.step()
+    except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
+        logger.exception("engine step failed; failing the requests it ran")
+        error = portable(exc)
+        batch.failed = {rid: error for rid in core.fail_running()}
+        if isinstance(exc, ExecutorFailedError):
+            hand_off(batch)
+            raise
+    batch.scheduler_stats = core.make_stats()
+    hand_off(batch)
+
+
 class EngineCoreClient(Protocol):
     def add_request(self, request: Request) -> None: ...
 
@@ -181,18 +207,7 @@ class ThreadedClient:
                     # an abort-only batch still changes the gauges
                     self._on_outputs(EngineCoreOutputs(scheduler_stats=core.make_stats()))
                     continue
-                batch = EngineCoreOutputs()
-                try:
-                    batch.outputs = core.step()
-                except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
-                    logger.exception("engine step failed; failing the requests it ran")
-                    batch.failed = {rid: exc for rid in core.fail_running()}
-                    if isinstance(exc, ExecutorFailedError):
-                        # a worker is gone: report the requests it took down, then this engine is dead
-                        self._on_outputs(batch)
-                        raise
-                batch.scheduler_stats = core.make_stats()
-                self._on_outputs(batch)
+                step_and_hand_off(core, self._on_outputs)
         except BaseException as exc:  # the thread itself broke: nothing more can be served
             logger.exception("engine core thread died")
             self.dead_error = exc

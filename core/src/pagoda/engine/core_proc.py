@@ -149,7 +149,7 @@ class EngineCoreProc:
                 raise RuntimeError(f"unknown engine-core command {kind!r}")
 
     def run(self) -> None:
-        from pagoda.engine.core_client import EngineCoreOutputs
+        from pagoda.engine.core_client import EngineCoreOutputs, step_and_hand_off
 
         core = self.core
         while not self.stopping:
@@ -159,20 +159,9 @@ class EngineCoreProc:
             if not core.has_work():
                 if got:
                     # an abort-only batch still changes the gauges
-                    self.out.send(dumps("outputs", EngineCoreOutputs(scheduler_stats=core.make_stats())))
+                    self._send_outputs(EngineCoreOutputs(scheduler_stats=core.make_stats()))
                 continue
-            batch = EngineCoreOutputs()
-            try:
-                batch.outputs = core.step()
-            except Exception as exc:  # noqa: BLE001 - one bad step must not stop the engine
-                from pagoda.executor import ExecutorFailedError
+            step_and_hand_off(core, self._send_outputs, portable_error)
 
-                logger.exception("engine step failed; failing the requests it ran")
-                err = portable_error(exc)
-                batch.failed = {rid: err for rid in core.fail_running()}
-                if isinstance(exc, ExecutorFailedError):
-                    # a worker is gone: report the requests it took down, then this engine is dead
-                    self.out.send(dumps("outputs", batch))
-                    raise
-            batch.scheduler_stats = core.make_stats()
-            self.out.send(dumps("outputs", batch))
+    def _send_outputs(self, batch: Any) -> None:
+        self.out.send(dumps("outputs", batch))
