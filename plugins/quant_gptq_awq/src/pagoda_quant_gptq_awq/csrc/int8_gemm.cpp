@@ -77,27 +77,30 @@ template <int R>
 __attribute__((target("avx512f,avx512bw"))) void tile_avx512(const float* x, int64_t ldx, int64_t G,
                                                              const uint8_t* w, const float* s, const int32_t* z,
                                                              const int64_t* gpad, float* out) {
+  constexpr int C = R <= 4 ? 2 : 1;  // FMA chains per row: 2 hide the FMA's latency for few rows
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const __m512i zv = _mm512_loadu_si512(z + g * kPanel);
-    __m512 p0[R], p1[R];
-    for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm512_setzero_ps();
+    __m512 p[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) p[c][r] = _mm512_setzero_ps();
     for (int64_t k = gpad[g]; k < gpad[g + 1]; k += kBlock) {
       const __m512i block = _mm512_loadu_si512(w + k * kPanel);
       const __m512 w0 = widen_avx512<0>(block, zv), w1 = widen_avx512<1>(block, zv);
       for (int r = 0; r < R; ++r) {
-        p0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, p0[r]);
-        p1[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), w1, p1[r]);
+        p[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, p[0][r]);
+        p[C - 1][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), w1, p[C - 1][r]);
       }
       const __m512 w2 = widen_avx512<2>(block, zv), w3 = widen_avx512<3>(block, zv);
       for (int r = 0; r < R; ++r) {
-        p0[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 2]), w2, p0[r]);
-        p1[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 3]), w3, p1[r]);
+        p[0][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 2]), w2, p[0][r]);
+        p[C - 1][r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 3]), w3, p[C - 1][r]);
       }
     }
     const __m512 sv = _mm512_loadu_ps(s + g * kPanel);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p0[r], p1[r]), sv, acc[r]);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(C == 1 ? p[0][r] : _mm512_add_ps(p[0][r], p[C - 1][r]), sv, acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kPanel, acc[r]);
 }
