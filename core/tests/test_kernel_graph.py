@@ -146,3 +146,19 @@ def test_kernel_calls_on_other_threads_are_not_recorded(kernels: ModuleType) -> 
         release.set()
         thread.join()
     assert graph.num_kernel_calls == 3
+
+
+def test_ops_that_may_alias_or_copy_replay_when_they_copied(kernels: ModuleType) -> None:
+    """reshape / contiguous / to() alias their input when they can and copy when not: a copy is work to redo."""
+    s = Static()
+
+    def forward() -> torch.Tensor:
+        strided = s.x[::2].contiguous().to(torch.float64).reshape(2, 2).t().reshape(4).to(torch.float32)
+        y = torch.empty(4)
+        kernels.axpb(strided.data_ptr(), y.data_ptr(), 4, 1.0, 0.0)
+        return y
+
+    graph, output = capture(forward, [s])
+    s.x.copy_(torch.randn(8))
+    graph.replay()
+    assert torch.equal(output, forward())

@@ -72,8 +72,10 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache = kv_cache
         if is_fp8(kv_cache.dtype) and (self._k_scale is None or self._k_scale.device != kv_cache.device):
-            self._k_scale = torch.tensor(self._k_scale_float, dtype=torch.float32, device=kv_cache.device)
-            self._v_scale = torch.tensor(self._v_scale_float, dtype=torch.float32, device=kv_cache.device)
+            # not inference tensors: those keep no version counter, by which a backend can tell a changed value
+            with torch.inference_mode(False):
+                self._k_scale = torch.tensor(self._k_scale_float, dtype=torch.float32, device=kv_cache.device)
+                self._v_scale = torch.tensor(self._v_scale_float, dtype=torch.float32, device=kv_cache.device)
 
     def load_kv_scale(self, which: str, value: float) -> None:
         """A checkpoint's per-layer ``k_scale`` (``which="k"``) or ``v_scale`` (pagoda.model_loader.kv_scales)."""

@@ -156,11 +156,17 @@ class _CaptureMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
         self.kept.extend(outputs)
-        if func in _ALLOCATIONS or func.is_view:
+        if func in _ALLOCATIONS or (func.is_view and _aliases_an_input(outputs, args)):
+            # (reshape, contiguous and to() may alias their input or copy it: only an alias is free)
             return out
         mutating = func._schema.is_mutable
         self.calls.append(_TorchCall(func, args, kwargs, [] if mutating else outputs, mutating))
         return out
+
+
+def _aliases_an_input(outputs: list[torch.Tensor], args: tuple[Any, ...]) -> bool:
+    storages = {t.untyped_storage().data_ptr() for t in _tensors_in(args, depth=2)}
+    return all(t.untyped_storage().data_ptr() in storages for t in outputs)
 
 
 _READ_VALUES = ("tolist", "numpy", "__array__")

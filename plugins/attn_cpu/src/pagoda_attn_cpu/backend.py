@@ -174,8 +174,8 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             int(sliding_window or 0),
             float(logits_soft_cap or 0.0),
             TILE_TOKENS,
-            float(k_scale),
-            float(v_scale),
+            _scale_value(k_scale),
+            _scale_value(v_scale),
         )
         if use_sdpa:
             assert step.sdpa_plan is not None
@@ -191,6 +191,24 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     def _kernel_for(self, cache_dtype: torch.dtype) -> PagedAttentionKernel:
         """A cache in another dtype than the model's (cache_dtype set): that dtype's kernel, built on first use."""
         return kernel(cache_dtype, self.spec.head_dim)
+
+
+def _scale_value(scale: torch.Tensor) -> float:
+    """A 0-d scale's value, read on the host only when it changed since the last read.
+
+    The scales change at load or in the first step (calculate_kv_scales), never in a decode step:
+    a kernel graph captured at a decode step then bakes in the current value without a host read
+    (which would fail the capture).
+    """
+    try:
+        version = scale._version
+    except RuntimeError:  # an inference tensor keeps no version counter: read it every time
+        return float(scale)
+    cached = getattr(scale, "_pagoda_scale", None)
+    if cached is None or cached[0] != version:
+        cached = (version, float(scale))
+        scale._pagoda_scale = cached  # type: ignore[attr-defined]
+    return cached[1]
 
 
 def build_step(metadata: AttentionMetadata, block_size: int) -> CpuStep:

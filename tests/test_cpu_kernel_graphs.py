@@ -1,0 +1,99 @@
+"""CPU kernel graphs through the whole engine: pure-decode steps replayed from a recorded program
+(pagoda.cpp_extension.graph) give the tokens and logprobs of the same engine run eagerly.
+
+Each test runs one engine with graphs (the CPU default) and one with ``enforce_eager=True`` on the
+same tiny random checkpoint. The kernels are the same either way, so results must match exactly
+apart from logprob rounding in the last place."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+
+
+def _requests(vocab: int, n: int, seed: int) -> tuple[list[dict[str, Any]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]} for _ in range(n)]
+    # different lengths: the decode batch shrinks through every size, padded into the captured ones
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True, logprobs=3) for i in range(n)]
+    return prompts, params
+
+
+def _engine(path: Any, dtype: str, eager: bool, **kwargs: Any) -> LLM:
+    return LLM(model=str(path), skip_tokenizer_init=True, dtype=dtype, max_model_len=128, num_kv_blocks=64,
+               enable_prefix_caching=False, max_num_seqs=8, enforce_eager=eager, **kwargs)
+
+
+def _runner(llm: LLM) -> Any:
+    return llm.llm_engine.engine_core.core.runner
+
+
+def _assert_same(graphs: list[Any], eager: list[Any]) -> None:
+    for i, (g, e) in enumerate(zip(graphs, eager)):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids, f"request {i} differs"
+        for lg, le in zip(g.outputs[0].logprobs, e.outputs[0].logprobs):
+            assert lg.keys() == le.keys()
+            np.testing.assert_allclose([lg[t].logprob for t in lg], [le[t].logprob for t in le], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replayed_decode_matches_eager(tiny_model_dir: Any, dtype: str) -> None:
+    path, hf_model = tiny_model_dir("llama")
+    with_graphs, eager = _engine(path, dtype, eager=False), _engine(path, dtype, eager=True)
+    assert _runner(eager).graphs is None
+    graphs = _runner(with_graphs).graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8] and not graphs.steps, "captured on first use"
+    prompts, params = _requests(hf_model.config.vocab_size, 7, seed=3)
+    _assert_same(with_graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False))
+    assert sorted(graphs.steps) == [1, 2, 4, 8] and graphs.num_replays >= 6
+    # a second round replays every size it needs (no new capture) and still matches
+    captured = dict(graphs.steps)
+    prompts, params = _requests(hf_model.config.vocab_size, 5, seed=4)
+    _assert_same(with_graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False))
+    assert graphs.steps == captured
+
+
+def test_sampled_and_fp8_cache_decode_match_eager(tiny_model_dir: Any) -> None:
+    path, hf_model = tiny_model_dir("qwen3")  # per-head q/k norms: torch ops between kernels
+    kwargs = dict(kv_cache_dtype="fp8")
+    with_graphs, eager = _engine(path, "bfloat16", eager=False, **kwargs), _engine(path, "bfloat16", eager=True, **kwargs)
+    prompts, _ = _requests(hf_model.config.vocab_size, 4, seed=5)
+    params = [SamplingParams(max_tokens=6 + i, temperature=0.9, top_p=0.9, seed=10 + i, logprobs=2) for i in range(4)]
+    _assert_same(with_graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False))
+    assert _runner(with_graphs).graphs.num_replays > 0
+
+
+def test_a_forward_that_cannot_be_captured_runs_eagerly(tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    path, hf_model = tiny_model_dir("llama")
+    with_graphs, eager = _engine(path, "float32", eager=False), _engine(path, "float32", eager=True)
+    model = _runner(with_graphs).model
+    forward = type(model).forward
+
+    def reads_a_value(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if input_ids.tolist() == [-1]:  # a host read of the data, as a graph-unsafe model might do
+            raise AssertionError("unreachable")
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", reads_a_value)
+    prompts, params = _requests(hf_model.config.vocab_size, 3, seed=6)
+    with caplog.at_level("WARNING", logger="pagoda.worker.graphs"):
+        got = with_graphs.generate(prompts, params, use_tqdm=False)
+    _assert_same(got, eager.generate(prompts, params, use_tqdm=False))
+    graphs = _runner(with_graphs).graphs
+    assert graphs.disabled and not graphs.steps and graphs.num_replays == 0
+    assert "kernel graphs off from now on" in caplog.text and "tolist" in caplog.text
+
+
+def test_graph_sizes_follow_the_config(tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = tiny_model_dir("llama")
+    assert _runner(_engine(path, "float32", eager=False, cuda_graph_sizes=[3, 6])).graphs.sizes == [3, 6]
+    monkeypatch.setenv("PAGODA_CPU_KERNEL_GRAPHS", "0")
+    assert _runner(_engine(path, "float32", eager=False)).graphs is None
+
