@@ -100,7 +100,7 @@ def _blocks(qtype: int, n: int, k: int) -> torch.Tensor:
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, size=(n, k // values, nbytes), dtype=np.uint8)
     # finite f16 scales where each type keeps them (the quants may be any bytes)
-    offsets = {2: (0,), 3: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}[qtype]
+    offsets = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}[qtype]
     for offset in offsets:
         blocks[..., offset : offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
     return torch.from_numpy(blocks.reshape(n, -1))
@@ -162,7 +162,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         f32 = _f32_dequant_library(Path(tmp))
         cases = [(Q.Q4_1, 960, 576), (Q.Q4_1, 576, 576), (Q.Q4_1, 3072, 576), (Q.Q4_1, 576, 1536),
-                 (Q.Q8_0, 49152, 576), (Q.Q4_0, 3072, 576)]
+                 (Q.Q8_0, 49152, 576), (Q.Q4_0, 3072, 576), (Q.Q5_0, 3072, 576), (Q.Q5_1, 3072, 576)]
         cases += [(t, 3072, 1536) for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)]
         for qtype, n, k in (c for c in cases if c[0].name in args.types.split(",")):
             # decode streams every weight from memory once a token (the model exceeds the caches): each
