@@ -187,11 +187,11 @@ _VARIABLES: list[EnvVar[Any]] = [
            "GPTQ / AWQ 4-bit matmul on CPU: auto (the best path this CPU runs), 0 (the torch reference), "
            "or one path of the C++ library.",
            "pagoda-quant-gptq-awq", _choice("auto", "0", "avx512", "avx2", "scalar")),
-    EnvVar("PAGODA_GPTQ8_KERNEL", "one of auto, 0, avx512, avx2, scalar, vnni512", "auto",
+    EnvVar("PAGODA_GPTQ8_KERNEL", "one of auto, 0, vnni512_int16, avx512, avx2, scalar, vnni512", "auto",
            "GPTQ 8-bit matmul on CPU: auto (the best path this CPU runs), 0 (the torch reference), or one path "
-           "of the C++ library (vnni512: activations quantized to int8 per 32 inputs, 2-5x faster, never picked "
-           "by auto).",
-           "pagoda-quant-gptq-awq", _choice("auto", "0", "avx512", "avx2", "scalar", "vnni512")),
+           "of the C++ library (vnni512_int16: activations as int16 per 32 inputs, what auto picks with "
+           "AVX512-VNNI; vnni512: as int8, faster still but off by about 0.5%, never picked by auto).",
+           "pagoda-quant-gptq-awq", _choice("auto", "0", "vnni512_int16", "avx512", "avx2", "scalar", "vnni512")),
     # -- kernels ------------------------------------------------------------------
     EnvVar("PAGODA_KERNELS_IMPL", "one of auto, triton, torch", "auto",
            "pagoda-kernels' implementation when a call does not choose: auto (Triton on GPU tensors), "

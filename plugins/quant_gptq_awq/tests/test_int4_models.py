@@ -166,7 +166,8 @@ def test_triton_kernel_serves_the_model(tmp_path: Path, monkeypatch: pytest.Monk
 def test_gptq_8bit_layers_run_the_8bit_kernel_and_its_off_switch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """8-bit GPTQ on CPU: the C++ kernel's panels replace the checkpoint's tensors, the log names its path, and
-    PAGODA_GPTQ8_KERNEL=0 (the torch reference, dequantizing per call) serves the same greedy tokens."""
+    its float-activation path and PAGODA_GPTQ8_KERNEL=0 (the torch reference, dequantizing per call) serve
+    the same greedy tokens as auto."""
     from pagoda import LLM, SamplingParams
     from pagoda_quant_gptq_awq import cpu_int8_kernel
 
@@ -175,12 +176,13 @@ def test_gptq_8bit_layers_run_the_8bit_kernel_and_its_off_switch(tmp_path: Path,
     prompts = [{"prompt_token_ids": [1, 5, 9, 200, 17]}, {"prompt_token_ids": list(range(3, 60))}]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs = {}
-    for setting in ("auto", "0"):
+    float_path = next(p for p in cpu_int8_kernel.paths() if not p.startswith("vnni"))
+    for setting in ("auto", float_path, "0"):
         monkeypatch.setenv("PAGODA_GPTQ8_KERNEL", setting)
         with caplog.at_level(logging.INFO):
             llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=128, num_kv_blocks=32)
         qkv = _runner(llm).model.model.layers[0].self_attn.qkv_proj
-        assert qkv.quant_method.kernel == ("cpu" if setting == "auto" else "torch")
+        assert qkv.quant_method.kernel == ("torch" if setting == "0" else "cpu")
         if setting == "auto":
             assert f"quantization: gptq (8-bit, groups of 32, desc_act, gptq; GPTQ 8-bit C++ kernel, path " \
                    f"{cpu_int8_kernel.paths()[0]})" in caplog.text
@@ -189,4 +191,4 @@ def test_gptq_8bit_layers_run_the_8bit_kernel_and_its_off_switch(tmp_path: Path,
             assert isinstance(part.cpu, cpu_int8_kernel.CpuInt8Weight) and part.cpu.packed.dtype == torch.uint8
         outputs[setting] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
-    assert outputs["auto"] == outputs["0"]
+    assert outputs["auto"] == outputs[float_path] == outputs["0"]

@@ -7,11 +7,13 @@ point in integers and widens the bytes to float in registers, up to 8 rows (AVX-
 sharing each widened vector; past ``IN_REGISTER_MAX_ROWS`` rows it widens slabs of columns to float32
 instead and hands them to torch's float matmul.
 
-The library picks its path at run time from the CPU's flags: AVX-512, AVX2 + FMA, or portable C++.
-``PAGODA_GPTQ8_KERNEL=0`` at load runs the torch reference instead; ``avx512|avx2|scalar|vnni512``
-forces one path (read at each call). ``vnni512`` quantizes the activations to int8 per row and
-multiplies with VNNI's byte dot products: measured against the float path (docs/quantization.md),
-it is not what ``auto`` picks.
+The library picks its path at run time from the CPU's flags: with AVX512-VNNI, ``vnni512_int16`` (the
+activations quantized to int16 per 32 inputs, multiplied with VNNI's word dot products: about twice the
+float tiles' speed at a relative error of 2e-5, finer than float16 activations); else float activations
+on AVX-512, AVX2 + FMA, or portable C++. ``PAGODA_GPTQ8_KERNEL=0`` at load runs the torch reference
+instead; a path's name forces it (read at each call). ``vnni512`` (int8 activations, VNNI's byte dot
+products) is faster still but about 0.5% off, enough to change a tiny model's greedy tokens
+(docs/quantization.md): ``auto`` never picks it.
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ from pagoda.cpp_extension import CppExtension, SwitchedKernelLibrary
 
 EXTENSION = CppExtension("pagoda_gptq8_gemm", "pagoda_quant_gptq_awq", ["csrc/int8_gemm.cpp"])
 KERNEL_ENV = "PAGODA_GPTQ8_KERNEL"
-PATHS = {"auto": 0, "avx512": 1, "avx2": 2, "scalar": 3, "vnni512": 4}
+PATHS = {"auto": 0, "avx512": 1, "avx2": 2, "scalar": 3, "vnni512": 4, "vnni512_int16": 5}
 PANEL = 16
 BLOCK = 4  # k per stored block: every group starts on one
 # Rows up to this (per path) run the in-register kernel; more rows the widened slabs + torch's float matmul.
 # Measured on one thread (benchmarks/int8_gptq_matmul.py; docs/quantization.md, GPTQ 8-bit): the AVX-512 tiles
-# (both kinds) beat the slabs at 1 to 256 rows; AVX2's 4-row tiles up to 64 rows (0.42-0.63x the slab's time;
+# (all three kinds) beat the slabs at 1 to 256 rows; AVX2's 4-row tiles up to 64 rows (0.42-0.63x the slab's time;
 # 1.2-1.5x at 128 and 256); the portable tiles at no row count (4x the slab's time at one row).
-IN_REGISTER_MAX_ROWS: dict[str, int | None] = {"avx512": None, "vnni512": None, "avx2": 64, "scalar": 0}
+IN_REGISTER_MAX_ROWS: dict[str, int | None] = {"vnni512_int16": None, "avx512": None, "vnni512": None, "avx2": 64,
+                                               "scalar": 0}
 # Floats one widened slab holds (16 MiB): bounds the extra memory of the many-rows path.
 SLAB_FLOATS = 4 << 20
 
