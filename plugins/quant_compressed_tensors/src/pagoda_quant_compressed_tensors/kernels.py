@@ -24,7 +24,7 @@ KERNEL_ENV = "PAGODA_INT8_KERNEL"
 PATHS = {"auto": 0, "vnni512": 1, "avx512bw": 2, "avx2": 3, "scalar": 4}
 PANEL = 16
 
-_KERNEL = SwitchedKernelLibrary(EXTENSION, lambda: envs.PAGODA_INT8_KERNEL, PATHS, "pagoda_int8_paths")
+_KERNEL = SwitchedKernelLibrary(EXTENSION, KERNEL_ENV, PATHS, "pagoda_int8_paths")
 
 
 def library() -> ModuleType | None:
@@ -43,12 +43,7 @@ def paths() -> list[str]:
 
 def describe() -> str:
     triton = "; Triton on CUDA/ROCm" if triton_path.triton_available() and envs.PAGODA_INT8_KERNEL != "0" else ""
-    lib = library()
-    if lib is None:
-        why = "off" if envs.PAGODA_INT8_KERNEL == "0" else EXTENSION.build_failure()
-        return f"torch reference (no int8 library: {why}){triton}"
-    forced = envs.PAGODA_INT8_KERNEL
-    return f"int8 C++ kernel, path {paths()[0] if forced == 'auto' else forced}{triton}"
+    return _KERNEL.describe("int8") + triton
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,9 +102,7 @@ class W8A8Weight:
         ran = lib.pagoda_int8_gemm_w8a8(path_code(), q.data_ptr(), xs.data_ptr(), m, self.packed.data_ptr(),
                                         self.colsum.data_ptr(), self.scale.data_ptr(),
                                         None if b is None else b.data_ptr(), n, k, y.data_ptr(), threads)
-        if ran < 0:
-            raise RuntimeError(f"{KERNEL_ENV}={envs.PAGODA_INT8_KERNEL}: that path does not run on this CPU "
-                               f"(it runs: {', '.join(paths())})")
+        _KERNEL.check(ran)
         return y
 
 
@@ -160,7 +153,5 @@ class W8A16Weight:
         ran = lib.pagoda_int8_gemm_w8a16(path_code(), xf.data_ptr(), m, k, self.packed.data_ptr(),
                                          self.packed_scale.data_ptr(), None if b is None else b.data_ptr(), n, k,
                                          self.group_size, y.data_ptr(), torch.get_num_threads())
-        if ran < 0:
-            raise RuntimeError(f"{KERNEL_ENV}={envs.PAGODA_INT8_KERNEL}: that path does not run on this CPU "
-                               f"(it runs: {', '.join(paths())})")
+        _KERNEL.check(ran)
         return y

@@ -23,7 +23,6 @@ from types import ModuleType
 
 import torch
 
-from pagoda import envs
 from pagoda.cpp_extension import CppExtension, SwitchedKernelLibrary
 
 EXTENSION = CppExtension("pagoda_gptq8_gemm", "pagoda_quant_gptq_awq", ["csrc/int8_gemm.cpp"])
@@ -40,7 +39,7 @@ IN_REGISTER_MAX_ROWS: dict[str, int | None] = {"vnni512_int16": None, "avx512": 
 # Floats one widened slab holds (16 MiB): bounds the extra memory of the many-rows path.
 SLAB_FLOATS = 4 << 20
 
-_KERNEL = SwitchedKernelLibrary(EXTENSION, lambda: envs.PAGODA_GPTQ8_KERNEL, PATHS, "pagoda_gptq8_paths")
+_KERNEL = SwitchedKernelLibrary(EXTENSION, KERNEL_ENV, PATHS, "pagoda_gptq8_paths")
 
 
 def library() -> ModuleType | None:
@@ -57,33 +56,8 @@ def paths() -> list[str]:
     return _KERNEL.paths()
 
 
-_auto_path: str | None = None
-
-
-def _path_name(lib: ModuleType) -> str:
-    global _auto_path
-    forced = envs.PAGODA_GPTQ8_KERNEL
-    if forced != "auto":
-        return forced
-    if _auto_path is None:
-        names = {code: name for name, code in PATHS.items()}
-        _auto_path = names[(int(lib.pagoda_gptq8_paths()) >> 8) & 0xFF]
-    return _auto_path
-
-
 def describe() -> str:
-    lib = library()
-    if lib is None:
-        why = "off" if envs.PAGODA_GPTQ8_KERNEL == "0" else EXTENSION.build_failure()
-        return f"torch reference (no GPTQ 8-bit library: {why})"
-    forced = envs.PAGODA_GPTQ8_KERNEL
-    return f"GPTQ 8-bit C++ kernel, path {paths()[0] if forced == 'auto' else forced}"
-
-
-def _check(ran: int) -> None:
-    if ran < 0:
-        raise RuntimeError(f"{KERNEL_ENV}={envs.PAGODA_GPTQ8_KERNEL}: that path does not run on this CPU "
-                           f"(it runs: {', '.join(paths())})")
+    return _KERNEL.describe("GPTQ 8-bit")
 
 
 @dataclass
@@ -144,7 +118,7 @@ class CpuInt8Weight:
         xf = xf.contiguous()
         b = None if bias is None else bias.float().contiguous()
         threads = torch.get_num_threads()
-        limit = IN_REGISTER_MAX_ROWS.get(_path_name(lib))
+        limit = IN_REGISTER_MAX_ROWS.get(_KERNEL.path_name())
         if limit is None or xf.shape[0] <= limit:
             return self.in_register_matmul(xf, b, lib, threads, path_code())
         return self.slab_matmul(xf, b, lib, threads)
@@ -155,7 +129,7 @@ class CpuInt8Weight:
         m = xf.shape[0]
         n, k = self.out_features, self.in_features
         y = torch.empty(m, n, dtype=torch.float32)
-        _check(lib.pagoda_gptq8_gemm(path, xf.data_ptr(), m, k, self.packed.data_ptr(), self.scales.data_ptr(),
+        _KERNEL.check(lib.pagoda_gptq8_gemm(path, xf.data_ptr(), m, k, self.packed.data_ptr(), self.scales.data_ptr(),
                                      self.zeros.data_ptr(), self.gstart.data_ptr(), self.gpad.data_ptr(),
                                      self.num_groups, None if b is None else b.data_ptr(), n, k, y.data_ptr(),
                                      threads))
@@ -177,7 +151,7 @@ class CpuInt8Weight:
 
     def _widen(self, n0: int, n1: int, lib: ModuleType, threads: int) -> torch.Tensor:
         slab = torch.empty(self.in_features, n1 - n0, dtype=torch.float32)
-        _check(lib.pagoda_gptq8_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
+        _KERNEL.check(lib.pagoda_gptq8_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
                                            self.zeros.data_ptr(), self.gstart.data_ptr(), self.gpad.data_ptr(),
                                            self.num_groups, self.out_features, self.in_features, n0, n1,
                                            slab.data_ptr(), threads))

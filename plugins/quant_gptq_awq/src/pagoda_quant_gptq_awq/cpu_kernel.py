@@ -19,7 +19,6 @@ from types import ModuleType
 
 import torch
 
-from pagoda import envs
 from pagoda.cpp_extension import CppExtension, SwitchedKernelLibrary
 
 EXTENSION = CppExtension("pagoda_int4_gemm", "pagoda_quant_gptq_awq", ["csrc/int4_gemm.cpp"])
@@ -34,7 +33,7 @@ IN_REGISTER_MAX_ROWS: dict[str, int | None] = {"avx512": None, "avx2": 64, "scal
 # Floats one widened slab holds (16 MiB): bounds the extra memory of the many-rows path.
 SLAB_FLOATS = 4 << 20
 
-_KERNEL = SwitchedKernelLibrary(EXTENSION, lambda: envs.PAGODA_INT4_KERNEL, PATHS, "pagoda_int4_paths")
+_KERNEL = SwitchedKernelLibrary(EXTENSION, KERNEL_ENV, PATHS, "pagoda_int4_paths")
 
 
 def library() -> ModuleType | None:
@@ -51,34 +50,8 @@ def paths() -> list[str]:
     return _KERNEL.paths()
 
 
-_auto_path: str | None = None
-
-
-def _path_name(lib: ModuleType) -> str:
-    """The path the library runs now (a forced one, or what auto picks on this CPU)."""
-    global _auto_path
-    forced = envs.PAGODA_INT4_KERNEL
-    if forced != "auto":
-        return forced
-    if _auto_path is None:
-        names = {code: name for name, code in PATHS.items()}
-        _auto_path = names[(int(lib.pagoda_int4_paths()) >> 8) & 0xFF]
-    return _auto_path
-
-
 def describe() -> str:
-    lib = library()
-    if lib is None:
-        why = "off" if envs.PAGODA_INT4_KERNEL == "0" else EXTENSION.build_failure()
-        return f"torch reference (no int4 library: {why})"
-    forced = envs.PAGODA_INT4_KERNEL
-    return f"int4 C++ kernel, path {paths()[0] if forced == 'auto' else forced}"
-
-
-def _check(ran: int) -> None:
-    if ran < 0:
-        raise RuntimeError(f"{KERNEL_ENV}={envs.PAGODA_INT4_KERNEL}: that path does not run on this CPU "
-                           f"(it runs: {', '.join(paths())})")
+    return _KERNEL.describe("int4")
 
 
 @dataclass
@@ -129,7 +102,7 @@ class CpuInt4Weight:
         xf = xf.contiguous()
         b = None if bias is None else bias.float().contiguous()
         threads = torch.get_num_threads()
-        limit = IN_REGISTER_MAX_ROWS.get(_path_name(lib))
+        limit = IN_REGISTER_MAX_ROWS.get(_KERNEL.path_name())
         if limit is None or xf.shape[0] <= limit:
             return self.in_register_matmul(xf, b, lib, threads)
         return self.slab_matmul(xf, b, lib, threads)
@@ -140,7 +113,7 @@ class CpuInt4Weight:
         m = xf.shape[0]
         n, k = self.out_features, self.in_features
         y = torch.empty(m, n, dtype=torch.float32)
-        _check(lib.pagoda_int4_gemm(path_code(), xf.data_ptr(), m, k, self.packed.data_ptr(),
+        _KERNEL.check(lib.pagoda_int4_gemm(path_code(), xf.data_ptr(), m, k, self.packed.data_ptr(),
                                     self.scales.data_ptr(), self.szeros.data_ptr(), self.gstart.data_ptr(),
                                     self.num_groups, None if b is None else b.data_ptr(), n, k, y.data_ptr(),
                                     threads))
@@ -159,7 +132,7 @@ class CpuInt4Weight:
                      threads: int) -> torch.Tensor:
         k = self.in_features
         slab = torch.empty(k, n1 - n0, dtype=torch.float32)
-        _check(lib.pagoda_int4_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
+        _KERNEL.check(lib.pagoda_int4_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
                                           self.szeros.data_ptr(), self.gstart.data_ptr(), self.num_groups,
                                           self.out_features, k, n0, n1, slab.data_ptr(), threads))
         return torch.mm(xf, slab) if bias is None else torch.addmm(bias, xf, slab)
@@ -167,7 +140,7 @@ class CpuInt4Weight:
     def dequantized(self, lib: ModuleType) -> torch.Tensor:
         """The float32 weight [N, K] in the checkpoint's input order (tests)."""
         slab = torch.empty(self.in_features, self.out_features, dtype=torch.float32)
-        _check(lib.pagoda_int4_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
+        _KERNEL.check(lib.pagoda_int4_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
                                           self.szeros.data_ptr(), self.gstart.data_ptr(), self.num_groups,
                                           self.out_features, self.in_features, 0, self.out_features, slab.data_ptr(),
                                           torch.get_num_threads()))
