@@ -180,7 +180,8 @@ class KernelForward:
     """A layer's one CPU-kernel shard, bound at load: the entry point, type, layout and weight pointer are
     fixed then, so a call is a few attribute reads, the output's allocation and the kernel call
     (measured, thread CPU time of a 1-row ``Linear.forward``, same run: 10.2 us in float32 and 13.5 in
-    bfloat16 before, 4.9 in both after; bfloat16's two conversions are now made in the kernel). Every call goes through the module's ``pagoda_gguf_linear`` and reads no tensor
+    bfloat16 before, 4.9 in both after; bfloat16's two conversions are now made in the kernel).
+    Every call goes through the module's ``pagoda_gguf_linear`` and reads no tensor
     values, so a kernel graph captures it (the weight is the layer's ``qweight``, which the model holds)."""
 
     __slots__ = ("blocks", "cols", "fn", "packed", "ptr", "qtype", "rows")
