@@ -130,9 +130,9 @@ class CpuInt8Weight:
         n, k = self.out_features, self.in_features
         y = torch.empty(m, n, dtype=torch.float32)
         _KERNEL.check(lib.pagoda_gptq8_gemm(path, xf.data_ptr(), m, k, self.packed.data_ptr(), self.scales.data_ptr(),
-                                     self.zeros.data_ptr(), self.gstart.data_ptr(), self.gpad.data_ptr(),
-                                     self.num_groups, None if b is None else b.data_ptr(), n, k, y.data_ptr(),
-                                     threads))
+                                            self.zeros.data_ptr(), self.gstart.data_ptr(), self.gpad.data_ptr(),
+                                            self.num_groups, None if b is None else b.data_ptr(), n, k, y.data_ptr(),
+                                            threads))
         return y
 
     def slab_matmul(self, xf: torch.Tensor, b: torch.Tensor | None, lib: ModuleType, threads: int) -> torch.Tensor:
@@ -152,9 +152,9 @@ class CpuInt8Weight:
     def _widen(self, n0: int, n1: int, lib: ModuleType, threads: int) -> torch.Tensor:
         slab = torch.empty(self.in_features, n1 - n0, dtype=torch.float32)
         _KERNEL.check(lib.pagoda_gptq8_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
-                                           self.zeros.data_ptr(), self.gstart.data_ptr(), self.gpad.data_ptr(),
-                                           self.num_groups, self.out_features, self.in_features, n0, n1,
-                                           slab.data_ptr(), threads))
+                                                  self.zeros.data_ptr(), self.gstart.data_ptr(), self.gpad.data_ptr(),
+                                                  self.num_groups, self.out_features, self.in_features, n0, n1,
+                                                  slab.data_ptr(), threads))
         return slab
 
     def dequantized(self, lib: ModuleType) -> torch.Tensor:

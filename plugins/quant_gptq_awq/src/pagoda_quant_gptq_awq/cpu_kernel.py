@@ -114,9 +114,9 @@ class CpuInt4Weight:
         n, k = self.out_features, self.in_features
         y = torch.empty(m, n, dtype=torch.float32)
         _KERNEL.check(lib.pagoda_int4_gemm(path_code(), xf.data_ptr(), m, k, self.packed.data_ptr(),
-                                    self.scales.data_ptr(), self.szeros.data_ptr(), self.gstart.data_ptr(),
-                                    self.num_groups, None if b is None else b.data_ptr(), n, k, y.data_ptr(),
-                                    threads))
+                                           self.scales.data_ptr(), self.szeros.data_ptr(), self.gstart.data_ptr(),
+                                           self.num_groups, None if b is None else b.data_ptr(), n, k, y.data_ptr(),
+                                           threads))
         return y
 
     def slab_matmul(self, xf: torch.Tensor, b: torch.Tensor | None, lib: ModuleType, threads: int) -> torch.Tensor:
@@ -133,17 +133,17 @@ class CpuInt4Weight:
         k = self.in_features
         slab = torch.empty(k, n1 - n0, dtype=torch.float32)
         _KERNEL.check(lib.pagoda_int4_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
-                                          self.szeros.data_ptr(), self.gstart.data_ptr(), self.num_groups,
-                                          self.out_features, k, n0, n1, slab.data_ptr(), threads))
+                                                 self.szeros.data_ptr(), self.gstart.data_ptr(), self.num_groups,
+                                                 self.out_features, k, n0, n1, slab.data_ptr(), threads))
         return torch.mm(xf, slab) if bias is None else torch.addmm(bias, xf, slab)
 
     def dequantized(self, lib: ModuleType) -> torch.Tensor:
         """The float32 weight [N, K] in the checkpoint's input order (tests)."""
         slab = torch.empty(self.in_features, self.out_features, dtype=torch.float32)
         _KERNEL.check(lib.pagoda_int4_dequantize(path_code(), self.packed.data_ptr(), self.scales.data_ptr(),
-                                          self.szeros.data_ptr(), self.gstart.data_ptr(), self.num_groups,
-                                          self.out_features, self.in_features, 0, self.out_features, slab.data_ptr(),
-                                          torch.get_num_threads()))
+                                                 self.szeros.data_ptr(), self.gstart.data_ptr(), self.num_groups,
+                                                 self.out_features, self.in_features, 0, self.out_features, slab.data_ptr(),
+                                                 torch.get_num_threads()))
         if self.perm is not None:
             unsorted = torch.empty_like(slab)
             unsorted[self.perm] = slab
