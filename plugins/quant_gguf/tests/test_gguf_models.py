@@ -36,8 +36,9 @@ def _k_blocks(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> np.
     return blocks.reshape(shape[0], -1)
 
 
-def write_tiny_llama(path: Path, qtype: Q) -> Path:
-    """A tiny Llama GGUF file: matrices in ``qtype`` (F32 for the float reference), norms F32, untied head."""
+def write_tiny_llama(path: Path, qtype: Q, vocab_qtype: Q | None = None) -> Path:
+    """A tiny Llama GGUF file: matrices in ``qtype`` (F32 for the float reference), norms F32, untied head;
+    ``vocab_qtype``: the token table's and the head's type (``qtype`` when None)."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
@@ -55,14 +56,15 @@ def write_tiny_llama(path: Path, qtype: Q) -> Path:
     for name, shape in tensors:
         # weights scaled so activations stay O(1) through the layers
         data = (rng.standard_normal(shape) * (1.0 if len(shape) == 1 else 0.5 / np.sqrt(shape[-1]) * 4)).astype(np.float32)
+        kind = vocab_qtype if vocab_qtype is not None and name in ("token_embd", "output") else qtype
         if len(shape) == 1:
             writer.add_tensor(f"{name}.weight", np.abs(data) + 0.5)
-        elif qtype == Q.F32:
+        elif kind == Q.F32:
             writer.add_tensor(f"{name}.weight", data)
-        elif qtype in K_QUANT_SCALES:
-            writer.add_tensor(f"{name}.weight", _k_blocks(qtype, shape, rng), raw_dtype=qtype)  # type: ignore[arg-type]
+        elif kind in K_QUANT_SCALES:
+            writer.add_tensor(f"{name}.weight", _k_blocks(kind, shape, rng), raw_dtype=kind)  # type: ignore[arg-type]
         else:
-            writer.add_tensor(f"{name}.weight", quantize(data, qtype), raw_dtype=qtype)
+            writer.add_tensor(f"{name}.weight", quantize(data, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
