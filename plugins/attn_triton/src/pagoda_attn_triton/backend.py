@@ -14,11 +14,10 @@ the device, and splits past it do no work and weigh zero in the reduce.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from pagoda.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from pagoda.triton_utils import triton_available
 from pagoda_kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,7 +37,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
         reasons: list[str] = []
         if spec.device_type != "cuda":
             reasons.append(f"needs a CUDA/ROCm device (this engine runs on device type {spec.device_type!r})")
-        if importlib.util.find_spec("triton") is None:
+        if not triton_available():
             reasons.append("triton is not installed (pip install triton)")
         if spec.dtype not in SUPPORTED_DTYPES:
             reasons.append(f"dtype {spec.dtype} is not one of float16, bfloat16, float32")
