@@ -162,3 +162,25 @@ def test_ops_that_may_alias_or_copy_replay_when_they_copied(kernels: ModuleType)
     s.x.copy_(torch.randn(8))
     graph.replay()
     assert torch.equal(output, forward())
+
+
+def test_triton_interpreter_launch_fails_the_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton kernels on CPU run in Triton's interpreter (numpy over raw pointers): nothing a replay could redo."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    @triton.jit
+    def double(x_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * 2, mask=mask)
+
+    x = torch.ones(8)
+    double[(1,)](x, 8, BLOCK=8)  # outside a capture it runs
+    assert torch.equal(x, torch.full((8,), 2.0))
+    with pytest.raises(NotCapturable, match="Triton's interpreter"):
+        capture(lambda: double[(1,)](x, 8, BLOCK=8) or x, [x])
+    double[(1,)](x, 8, BLOCK=8)  # and runs again after the capture
+    assert torch.equal(x, torch.full((8,), 4.0))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterable
@@ -173,11 +174,13 @@ _READ_VALUES = ("tolist", "numpy", "__array__")
 
 
 class _ValueReadGuard:
-    """``tolist`` / ``numpy`` read tensor memory without passing the dispatcher: refuse them on the capturing thread."""
+    """Work a replay would miss, refused on the capturing thread: ``tolist`` / ``numpy`` read tensor
+    memory without passing the dispatcher, Triton's interpreter computes behind it."""
 
     def __init__(self, thread: int) -> None:
         self.thread = thread
         self.saved: dict[str, Any] = {}
+        self.triton: tuple[Any, Any] | None = None
 
     def __enter__(self) -> None:
         for name in _READ_VALUES:
@@ -191,12 +194,30 @@ class _ValueReadGuard:
 
             setattr(torch.Tensor, name, guarded)
 
+        # Triton's interpreter (TRITON_INTERPRET=1, Triton kernels on CPU) computes in numpy over raw
+        # pointers: neither a dispatcher op nor a recorded call, a replay would skip it
+        interpreter = sys.modules.get("triton.runtime.interpreter")
+        executor = getattr(interpreter, "GridExecutor", None)
+        if executor is not None:
+            launch = executor.__call__
+            self.triton = (executor, launch)
+
+            def guarded_launch(grid_executor: Any, *args: Any, **kwargs: Any) -> Any:
+                if threading.get_ident() == self.thread:
+                    raise NotCapturable("a Triton kernel runs in Triton's interpreter, which a replay cannot record")
+                return launch(grid_executor, *args, **kwargs)
+
+            executor.__call__ = guarded_launch
+
     def __exit__(self, *exc: object) -> None:
         for name, saved in self.saved.items():
             if saved is None:
                 delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, saved)
+        if self.triton is not None:
+            executor, launch = self.triton
+            executor.__call__ = launch
 
 
 class KernelGraph:
