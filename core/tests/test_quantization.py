@@ -190,3 +190,18 @@ def test_family_without_quant_support_loads_dequantized_when_the_method_was_only
     model = Plain()
     assert quantize_model(model, config) == set()
     assert model.proj.quant_method is None and checkpoint_module_filter(model, set()) is None
+
+
+def test_config_that_does_not_split_across_ranks_is_refused_at_tensor_parallel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import pagoda.quantization.model as quant_model
+
+    monkeypatch.setattr(quant_model, "get_tensor_model_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"'int8-row' quantization runs with tensor_parallel_size=1 only \(its "
+                                         r"methods do not split their weights across ranks\)"):
+        quantize_model(TinyModel(), Int8RowConfig(ignore=[]))
+
+    class SplittingConfig(Int8RowConfig):
+        supports_tensor_parallel = True
+
+    assert quantize_model(TinyModel(), SplittingConfig(ignore=["out"])) == {"qkv_proj"}
