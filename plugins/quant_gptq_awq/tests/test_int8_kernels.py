@@ -209,6 +209,22 @@ def test_forward_reads_no_tensor_values(monkeypatch: pytest.MonkeyPatch) -> None
     _check_auto(got, x, weight, group_index(ckpt))
 
 
+@pytest.mark.parametrize("kernel_path", [*FLOAT_PATHS, *VNNI_PATHS], indirect=True)
+def test_forward_replays_as_a_kernel_graph(kernel_path: str) -> None:
+    """A captured forward (act order: a permutation, then the kernel; the portable path: the slabs and torch's
+    matmul) replayed on new activations gives what an eager call gives."""
+    from pagoda.cpp_extension import graph
+
+    ckpt, _ = _checkpoint(40, 64, 16, act_order=True)
+    cw = _cpu_weight(ckpt)
+    lib = _library()
+    x = torch.randn(3, 64)
+    captured, out = graph.capture(lambda: cw.matmul(x, None, lib), roots=[cw, x])
+    x.copy_(torch.randn(3, 64))
+    captured.replay()
+    torch.testing.assert_close(out, cw.matmul(x, None, lib), rtol=0, atol=0)
+
+
 def test_fractional_zeros_are_refused() -> None:
     with pytest.raises(ValueError, match="zero points must be integers"):
         cpu_int8_kernel.CpuInt8Weight.prepare(torch.zeros(8, 4, dtype=torch.uint8), torch.full((1, 4), 1.5),
