@@ -48,15 +48,12 @@ def test_replayed_decode_matches_eager(tiny_model_dir: Any, dtype: str) -> None:
     with_graphs, eager = _engine(path, dtype, eager=False), _engine(path, dtype, eager=True)
     assert _runner(eager).graphs is None
     graphs = _runner(with_graphs).graphs
-    assert graphs is not None and graphs.sizes == [1, 2, 4, 8] and not graphs.steps, "captured on first use"
+    assert graphs is not None and graphs.sizes == sorted(graphs.steps) == [1, 2, 4, 8]
     prompts, params = _requests(hf_model.config.vocab_size, 7, seed=3)
     _assert_same(with_graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False))
-    assert sorted(graphs.steps) == [1, 2, 4, 8] and graphs.num_replays >= 6
-    # a second round replays every size it needs (no new capture) and still matches
-    captured = dict(graphs.steps)
+    assert graphs.num_replays >= 10
     prompts, params = _requests(hf_model.config.vocab_size, 5, seed=4)
     _assert_same(with_graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False))
-    assert graphs.steps == captured
 
 
 def test_sampled_and_fp8_cache_decode_match_eager(tiny_model_dir: Any) -> None:
@@ -72,23 +69,22 @@ def test_sampled_and_fp8_cache_decode_match_eager(tiny_model_dir: Any) -> None:
 def test_a_forward_that_cannot_be_captured_runs_eagerly(tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     path, hf_model = tiny_model_dir("llama")
-    with_graphs, eager = _engine(path, "float32", eager=False), _engine(path, "float32", eager=True)
-    model = _runner(with_graphs).model
-    forward = type(model).forward
+    eager = _engine(path, "float32", eager=True)
+    model_cls = type(_runner(eager).model)
+    forward = model_cls.forward
 
     def reads_a_value(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if input_ids.tolist() == [-1]:  # a host read of the data, as a graph-unsafe model might do
             raise AssertionError("unreachable")
         return forward(self, input_ids, *args, **kwargs)
 
-    monkeypatch.setattr(type(model), "forward", reads_a_value)
+    monkeypatch.setattr(model_cls, "forward", reads_a_value)
+    with caplog.at_level("INFO", logger="pagoda.worker.graphs"):
+        with_graphs = _engine(path, "float32", eager=False)
+    assert _runner(with_graphs).graphs is None
+    assert "kernel graphs off, every step runs eagerly" in caplog.text and "tolist" in caplog.text
     prompts, params = _requests(hf_model.config.vocab_size, 3, seed=6)
-    with caplog.at_level("WARNING", logger="pagoda.worker.graphs"):
-        got = with_graphs.generate(prompts, params, use_tqdm=False)
-    _assert_same(got, eager.generate(prompts, params, use_tqdm=False))
-    graphs = _runner(with_graphs).graphs
-    assert graphs.disabled and not graphs.steps and graphs.num_replays == 0
-    assert "kernel graphs off from now on" in caplog.text and "tolist" in caplog.text
+    _assert_same(with_graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False))
 
 
 def test_graph_sizes_follow_the_config(tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,9 +10,8 @@ graph is replayed, which saves the per-kernel launch cost that dominates small
 decode batches on a GPU.
 
 On CPU the capture is a kernel graph (``pagoda.cpp_extension.graph``: the forward's
-kernel calls recorded and replayed from C), taken by the first decode step of each size
-rather than at start-up: it costs one forward and keeps its activations, so sizes a
-workload never reaches cost nothing.
+kernel calls recorded and replayed from C); its capture is itself one forward, so it
+needs no warm-up runs. A forward that cannot be captured leaves that engine eager.
 
 Padding rows carry slot -1 (the KV-write kernels skip negative slots, so they
 write nothing), token 0 at position 0, and seq_len 1 over block 0, the
@@ -205,8 +204,6 @@ class DecodeGraphRunner:
         self.metadata: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
         self.capture_seconds = 0.0
-        # set when a first-use capture failed: every later step runs eagerly
-        self.disabled = False
         self.capture_bytes = 0
 
     # -- set-up ---------------------------------------------------------------
@@ -247,7 +244,8 @@ class DecodeGraphRunner:
             def forward(ids: torch.Tensor = ids, pos: torch.Tensor = pos, md: AttentionMetadata = md) -> torch.Tensor:
                 return self.model(ids, pos, md)
 
-            for _ in range(NUM_WARMUP_RUNS):
+            # (a kernel graph's capture is itself a forward; the CPU kernels are built by then)
+            for _ in range(0 if isinstance(self.capturer, KernelGraphCapture) else NUM_WARMUP_RUNS):
                 forward()
             _synchronize(self.device)
             # before the capture: a kernel graph keeps what the prepared metadata holds alive through it
@@ -282,7 +280,7 @@ class DecodeGraphRunner:
         The result is a view of the graph's static output, valid until the next replay.
         """
         n = len(input_ids)
-        if self.disabled or len(num_scheduled) != n or not (num_scheduled == 1).all():
+        if len(num_scheduled) != n or not (num_scheduled == 1).all():
             return None
         size = self.bucket(n)
         if size is None:
@@ -312,38 +310,16 @@ class DecodeGraphRunner:
         self.block_tables[:size, :w].copy_(self._h_bt[: size * w].view(size, w), non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        step = self.steps.get(size)
-        if step is None:
-            # captured on first use (kernel graphs): the capture runs this step's forward for real
-            return self._capture_now(size, n)
+        step = self.steps[size]
         step.replay()
         self.num_replays += 1
-        return step.output[:n]
-
-    def _capture_now(self, size: int, n: int) -> torch.Tensor | None:
-        from pagoda.cpp_extension.graph import NotCapturable
-
-        t0 = time.perf_counter()
-        md = self.metadata[size] = self.static_metadata(size)
-        ids, pos = self.input_ids[:size], self.positions[:size]
-        try:
-            step = self.steps[size] = self.capturer.capture(lambda: self.model(ids, pos, md))
-        except NotCapturable as exc:
-            # the forward may have stopped part-way: the eager rerun rewrites the same KV slots
-            logger.warning("kernel graphs off from now on, every step runs eagerly: %s", exc)
-            self.disabled = True
-            return None
-        self.capture_seconds += time.perf_counter() - t0
-        if isinstance(self.capturer, KernelGraphCapture):
-            self.capture_bytes = self.capturer.kept_bytes
-        logger.info("%s", self.describe())
         return step.output[:n]
 
     def describe(self) -> str:
         mib = self.capture_bytes / (1 << 20)
         if isinstance(self.capturer, KernelGraphCapture):
             return (
-                f"CPU kernel graphs captured for decode batch sizes {sorted(self.steps)} of {self.sizes} "
+                f"captured CPU kernel graphs for decode batch sizes {self.sizes} "
                 f"in {self.capture_seconds:.2f}s: {self.capturer.kernel_calls} kernel calls and "
                 f"{self.capturer.torch_calls} torch calls replayed, {mib:.1f} MiB of activations kept"
             )
@@ -385,20 +361,23 @@ def create_decode_graphs(runner: ModelRunner) -> DecodeGraphRunner | None:
     return build_decode_graphs(runner, sizes, capturer)
 
 
-def build_decode_graphs(runner: ModelRunner, sizes: Sequence[int], capturer: Capturer) -> DecodeGraphRunner:
+def build_decode_graphs(runner: ModelRunner, sizes: Sequence[int], capturer: Capturer) -> DecodeGraphRunner | None:
     pin = runner.device.type == "cuda" and runner.platform.is_pin_memory_available(runner.config)
     graphs = DecodeGraphRunner(
         runner.model, runner.attn_backend.prepare, sizes, runner.batch.block_table.shape[1], runner.max_model_len,
         runner.device, capturer, pin_memory=pin,
     )
     if isinstance(capturer, KernelGraphCapture):
+        from pagoda.cpp_extension.graph import NotCapturable
+
         capturer.roots.append(graphs)  # its static buffers and prepared metadata
-        # Each size is captured by the first decode step that needs it (a capture costs a forward
-        # and keeps its activations: sizes a workload never reaches cost nothing).
-        graphs._reset_padding()
-        logger.info("CPU kernel graphs for decode batch sizes %s, each captured on first use", graphs.sizes)
-        return graphs
-    graphs.capture()
+        try:
+            graphs.capture()
+        except NotCapturable as exc:
+            logger.info("kernel graphs off, every step runs eagerly: %s", exc)
+            return None
+    else:
+        graphs.capture()
     logger.info("%s", graphs.describe())
     return graphs
 
