@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
-from test_compressed_tensors import _tiny_llama, make_checkpoint
 
 from pagoda.testing.quantized_checkpoint import W8A8_LOGPROB_ATOL, W8A8_TIE_GAP
 from pagoda.testing.tensor_parallel import check_tensor_parallel_matches_single_rank
+from plugins.quant_compressed_tensors.tests.test_compressed_tensors import _tiny_llama, make_checkpoint
 
 
 @pytest.mark.parametrize("scheme,fmt,group_size", [

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 from gguf import GGMLQuantizationType as Q
-from test_gguf_models import VOCAB, write_tiny_llama
 
 from pagoda import LLM
 from pagoda.testing.quantized_checkpoint import W8A8_LOGPROB_ATOL, W8A8_TIE_GAP
 from pagoda.testing.tensor_parallel import check_tensor_parallel_matches_single_rank
 from pagoda_quant_gguf import kernels
+from plugins.quant_gguf.tests.test_gguf_models import VOCAB, write_tiny_llama
 
 
 @pytest.fixture(autouse=True)
