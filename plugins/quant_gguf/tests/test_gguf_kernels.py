@@ -234,3 +234,41 @@ def test_layer_forward_is_the_kernel_bound_at_load(qtype: Q, dtype: torch.dtype)
         method.apply(layer, torch.randn(3, 64, dtype=torch.float64))
     with pytest.raises(ValueError):
         method.apply(layer, torch.randn(3, 32).to(dtype))
+
+
+def test_layer_and_lookup_replay_in_a_kernel_graph() -> None:
+    """A bound layer's call and a repacked table's lookup are captured by a CPU kernel graph (no value
+    reads, every pointer in memory the layer holds) and replay to what an eager call gives on new inputs."""
+    from pagoda.cpp_extension import graph
+    from pagoda.layers import Embedding, Linear
+    from pagoda_quant_gguf import config
+
+    blocks, _, _ = _case(Q.Q4_1, 1, n=12, k=64)
+    layer = Linear(64, 12, bias=False, dtype=torch.bfloat16)
+    method = config.GGUFLinearMethod()
+    method.create_weights(layer, 64, [12], 64, 12, torch.bfloat16)
+    layer.quant_method = method
+    table = Embedding(12, 64, dtype=torch.bfloat16)
+    lookup = config.GGUFEmbeddingMethod()
+    lookup.create_weights(table, 12, 64, torch.bfloat16)
+    table.quant_method = lookup
+    for module in (layer, table):
+        module.qweight_type.weight_loader(module.qweight_type, torch.tensor(int(Q.Q4_1)), None)
+        module.qweight.weight_loader(module.qweight, blocks, None)
+        module.quant_method.process_weights_after_loading(module)
+    assert method.shards[0].packed and lookup.shards[0].packed
+    ids = torch.tensor([3, 0, 11])
+    x = torch.randn(2, 64).to(torch.bfloat16)
+
+    def forward() -> torch.Tensor:
+        return layer(x) + lookup.embedding(table, ids)[:2, :12]
+
+    captured, output = graph.capture(forward, roots=[layer, table, x, ids])
+    assert captured.num_kernel_calls == 2  # the layer's pagoda_gguf_linear, the table's unpack_rows
+    first = output.clone()
+    x.copy_(torch.randn(2, 64).to(torch.bfloat16))
+    ids.copy_(torch.tensor([7, 5, 1]))
+    expected = forward()  # eager, on the new inputs
+    assert not torch.equal(expected, first)
+    captured.replay()  # rewrites the captured output in place
+    assert torch.equal(output, expected)
