@@ -4,7 +4,7 @@ usage: python -m benchmarks.gguf_gemv [--reps 200] [--threads 1,2] [--types Q4_1
 
 Shapes of the shipped SmolLM2-135M Q4_1 file (hidden 576, intermediate 1536: qkv 960x576, o 576x576,
 gate_up 3072x576, down 576x1536 in Q4_1, the tied head 49152x576 in Q8_0) on random blocks, and
-3072x1536 for the K-quants. Per shape and thread count, the calls of every variant alternate and each
+3072x1536 for the K-quants (3072x576 for Q4_0, Q5_0, Q5_1). Per shape and thread count, the calls of every variant alternate and each
 figure is the fastest of ``reps`` (the minimum filters other sessions' load on a shared machine):
 
 - ``stored``: the kernel on the blocks as stored (activations quantized per block, integer dots);
