@@ -173,7 +173,7 @@ def _aliases_an_input(outputs: list[torch.Tensor], args: tuple[Any, ...]) -> boo
 _READ_VALUES = ("tolist", "numpy", "__array__")
 
 
-class _ValueReadGuard:
+class _UnrecordedWorkGuard:
     """Work a replay would miss, refused on the capturing thread: ``tolist`` / ``numpy`` read tensor
     memory without passing the dispatcher, Triton's interpreter computes behind it."""
 
@@ -284,7 +284,7 @@ def capture(fn: Callable[[], torch.Tensor], roots: Iterable[Any]) -> tuple[Kerne
         _STATE.thread, _STATE.calls = threading.get_ident(), calls
         _STATE.recorder.active = 1
         try:
-            with _ValueReadGuard(threading.get_ident()), _CaptureMode(calls, kept):
+            with _UnrecordedWorkGuard(threading.get_ident()), _CaptureMode(calls, kept):
                 output = fn()
         finally:
             _STATE.recorder.active = 0
