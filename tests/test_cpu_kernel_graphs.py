@@ -93,3 +93,17 @@ def test_graph_sizes_follow_the_config(tiny_model_dir: Any, monkeypatch: pytest.
     monkeypatch.setenv("PAGODA_CPU_KERNEL_GRAPHS", "0")
     assert _runner(_engine(path, "float32", eager=False)).graphs is None
 
+
+
+def test_calculated_fp8_scales_are_in_the_graph(tiny_model_dir: Any) -> None:
+    """calculate_kv_scales derives the scales in the first step; the kernels take them as values, so the
+    capture waits for that step (captured before it, every replay would use 1.0)."""
+    path, hf_model = tiny_model_dir("llama")
+    kwargs = dict(kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True)
+    with_graphs, eager = _engine(path, "bfloat16", eager=False, **kwargs), _engine(path, "bfloat16", eager=True, **kwargs)
+    graphs = _runner(with_graphs).graphs
+    assert graphs is not None and not graphs.steps, "nothing captured before the first step"
+    prompts, params = _requests(hf_model.config.vocab_size, 4, seed=7)
+    _assert_same(with_graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False))
+    assert sorted(graphs.steps) == [1, 2, 4, 8] and graphs.num_replays > 0
+    assert all(layer._k_scale_float != 1.0 for layer in _runner(with_graphs).attn_layers)

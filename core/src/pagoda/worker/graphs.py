@@ -204,6 +204,10 @@ class DecodeGraphRunner:
         self.metadata: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
         self.capture_seconds = 0.0
+        # Set where the capture must wait (kernel graphs bake in the fp8 KV scales calculate_kv_scales
+        # derives from the first step): the first pure-decode step after it returns True captures.
+        self.capture_when: Callable[[], bool] | None = None
+        self.off = False
         self.capture_bytes = 0
 
     # -- set-up ---------------------------------------------------------------
@@ -282,6 +286,8 @@ class DecodeGraphRunner:
         n = len(input_ids)
         if len(num_scheduled) != n or not (num_scheduled == 1).all():
             return None
+        if self.off or (self.capture_when is not None and not self._capture_deferred()):
+            return None
         size = self.bucket(n)
         if size is None:
             return None
@@ -314,6 +320,23 @@ class DecodeGraphRunner:
         step.replay()
         self.num_replays += 1
         return step.output[:n]
+
+    def _capture_deferred(self) -> bool:
+        """Capture now if the wait is over; False while it is not, or once a deferred capture failed."""
+        from pagoda.cpp_extension.graph import NotCapturable
+
+        assert self.capture_when is not None
+        if not self.capture_when():
+            return False
+        self.capture_when = None
+        try:
+            self.capture()
+        except NotCapturable as exc:
+            logger.info("kernel graphs off, every step runs eagerly: %s", exc)
+            self.off = True
+            return False
+        logger.info("%s", self.describe())
+        return True
 
     def describe(self) -> str:
         mib = self.capture_bytes / (1 << 20)
@@ -371,6 +394,11 @@ def build_decode_graphs(runner: ModelRunner, sizes: Sequence[int], capturer: Cap
         from pagoda.cpp_extension.graph import NotCapturable
 
         capturer.roots.append(graphs)  # its static buffers and prepared metadata
+        if runner.config.cache_config.calculate_kv_scales:
+            # the kernels take the fp8 scales as values: capture once the first step has derived them
+            graphs.capture_when = lambda: not any(layer.calculate_kv_scales for layer in runner.attn_layers)
+            logger.info("CPU kernel graphs captured after the first step (calculate_kv_scales)")
+            return graphs
         try:
             graphs.capture()
         except NotCapturable as exc:
