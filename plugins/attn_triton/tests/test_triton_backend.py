@@ -37,9 +37,11 @@ def runnable() -> None:
 # The shared cases put batch-padding rows *inside* num_tokens (slot -1, past the last
 # sequence), as torch_paged and cpu_paged accept; triton_paged treats every row below
 # num_tokens as a token of a sequence (its padding rows lie past num_tokens, and graph
-# replays pad with one-token dummy sequences instead). strict: passing them is news.
+# replays pad with one-token dummy sequences instead). Not strict: what those rows hold comes from
+# memory the kernel never writes, so a run can match the reference by chance (CI saw
+# padding-rows-mixed pass once in session 9 with no change to the backend).
 _PADDING_INSIDE_NUM_TOKENS = pytest.mark.xfail(
-    strict=True, raises=(AssertionError, ValueError),
+    strict=False, raises=(AssertionError, ValueError),
     reason="triton_paged computes rows below num_tokens that belong to no sequence",
 )
 _KNOWN_DIVERGENCES = {"padding-rows-mixed", "padding-rows-decode", "only-padding-rows"}
