@@ -44,7 +44,7 @@ class ModelConfig(_Config):
     served_model_name: str | None = Field(None, description="Model name the server reports; defaults to the model path.")
     max_logprobs: int = Field(20, ge=0, description="Largest number of logprobs a request may ask for.")
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field("raw_logprobs", description="What logprobs report.")
-    enforce_eager: bool = Field(False, description="Never capture CUDA graphs; every step runs eagerly (GPU platforms).")
+    enforce_eager: bool = Field(False, description="Never capture decode graphs (CUDA graphs on a GPU, kernel graphs on CPU); every step runs eagerly.")
     io_processor_plugin: str | None = Field(None, description="IO processor plugin (pagoda.io_processors group) that turns custom /pooling and LLM.encode requests into prompts and pooled outputs into custom responses; None = the model config's io_processor_plugin key, if any.")
     runner: RunnerOption = Field("auto", description="What the model runs as: 'generate' (sampled tokens), 'pooling' (embeddings, classification, scores: prefill only, a pooler instead of the sampler), 'auto' = the model family's kind, else by the architecture's name as vLLM decides (…ForCausalLM generates, …Model / …ForSequenceClassification pool).")
     convert: ConvertOption = Field("auto", description="Turn a generative model into a pooling one (runner 'pooling'): 'embed' (last token, normalized), 'classify' (a score head on the last token), 'reward' (every token's hidden state), as vLLM's as_embedding_model / as_seq_cls_model / as_reward_model; 'auto' = by the architecture's name; 'none' = no conversion.")
@@ -72,7 +72,7 @@ class SchedulerConfig(_Config):
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget of one step; None = a platform default.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of waiting requests.")
-    cuda_graph_sizes: list[int] | None = Field(None, description="Decode batch sizes to capture CUDA graphs for; None = 1, 2, 4, then every 8 up to max_num_seqs (at most 512).")
+    cuda_graph_sizes: list[int] | None = Field(None, description="Decode batch sizes to capture graphs for; None = the platform's default (GPU: 1, 2, 4, then every 8 up to max_num_seqs, at most 512; CPU: 1, 2, 4, 8, 16, 24, 32 up to max_num_seqs).")
 
 
 class ParallelConfig(_Config):
