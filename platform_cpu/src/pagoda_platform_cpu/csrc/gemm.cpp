@@ -15,6 +15,10 @@
 //        64: 413 vs 339, 512: 445 vs 421; 1 row 6.95 ms vs the GEMV's 8.42.
 //   fp32 vs oneDNN packed: 8 rows 133 vs 83, 32: 195 vs 165, 64: 193 vs 178, 512: 221 vs 220;
 //        1 row 13.1 ms vs the GEMV's 16.4.
+// On 2 Zen 5 cores (full 512-bit datapaths, SmolLM2's decoder matrices streamed from memory),
+// pulling each thread's next panel into L2 while the current one's later row tiles compute
+// (rows_by) took bf16 at 32 rows from 663 to 780-798 GFLOP/s and at 64 rows from 791-799 to
+// 839-865 (docs/benchmarks.md, session 10).
 // Accumulation is float32 (products of bf16 are exact in float32); bias is added in float32
 // and a bf16 result rounded once, to nearest even.
 //
@@ -79,9 +83,16 @@ PAGODA_INLINE void store_columns(uint16_t* y, __m512 v, __mmask16 mask) {
 #endif
 
 // Rows [0, MR) of x against one panel.
+// Cache lines to pull into L2 while a tile computes (see rows_by): `lines` lines from `from`, `rate` a k-step.
+struct Prefetch {
+  const char* from = nullptr;
+  int64_t lines = 0;
+  int rate = 0;
+};
+
 template <typename T, int MR>
 PAGODA_INLINE void tile(const T* x, int64_t ldx, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
-                        int64_t columns) {
+                        int64_t columns, Prefetch pf = {}) {
   __m512 acc[MR][2];
   // bias: padded to whole panels by the caller
   const __m512 b0 = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -95,6 +106,12 @@ PAGODA_INLINE void tile(const T* x, int64_t ldx, int64_t K, const T* panel, cons
   for (int64_t s = 0; s < full; ++s) {
     const auto w0 = weight_vector(panel + s * step * kPanel);
     const auto w1 = weight_vector(panel + s * step * kPanel + 16 * step);
+    if (pf.lines > 0) {
+      _mm_prefetch(pf.from, _MM_HINT_T1);
+      if (pf.rate > 1) _mm_prefetch(pf.from + 64, _MM_HINT_T1);
+      pf.from += 64 * pf.rate;
+      pf.lines -= pf.rate;
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const auto a = x_broadcast(x + r * ldx + s * step, false);
@@ -127,28 +144,48 @@ PAGODA_INLINE void tile(const T* x, int64_t ldx, int64_t K, const T* panel, cons
 }
 
 // Rows [0, M) against one panel in tiles of MR rows; the last M % MR rows in tiles of at most 8.
+// `next`: the panel this thread runs next (nullptr: none). The first tile streams the panel from
+// memory and the others find it in cache, so with nothing more the memory would sit idle while
+// they compute (at 32 rows a third of the time: the same matmul ran at 663 GFLOP/s from memory
+// and 921 from L3 on 2 Zen 5 cores). So the tiles after the first pull the next panel into L2,
+// each its share, and every panel after a thread's first arrives already cached.
 template <typename T, int MR>
 void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
-             int64_t columns) {
+             int64_t columns, const T* next) {
+  constexpr int64_t step = kStep<T>;
+  const int64_t steps = (K + step - 1) / step;  // a k-step of a panel is 128 bytes, 2 lines, in both dtypes
+  const int64_t tiles = M / MR + (MR > 8 && M % MR > 8) + (M % MR % 8 != 0 || (MR > 8 && M % MR == 8));
+  const int64_t lines = 2 * steps, share = tiles > 1 ? (lines + tiles - 2) / (tiles - 1) : 0;
+  const int rate = share > steps ? 2 : 1;
+  int64_t index = 0;
+  auto prefetch = [&]() -> Prefetch {
+    const int64_t t = index++;
+    if (next == nullptr || t == 0) return {};
+    const int64_t first = (t - 1) * share;
+    if (first >= lines) return {};
+    return {reinterpret_cast<const char*>(next) + first * 64, std::min(share, lines - first), rate};
+  };
   int64_t m = 0;
   for (; m + MR <= M; m += MR) {
-    tile<T, MR>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns);
+    tile<T, MR>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns, prefetch());
   }
   if (MR > 8 && M - m > 8) {
-    tile<T, 8>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns);
+    tile<T, 8>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns, prefetch());
     m += 8;
   }
   const T* xr = x + m * ldx;
   T* yr = y + m * ldy;
+  if (M == m) return;
+  const Prefetch pf = prefetch();
   switch (M - m) {
-    case 1: tile<T, 1>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
-    case 2: tile<T, 2>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
-    case 3: tile<T, 3>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
-    case 4: tile<T, 4>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
-    case 5: tile<T, 5>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
-    case 6: tile<T, 6>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
-    case 7: tile<T, 7>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
-    case 8: tile<T, 8>(xr, ldx, K, panel, bias, yr, ldy, columns); break;
+    case 1: tile<T, 1>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 2: tile<T, 2>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 3: tile<T, 3>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 4: tile<T, 4>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 5: tile<T, 5>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 6: tile<T, 6>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 7: tile<T, 7>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 8: tile<T, 8>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
     default: break;
   }
 }
@@ -159,11 +196,11 @@ void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, cons
 // where two 512-bit multiply-adds issue a cycle and the panel streams from L2.
 template <typename T>
 void rows(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
-          int64_t columns, int row_tile) {
+          int64_t columns, int row_tile, const T* next) {
   switch (row_tile) {
-    case 12: rows_by<T, 12>(x, ldx, M, K, panel, bias, y, ldy, columns); break;
-    case 14: rows_by<T, 14>(x, ldx, M, K, panel, bias, y, ldy, columns); break;
-    default: rows_by<T, kRowTile>(x, ldx, M, K, panel, bias, y, ldy, columns); break;
+    case 12: rows_by<T, 12>(x, ldx, M, K, panel, bias, y, ldy, columns, next); break;
+    case 14: rows_by<T, 14>(x, ldx, M, K, panel, bias, y, ldy, columns, next); break;
+    default: rows_by<T, kRowTile>(x, ldx, M, K, panel, bias, y, ldy, columns, next); break;
   }
 }
 
@@ -204,7 +241,8 @@ void gemm(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kPanel;
         rows(x + m0 * ldx, ldx, mb, K, packed + p * panel_elems, bias == nullptr ? nullptr : bias + n0,
-             y + m0 * N + n0, N, std::min(kPanel, N - n0), row_tile);
+             y + m0 * N + n0, N, std::min(kPanel, N - n0), row_tile,
+             p + 1 < p1 ? packed + (p + 1) * panel_elems : nullptr);
       }
     }
   };
