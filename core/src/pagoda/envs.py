@@ -139,8 +139,10 @@ _VARIABLES: list[EnvVar[Any]] = [
            "fails the requests in flight and stops every worker (as VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).",
            _CORE, _positive_int),
     EnvVar("PAGODA_ENABLE_V1_MULTIPROCESSING", "bool", False,
-           "On: AsyncLLM (the server) runs the engine core in its own process (MPClient) instead of a "
-           "thread of the API process (as VLLM_ENABLE_V1_MULTIPROCESSING); data_parallel_size > 1 always does.",
+           "1: AsyncLLM runs the engine core in its own process (MPClient); 0: in a thread of the API "
+           "process (as VLLM_ENABLE_V1_MULTIPROCESSING). Unset: `pagoda serve` uses the process for a "
+           "single-rank engine (a TP/PP executor keeps the thread), an AsyncLLM made in a script the thread; "
+           "data_parallel_size > 1 always uses processes.",
            _CORE, _bool),
     # -- CPU platform -------------------------------------------------------------
     EnvVar("PAGODA_CPU_THREADS", "int", None,

@@ -142,7 +142,9 @@ class _Tracked:
 class AsyncLLM:
     """vLLM's AsyncLLM: ``async for out in engine.generate(prompt, params, request_id)``."""
 
-    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+    def __init__(self, config: EngineConfig, log_stats: bool = True, engine_core_process: bool | None = None) -> None:
+        """``engine_core_process``: run the engine core in its own process when PAGODA_ENABLE_V1_MULTIPROCESSING
+        is unset (None or False: a thread of this process; `pagoda serve` passes True)."""
         self.config = config
         self.model_config = config.model
         platform = prepare_engine_config(config)
@@ -152,7 +154,8 @@ class AsyncLLM:
         self.vocab_size = self.processor.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         # a thread of this process, or its own process(es): pagoda.engine.mp_client.make_async_client
-        self.engine_core = make_async_client(config, platform, self._from_core_thread, self._core_died)
+        self.engine_core = make_async_client(config, platform, self._from_core_thread, self._core_died,
+                                             engine_core_process)
         # what the loaded model serves: ("generate",) or its pooling tasks (vLLM's supported tasks)
         self.supported_tasks: tuple[str, ...] = self.engine_core.get_supported_tasks()
         self.processor.supported_tasks = self.supported_tasks
@@ -163,8 +166,9 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, log_stats: bool = True) -> AsyncLLM:
-        return cls(engine_args.create_engine_config(), log_stats=log_stats)
+    def from_engine_args(cls, engine_args: EngineArgs, log_stats: bool = True,
+                         engine_core_process: bool | None = None) -> AsyncLLM:
+        return cls(engine_args.create_engine_config(), log_stats=log_stats, engine_core_process=engine_core_process)
 
     # -- public API ---------------------------------------------------------------
     def get_tokenizer(self) -> Any:

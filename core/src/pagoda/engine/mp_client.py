@@ -419,13 +419,23 @@ def make_async_client(
     platform: Platform,
     on_outputs: Callable[[EngineCoreOutputs], None],
     on_dead: Callable[[BaseException], None],
+    engine_core_process: bool | None = None,
 ) -> Any:
-    """AsyncLLM's client: a thread, a process (PAGODA_ENABLE_V1_MULTIPROCESSING), or one process per DP replica."""
+    """AsyncLLM's client: a thread, a process, or one process per DP replica.
+
+    PAGODA_ENABLE_V1_MULTIPROCESSING decides when it is set; else ``engine_core_process`` (the
+    caller's default: `pagoda serve` asks for the process), else a thread. A multi-rank executor
+    (tensor or pipeline parallel) keeps the thread unless the variable asks for the process.
+    """
     from pagoda import envs
     from pagoda.engine.core_client import ThreadedClient
 
     if config.parallel_config.data_parallel_size > 1:
         return DPLBAsyncMPClient(config, platform, on_outputs, on_dead)
-    if envs.PAGODA_ENABLE_V1_MULTIPROCESSING:
+    if envs.is_set("PAGODA_ENABLE_V1_MULTIPROCESSING"):
+        use_process = envs.PAGODA_ENABLE_V1_MULTIPROCESSING
+    else:
+        use_process = bool(engine_core_process) and config.parallel_config.world_size == 1
+    if use_process:
         return MPClient(config, platform, on_outputs, on_dead)
     return ThreadedClient(config, platform, on_outputs, on_dead)
