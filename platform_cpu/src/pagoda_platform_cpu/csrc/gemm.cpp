@@ -82,7 +82,6 @@ PAGODA_INLINE void store_columns(uint16_t* y, __m512 v, __mmask16 mask) {
 }
 #endif
 
-// Rows [0, MR) of x against one panel.
 // Cache lines to pull into L2 while a tile computes (see rows_by): `lines` lines from `from`, `rate` a k-step.
 struct Prefetch {
   const char* from = nullptr;
@@ -90,6 +89,7 @@ struct Prefetch {
   int rate = 0;
 };
 
+// Rows [0, MR) of x against one panel.
 template <typename T, int MR>
 PAGODA_INLINE void tile(const T* x, int64_t ldx, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
                         int64_t columns, Prefetch pf = {}) {
@@ -154,6 +154,7 @@ void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, cons
              int64_t columns, const T* next) {
   constexpr int64_t step = kStep<T>;
   const int64_t steps = (K + step - 1) / step;  // a k-step of a panel is 128 bytes, 2 lines, in both dtypes
+  // the tiles run below: whole MR-row tiles, an 8-row one after them when MR > 8 leaves more than 8, the rest
   const int64_t tiles = M / MR + (MR > 8 && M % MR > 8) + (M % MR % 8 != 0 || (MR > 8 && M % MR == 8));
   const int64_t lines = 2 * steps, share = tiles > 1 ? (lines + tiles - 2) / (tiles - 1) : 0;
   const int rate = share > steps ? 2 : 1;
