@@ -30,24 +30,24 @@ def chosen(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(core_client, "ThreadedClient", recorder("ThreadedClient"))
     monkeypatch.delenv("PAGODA_ENABLE_V1_MULTIPROCESSING", raising=False)
 
-    def choose(config: Any, engine_core_process: bool | None) -> str:
+    def choose(config: Any, *engine_core_process: bool) -> str:
         client = mp_client.make_async_client(config, None, lambda outputs: None, lambda exc: None,  # type: ignore[arg-type]
-                                             engine_core_process)
+                                             *engine_core_process)
         return type(client).__name__
 
     return choose
 
 
-@pytest.mark.parametrize("default, expected", [(None, "ThreadedClient"), (False, "ThreadedClient"), (True, "MPClient")])
-def test_unset_variable_takes_the_callers_default(chosen: Any, default: bool | None, expected: str) -> None:
-    assert chosen(_config(), default) == expected
+@pytest.mark.parametrize("default, expected", [((), "ThreadedClient"), ((False,), "ThreadedClient"), ((True,), "MPClient")])
+def test_unset_variable_takes_the_callers_default(chosen: Any, default: tuple[bool, ...], expected: str) -> None:
+    assert chosen(_config(), *default) == expected
 
 
 @pytest.mark.parametrize("value, expected", [("0", "ThreadedClient"), ("1", "MPClient")])
 def test_the_variable_overrides_the_default(chosen: Any, monkeypatch: pytest.MonkeyPatch, value: str, expected: str) -> None:
     monkeypatch.setenv("PAGODA_ENABLE_V1_MULTIPROCESSING", value)
     assert chosen(_config(), True) == expected
-    assert chosen(_config(), None) == expected
+    assert chosen(_config()) == expected
 
 
 def test_multi_rank_engines_keep_the_thread_unless_asked(chosen: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,7 +57,7 @@ def test_multi_rank_engines_keep_the_thread_unless_asked(chosen: Any, monkeypatc
 
 
 def test_data_parallel_always_uses_processes(chosen: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert chosen(_config(data_parallel_size=2), None) == "DPLBAsyncMPClient"
+    assert chosen(_config(data_parallel_size=2)) == "DPLBAsyncMPClient"
     monkeypatch.setenv("PAGODA_ENABLE_V1_MULTIPROCESSING", "0")
     assert chosen(_config(data_parallel_size=2), False) == "DPLBAsyncMPClient"
 

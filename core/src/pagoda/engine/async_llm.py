@@ -142,9 +142,9 @@ class _Tracked:
 class AsyncLLM:
     """vLLM's AsyncLLM: ``async for out in engine.generate(prompt, params, request_id)``."""
 
-    def __init__(self, config: EngineConfig, log_stats: bool = True, engine_core_process: bool | None = None) -> None:
-        """``engine_core_process``: run the engine core in its own process when PAGODA_ENABLE_V1_MULTIPROCESSING
-        is unset (None or False: a thread of this process; `pagoda serve` passes True)."""
+    def __init__(self, config: EngineConfig, log_stats: bool = True, engine_core_process: bool = False) -> None:
+        """``engine_core_process``: run a single-rank engine's core in its own process when
+        PAGODA_ENABLE_V1_MULTIPROCESSING is unset (False: a thread of this process; `pagoda serve` passes True)."""
         self.config = config
         self.model_config = config.model
         platform = prepare_engine_config(config)
@@ -167,7 +167,7 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, log_stats: bool = True,
-                         engine_core_process: bool | None = None) -> AsyncLLM:
+                         engine_core_process: bool = False) -> AsyncLLM:
         return cls(engine_args.create_engine_config(), log_stats=log_stats, engine_core_process=engine_core_process)
 
     # -- public API ---------------------------------------------------------------

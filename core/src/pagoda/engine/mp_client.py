@@ -419,7 +419,7 @@ def make_async_client(
     platform: Platform,
     on_outputs: Callable[[EngineCoreOutputs], None],
     on_dead: Callable[[BaseException], None],
-    engine_core_process: bool | None = None,
+    engine_core_process: bool = False,
 ) -> Any:
     """AsyncLLM's client: a thread, a process, or one process per DP replica.
 
@@ -435,7 +435,7 @@ def make_async_client(
     if envs.is_set("PAGODA_ENABLE_V1_MULTIPROCESSING"):
         use_process = envs.PAGODA_ENABLE_V1_MULTIPROCESSING
     else:
-        use_process = bool(engine_core_process) and config.parallel_config.world_size == 1
+        use_process = engine_core_process and config.parallel_config.world_size == 1
     if use_process:
         return MPClient(config, platform, on_outputs, on_dead)
     return ThreadedClient(config, platform, on_outputs, on_dead)

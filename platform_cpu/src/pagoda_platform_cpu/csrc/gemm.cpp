@@ -17,8 +17,8 @@
 //        1 row 13.1 ms vs the GEMV's 16.4.
 // On 2 Zen 5 cores (full 512-bit datapaths, SmolLM2's decoder matrices streamed from memory),
 // pulling each thread's next panel into L2 while the current one's later row tiles compute
-// (rows_by) took bf16 at 32 rows from 663 to 780-798 GFLOP/s and at 64 rows from 791-799 to
-// 839-865 (docs/benchmarks.md, session 10).
+// (rows_by) took bf16 at 32 rows from 663 to 780-864 GFLOP/s and at 64 rows from 791-799 to
+// 839-958 over several runs (docs/benchmarks.md, session 10).
 // Accumulation is float32 (products of bf16 are exact in float32); bias is added in float32
 // and a bf16 result rounded once, to nearest even.
 //
@@ -154,8 +154,13 @@ void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, cons
              int64_t columns, const T* next) {
   constexpr int64_t step = kStep<T>;
   const int64_t steps = (K + step - 1) / step;  // a k-step of a panel is 128 bytes, 2 lines, in both dtypes
-  // the tiles run below: whole MR-row tiles, an 8-row one after them when MR > 8 leaves more than 8, the rest
-  const int64_t tiles = M / MR + (MR > 8 && M % MR > 8) + (M % MR % 8 != 0 || (MR > 8 && M % MR == 8));
+  // the tiles run below: whole MR-row tiles, an 8-row one when MR > 8 leaves more than 8, then the rest
+  int64_t tiles = M / MR, rest = M % MR;
+  if (MR > 8 && rest > 8) {
+    ++tiles;
+    rest -= 8;
+  }
+  if (rest > 0) ++tiles;
   const int64_t lines = 2 * steps, share = tiles > 1 ? (lines + tiles - 2) / (tiles - 1) : 0;
   const int rate = share > steps ? 2 : 1;
   int64_t index = 0;

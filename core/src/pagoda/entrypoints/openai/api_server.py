@@ -278,8 +278,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     except (ValueError, OSError, ImportError) as exc:
         raise PluginError(str(exc)) from exc
     sock = bind_socket(server_args.host, server_args.port)
-    # The engine core in its own process, as vLLM's server runs it: no GIL or cores shared with the
-    # event loop's streaming (W3 on 2 Zen 5 cores: 1.10-1.21x the thread's output tok/s, docs/benchmarks.md);
+    # The engine core in its own process, as vLLM's server runs it: W3 on 2 Zen 5 cores measured
+    # 1.10-1.21x the thread's output tok/s (docs/benchmarks.md, session 10);
     # PAGODA_ENABLE_V1_MULTIPROCESSING=0 keeps it in a thread of this process.
     engine = AsyncLLM.from_engine_args(engine_args, engine_core_process=True)
     try:
