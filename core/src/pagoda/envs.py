@@ -152,6 +152,12 @@ _VARIABLES: list[EnvVar[Any]] = [
            "KV-cache budget on CPU when kv_cache_memory_bytes is not given; unset: 4 GiB "
            "(as VLLM_CPU_KVCACHE_SPACE).",
            _CPU, _positive_gib),
+    EnvVar("PAGODA_CPU_KVCACHE_PREFAULT", "bool", True,
+           "pagoda-only. On: after start-up an idle-priority thread faults in the lazily mapped KV cache "
+           "(madvise MADV_POPULATE_WRITE), so requests do not pay first-touch page faults; the process's "
+           "resident memory grows to the whole cache, as vLLM's does. Off: pages are mapped as blocks are "
+           "first written.",
+           _CPU, _bool),
     EnvVar("PAGODA_CPU_PACKED_LINEAR", "bool", True,
            "Off: linear layers keep plain F.linear with unpacked weights (for A/B measurements).",
            _CPU, _bool),
@@ -226,6 +232,7 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns
     PAGODA_ENABLE_V1_MULTIPROCESSING: bool
     PAGODA_CPU_THREADS: int | None
     PAGODA_CPU_KVCACHE_SPACE: float | None
+    PAGODA_CPU_KVCACHE_PREFAULT: bool
     PAGODA_CPU_PACKED_LINEAR: bool
     PAGODA_CPU_GEMV: bool
     PAGODA_CPU_GEMM: bool

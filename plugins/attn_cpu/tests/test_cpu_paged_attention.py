@@ -271,3 +271,55 @@ def test_few_long_decodes_split_their_keys(dtype: torch.dtype, heads: int, kv_he
         for seq in batch.sequences:
             seq.query.mul_(4)
         run_and_check(batch, shape, dtype, logits_soft_cap=3.0)
+
+
+# Prefill tiles (more than one query token) go through the rows-in-lanes path: query rows a vector,
+# row counts that do not fill the last vector, blocks the causal mask or a window cuts anywhere.
+TILE_LENS = [(0, 2), (0, 5), (0, 17), (3, 14), (40, 33), (0, TILE_TOKENS + 7), (17, TILE_TOKENS * 2 + 3)]
+
+
+def _tile_checks(backend: CpuPagedAttentionBackend, shape: Shape, dtype: torch.dtype, seed: int) -> None:
+    check_backend(backend, make_batch(TILE_LENS, shape, dtype=dtype, seed=seed), shape, dtype, None, None)
+    for window in (1, 6, 37):
+        check_backend(backend, make_batch(TILE_LENS, shape, dtype=dtype, seed=seed + 1), shape, dtype, window, None)
+    batch = make_batch(TILE_LENS, shape, dtype=dtype, seed=seed + 2)
+    batch.query.mul_(4)
+    for seq in batch.sequences:
+        seq.query.mul_(4)
+    check_backend(backend, batch, shape, dtype, 9, 3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (4, 4, 64, 8), (8, 1, 128, 32), (4, 2, 256, 16)],
+    ids=["group-3", "mha-block-8", "group-8-dim-128", "dim-256"],
+)
+def test_prefill_tiles(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    shape = Shape(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    _tile_checks(make_backend(shape, dtype), shape, dtype, seed=50)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_tiles_avx2_build(dtype: torch.dtype) -> None:
+    """The 8-lane build (-march=haswell: one row vector at a time) through the same tile checks."""
+    import shutil
+
+    from pagoda.cpp_extension import CppExtension
+    from pagoda_attn_cpu import kernel as kernel_module
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    code = {torch.float32: 0, torch.bfloat16: 1}[dtype]
+    ext = CppExtension(f"pagoda_attn_cpu_test_avx2_{code}_d64", "pagoda_attn_cpu", ["csrc/paged_attention.cpp"],
+                       cflags=("-O2", "-march=haswell", "-fopenmp", "-ffp-contract=fast", f"-DPAGODA_ATTN_DTYPE={code}",
+                               "-DPAGODA_ATTN_HEAD_DIM=64"))
+    avx2 = kernel_module.PagedAttentionKernel(ext.library(), dtype)
+    shape = Shape(num_heads=9, num_kv_heads=3, head_dim=64)
+
+    class Avx2Backend(CpuPagedAttentionBackend):
+        def __init__(self, spec: object) -> None:
+            super().__init__(spec)  # type: ignore[arg-type]
+            self._kernel = avx2
+
+    _tile_checks(Avx2Backend(spec_for(shape, dtype)), shape, dtype, seed=60)

@@ -806,6 +806,137 @@ inline void attend_row_any(const float* q, float* acc, float& row_max, float& ro
   }
 }
 
+// -- Tiles of query tokens: lanes are query rows --------------------------------------------------
+//
+// A tile of query tokens reads each key once per query row, so it is compute-bound. The per-row
+// path above puts keys in lanes and spends much of its time summing lanes (the shuffle tree) and
+// in each row's serial softmax chain. Here a vector holds W query rows instead: the tile's queries
+// are transposed once per item (q_t: per W rows, head_dim vectors), a key's score for W rows is
+// head_dim multiply-adds of q_t by the key's broadcast elements, the online softmax's max, exp and
+// sum are plain lane-wise operations (no lane sums at all), and the output accumulates transposed
+// (o_t: per W rows, head_dim vectors), V's elements broadcast against the W rows' probabilities.
+// K and V are read as rows, in place for float32, so no block is ever transposed; the output is
+// transposed back once per item.
+
+// Row vectors x keys of the score pass and row vectors x head elements of the P x V pass, each an
+// accumulator register: AVX-512's 32 registers take 2 x 8 (plus two query vectors), AVX2's 16 take 1 x 8.
+constexpr int kTileRowVectors = PAGODA_W16 ? 2 : 1;
+constexpr int kTileKeys = 8;
+constexpr int kTileElems = 8;
+
+// Scores of RV row vectors (q_t, dp vectors apart) against keys k0 .. k0 + KT - 1 (rows of
+// `keys`, `stride` floats apart): s[r * kTileKeys + k].
+template <int NV, int RV, int KT>
+PAGODA_INLINE void scores_t(const float* q_t, int64_t dp, const float* keys, int64_t stride, int64_t k0, vfloat* s) {
+  vfloat acc[RV][KT];
+#pragma GCC unroll 4
+  for (int r = 0; r < RV; ++r) {
+#pragma GCC unroll 8
+    for (int k = 0; k < KT; ++k) acc[r][k] = vfloat{};
+  }
+  const float* key = keys + k0 * stride;
+#pragma GCC unroll 2
+  for (int64_t d = 0; d < NV * W; ++d) {
+    vfloat qv[RV];
+#pragma GCC unroll 4
+    for (int r = 0; r < RV; ++r) qv[r] = loadv(q_t + (r * dp + d) * W);
+#pragma GCC unroll 8
+    for (int k = 0; k < KT; ++k) {
+      const vfloat kb = splat(key[k * stride + d]);
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r) acc[r][k] += qv[r] * kb;
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RV; ++r) {
+#pragma GCC unroll 8
+    for (int k = 0; k < KT; ++k) s[r * kTileKeys + k] = acc[r][k];
+  }
+}
+
+// o_t (RV row vectors, dp vectors apart) = o_t * correction + P x V over keys [jlo, jhi] (p: a
+// vector per key and row vector, kTileRowVectors * bs apart... see attend_rows_t), for head
+// elements [e0, e0 + kTileElems).
+template <int RV>
+PAGODA_INLINE void values_t(float* o_t, int64_t dp, const vfloat* correction, const vfloat* p, int64_t p_stride,
+                            const float* values, int64_t stride, int64_t jlo, int64_t jhi, int64_t e0) {
+  vfloat acc[RV][kTileElems];
+#pragma GCC unroll 4
+  for (int r = 0; r < RV; ++r) {
+#pragma GCC unroll 8
+    for (int e = 0; e < kTileElems; ++e) acc[r][e] = loadv(o_t + (r * dp + e0 + e) * W) * correction[r];
+  }
+  for (int64_t j = jlo; j <= jhi; ++j) {
+    const float* value = values + j * stride + e0;
+    vfloat pv[RV];
+#pragma GCC unroll 4
+    for (int r = 0; r < RV; ++r) pv[r] = p[r * p_stride + j];
+#pragma GCC unroll 8
+    for (int e = 0; e < kTileElems; ++e) {
+      const vfloat vb = splat(value[e]);
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r) acc[r][e] += pv[r] * vb;
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RV; ++r) {
+#pragma GCC unroll 8
+    for (int e = 0; e < kTileElems; ++e) storev(o_t + (r * dp + e0 + e) * W, acc[r][e]);
+  }
+}
+
+// RV row vectors of one KV head against the keys [jlo, jhi] of one block (rows of `keys` and
+// `values`, `stride` floats apart; block-relative, all readable): scores, online softmax (max and
+// sum per lane), and accumulation into o_t. pos: each lane's query position; a lane sees the key
+// at position block_start + j when pos - window < block_start + j <= pos. p: scratch of RV * bs vectors.
+template <int NV, int RV>
+inline void attend_rows_t(const float* q_t, float* o_t, vfloat* row_max, vfloat* row_sum, const vint* pos,
+                          int64_t dp, const float* keys, const float* values, int64_t stride, int64_t bs, int64_t jlo,
+                          int64_t jhi, int64_t block_start, int64_t window, float soft_cap, vfloat* p) {
+  // scores into p, kTileKeys keys at a time (a chunk may start before jlo or end past jhi: it
+  // stays inside the block, and the mask below drops those keys)
+  for (int64_t k0 = jlo - jlo % kTileKeys; k0 <= jhi; k0 += kTileKeys) {
+    vfloat s[RV * kTileKeys];
+    if (k0 + kTileKeys <= bs) {
+      scores_t<NV, RV, kTileKeys>(q_t, dp, keys, stride, k0, s);
+    } else {
+      for (int64_t k = k0; k < bs; ++k) scores_t<NV, RV, 1>(q_t, dp, keys, stride, k, s + (k - k0));
+    }
+    for (int r = 0; r < RV; ++r) {
+      for (int64_t k = 0; k < kTileKeys && k0 + k < bs; ++k) p[r * bs + k0 + k] = s[r * kTileKeys + k];
+    }
+  }
+  vfloat correction[RV];
+  for (int r = 0; r < RV; ++r) {
+    vfloat* pr = p + r * bs;
+    vfloat m = row_max[r];
+    for (int64_t j = jlo; j <= jhi; ++j) {
+      vfloat x = pr[j];
+      if (soft_cap > 0.0f) soft_cap_lanes(x, soft_cap);
+      const vint key = vint{} + static_cast<int32_t>(block_start + j);
+      const vint visible = window > 0 ? (key <= pos[r]) & (key > pos[r] - static_cast<int32_t>(window)) : key <= pos[r];
+      x = visible ? x : splat(kNegInf);
+      pr[j] = x;
+      m = vmax(m, x);
+    }
+    // Lanes that have seen no key yet keep max -inf: their correction is 1 and their weights 0.
+    const vint seen = m > splat(kNegInf);
+    const vfloat c = exp_nonpositive(row_max[r] - m);
+    correction[r] = seen ? c : splat(1.0f);
+    vfloat sum = vfloat{};
+    for (int64_t j = jlo; j <= jhi; ++j) {
+      const vfloat x = pr[j];
+      const vfloat e = x > splat(kNegInf) ? exp_nonpositive(x - m) : vfloat{};
+      pr[j] = e;
+      sum += e;
+    }
+    row_max[r] = m;
+    row_sum[r] = row_sum[r] * correction[r] + sum;
+  }
+  for (int64_t e0 = 0; e0 < NV * W; e0 += kTileElems)
+    values_t<RV>(o_t, dp, correction, p, bs, values, stride, jlo, jhi, e0);
+}
+
 // Line pairs to prefetch per key read: the lines of one head's K row.
 inline int64_t lines_per_key(int64_t head_dim, int64_t element_size) { return (head_dim * element_size + 63) / 64; }
 
@@ -950,6 +1081,134 @@ void attend_item(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahead,
           finish_row(item, in, item.token_begin + t, head, acc + row * dp, row_max[row], row_sum[row],
                      [dim](int64_t d) { return kFp8Cache ? d : widened_index<T>(d, dim); });
         }
+      }
+    }
+  }
+}
+
+
+// A tile of query tokens (item.token_end - item.token_begin > 1) over the item's KV heads, W query
+// rows a vector (see attend_rows_t).
+template <typename T, typename C, int NV>
+void attend_tile_t(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahead, std::vector<float>& scratch) {
+  static_assert(NV > 0, "the tile path keeps a head's vectors in registers");
+  const Layout& L = in.L;
+  constexpr int64_t dp = NV * W;
+  const int64_t dim = L.head_dim;  // == dp: the library serves one head_dim
+  constexpr bool kFp8Cache = kIsFp8<C>;
+  constexpr bool kInPlace = std::is_same_v<C, float>;
+  const int64_t G = L.group, BS = L.block_size;
+  const int64_t num_tokens = item.token_end - item.token_begin;
+  const int64_t heads = item.kv_end - item.kv_begin;
+  const int64_t head_rows = num_tokens * G;  // row = token * G + member, W rows a vector
+  const int64_t rvh = (head_rows + W - 1) / W;
+  const int64_t first_token = in.query_start[item.seq];
+  const int64_t context_len = in.seq_lens[item.seq] - (in.query_start[item.seq + 1] - first_token);
+  const int64_t first_pos = context_len + (item.token_begin - first_token);
+
+  // scratch, in vectors: q_t, o_t [heads * rvh * dp] | max, sum [heads * rvh] | pos [rvh] |
+  // p [kTileRowVectors * BS] | keys, values [BS * dp / W] | a row [dp / W]; aligned to a vector.
+  const int64_t vectors = 2 * heads * rvh * dp + 2 * heads * rvh + rvh + kTileRowVectors * BS + 2 * BS * NV + NV;
+  constexpr uintptr_t kAlign = sizeof(vfloat);
+  const size_t need = static_cast<size_t>(vectors * W) + kAlign / sizeof(float);  // room to align the start
+  if (scratch.size() < need) scratch.resize(need);
+  auto* base = reinterpret_cast<vfloat*>((reinterpret_cast<uintptr_t>(scratch.data()) + kAlign - 1) & ~(kAlign - 1));
+  vfloat* q_t = base;
+  vfloat* o_t = q_t + heads * rvh * dp;
+  vfloat* row_max = o_t + heads * rvh * dp;
+  vfloat* row_sum = row_max + heads * rvh;
+  vint* pos = reinterpret_cast<vint*>(row_sum + heads * rvh);
+  vfloat* p = reinterpret_cast<vfloat*>(pos + rvh);
+  float* key_buf = reinterpret_cast<float*>(p + kTileRowVectors * BS);
+  float* value_buf = key_buf + BS * dp;
+  float* row = value_buf + BS * dp;
+
+  for (int64_t r = 0; r < rvh * W; ++r) {
+    // padding lanes past the last row copy its position: they compute like it, and are never stored
+    const int64_t t = std::min(r, head_rows - 1) / G;
+    reinterpret_cast<int32_t*>(pos)[r] = static_cast<int32_t>(first_pos + t);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* qh = reinterpret_cast<float*>(q_t + h * rvh * dp);
+    for (int64_t r = 0; r < rvh * W; ++r) {
+      const int64_t rv = r / W, lane = r % W;
+      if (r < head_rows) {
+        const int64_t t = r / G, head = (item.kv_begin + h) * G + r % G;
+        const T* src = in.query + (item.token_begin + t) * L.q_token_stride + head * L.q_head_stride;
+        if constexpr (kFp8Cache) {
+          widen_row_natural(src, row, dim, dp);  // the fp8 rows are read in natural order
+        } else {
+          widen_row(src, row, dim, dp);
+        }
+        for (int64_t d = 0; d < dp; ++d) qh[(rv * dp + d) * W + lane] = row[d] * L.scale;
+      } else {
+        for (int64_t d = 0; d < dp; ++d) qh[(rv * dp + d) * W + lane] = 0.0f;
+      }
+    }
+  }
+  std::fill(o_t, o_t + heads * rvh * dp, vfloat{});
+  std::fill(row_max, row_max + heads * rvh, splat(kNegInf));
+  std::fill(row_sum, row_sum + heads * rvh, vfloat{});
+
+  const KeySpan span = key_span(item, in.query_start, in.seq_lens, L);
+  const int32_t* table = in.block_tables + item.seq * L.block_table_stride;
+  const int64_t rate = lines_per_key(dim, sizeof(C));
+  for (int64_t b = span.lo / BS; b * BS <= span.hi; ++b) {
+    const int64_t block_start = b * BS;
+    const int64_t block_base = static_cast<int64_t>(table[b]) * L.cache_block_stride + item.kv_begin * dim;
+    const int64_t union_lo = std::max(block_start, span.lo) - block_start;
+    const int64_t union_hi = std::min(block_start + BS - 1, span.hi) - block_start;
+    for (int64_t h = 0; h < heads; ++h) {
+      const C* key_src = in.key_cache + block_base + h * dim;
+      const C* value_src = in.value_cache + block_base + h * dim;
+      ahead.issue((union_hi - union_lo + 1) * rate);
+      const float* keys = key_buf;
+      const float* values = value_buf;
+      int64_t stride = dp;
+      if constexpr (kInPlace) {
+        keys = key_src;
+        values = value_src;
+        stride = L.cache_token_stride;
+      } else {
+        for (int64_t j = union_lo; j <= union_hi; ++j) {
+          widen_row(key_src + j * L.cache_token_stride, key_buf + j * dp, dim, dp);
+          widen_row(value_src + j * L.cache_token_stride, value_buf + j * dp, dim, dp);
+        }
+      }
+      for (int64_t rv = 0; rv < rvh; rv += kTileRowVectors) {
+        const int64_t n = std::min<int64_t>(kTileRowVectors, rvh - rv);
+        const int64_t pos_min = first_pos + (rv * W) / G;
+        const int64_t pos_max = first_pos + (std::min(head_rows, (rv + n) * W) - 1) / G;
+        const int64_t jlo = std::max(union_lo, L.window > 0 ? pos_min - L.window + 1 - block_start : int64_t{0});
+        const int64_t jhi = std::min(union_hi, pos_max - block_start);
+        if (jlo > jhi) continue;
+        const int64_t v = h * rvh + rv;
+#define PAGODA_ROWS(RV)                                                                                         \
+  attend_rows_t<NV, RV>(reinterpret_cast<const float*>(q_t + v * dp), reinterpret_cast<float*>(o_t + v * dp), \
+                        row_max + v, row_sum + v, pos + rv, dp, keys, values, stride, BS, jlo, jhi, block_start,  \
+                        L.window, L.soft_cap, p)
+        if (n == kTileRowVectors) {
+          PAGODA_ROWS(kTileRowVectors);
+        } else {
+          PAGODA_ROWS(1);
+        }
+#undef PAGODA_ROWS
+      }
+    }
+  }
+
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* oh = reinterpret_cast<const float*>(o_t + h * rvh * dp);
+    const float* sums = reinterpret_cast<const float*>(row_sum + h * rvh);
+    for (int64_t r = 0; r < head_rows; ++r) {
+      const int64_t rv = r / W, lane = r % W;
+      for (int64_t d = 0; d < dp; ++d) row[d] = oh[(rv * dp + d) * W + lane];
+      const int64_t t = r / G, head = (item.kv_begin + h) * G + r % G;
+      T* dst = in.out + (item.token_begin + t) * L.out_token_stride + head * dim;
+      if constexpr (kFp8Cache) {
+        store_row<T>(dst, row, dim, L.v_mult / sums[r]);  // natural order (the generic template)
+      } else {
+        store_row(dst, row, dim, 1.0f / sums[r]);
       }
     }
   }
@@ -1236,6 +1495,13 @@ void run_items(const std::vector<WorkItem>& items, int threads, const Inputs<T, 
         }
       }
 #endif
+      if constexpr (NV > 0) {
+        if (item->token_end - item->token_begin > 1) {
+          attend_tile_t<T, C, NV>(*item, in, ahead, scratch);
+          queue.pop();
+          continue;
+        }
+      }
       attend_item<T, C, NV>(*item, in, ahead, scratch, lines);
       queue.pop();
     }
