@@ -112,6 +112,28 @@ def test_silu_and_mul_on_a_strided_view_and_extreme_values(ops: CpuLayerOps, dty
     _assert_matches(ops.silu_and_mul(gate_up), REF.silu_and_mul(gate_up))
 
 
+
+def test_bf16_rounding_of_denormals_nans_and_zeros_is_torchs(ops: CpuLayerOps) -> None:
+    """Stores round with vcvtneps2bf16 where the CPU has it; that instruction flushes denormals and
+    keeps NaN payloads, so vectors holding either must take the exact integer path: the bits match
+    torch's everywhere (NaN as 0x7FC0), in vectors mixing them with ordinary values and in plain ones."""
+    rows, half = 6, 64
+    gate = torch.ones(rows, half)  # silu(1) * up: the product's rounding decides the stored bits
+    up = torch.randn(rows, half, generator=torch.Generator().manual_seed(3))
+    special = torch.tensor([1e-39, -3e-40, 1e-45, 0.0, -0.0, float("nan"), float("inf"), -float("inf"),
+                            1.17e-38, 5.9e-39, -1e-38, 2e-38])
+    up[0, : special.numel()] = special  # one 16-lane vector with all of them
+    up[2, 17] = float("nan")  # a lone one in an otherwise ordinary vector
+    up[4, 40] = 2e-39
+    gate_up = torch.cat([gate, up], dim=1).to(torch.bfloat16)
+    out, ref = ops.silu_and_mul(gate_up), REF.silu_and_mul(gate_up)
+    out_bits, ref_bits = out.view(torch.int16), ref.view(torch.int16)
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert (out_bits[nan] == 0x7FC0).all()
+    assert torch.equal(out_bits[~nan], ref_bits[~nan])
+
+
 def _cos_sin(tokens: int, rot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A gathered [T, 1, rot/2] table, as RotaryEmbedding.cos_sin returns it."""
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(tokens))

@@ -153,10 +153,10 @@ _VARIABLES: list[EnvVar[Any]] = [
            "(as VLLM_CPU_KVCACHE_SPACE).",
            _CPU, _positive_gib),
     EnvVar("PAGODA_CPU_KVCACHE_PREFAULT", "bool", True,
-           "pagoda-only. On: after start-up an idle-priority thread faults in the lazily mapped KV cache "
-           "(madvise MADV_POPULATE_WRITE), so requests do not pay first-touch page faults; the process's "
-           "resident memory grows to the whole cache, as vLLM's does. Off: pages are mapped as blocks are "
-           "first written.",
+           "pagoda-only. On: start-up faults the whole lazily mapped KV cache in (madvise "
+           "MADV_POPULATE_WRITE, on the platform's threads), so requests never pay first-touch page "
+           "faults; resident memory is the whole cache from the start, as vLLM's is. Off: pages are "
+           "mapped as blocks are first written (faster start, slower first pass over the cache).",
            _CPU, _bool),
     EnvVar("PAGODA_CPU_PACKED_LINEAR", "bool", True,
            "Off: linear layers keep plain F.linear with unpacked weights (for A/B measurements).",

