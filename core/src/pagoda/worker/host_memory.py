@@ -60,7 +60,7 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 
 
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if not sys.platform.startswith("linux"):
+    if sys.platform != "linux":
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise

@@ -442,6 +442,18 @@ inline KeySpan key_span(const WorkItem& item, const int32_t* query_start, const 
   return {std::max<int64_t>(lowest, item.key_begin), std::min<int64_t>(last_pos, item.key_end - 1)};
 }
 
+// Block b of an item's key span: its first key position, where the item's KV heads start in the
+// cache, and which of its keys (block-relative, [lo, hi]) some row of the item may read.
+struct BlockSpan {
+  int64_t start, base, lo, hi;
+};
+inline BlockSpan block_span(const WorkItem& item, const KeySpan& span, const int32_t* table, const Layout& L,
+                            int64_t b) {
+  const int64_t start = b * L.block_size;
+  return {start, static_cast<int64_t>(table[b]) * L.cache_block_stride + item.kv_begin * L.head_dim,
+          std::max(start, span.lo) - start, std::min(start + L.block_size - 1, span.hi) - start};
+}
+
 // The items of one thread, claimed from the shared counter in order (biggest first), up to a
 // window ahead of the one it works on, so its read-ahead knows which blocks come next.
 class ItemQueue {
@@ -831,62 +843,65 @@ constexpr int kTileRowVectors = PAGODA_W16 ? 2 : 1;
 constexpr int kTileKeys = 8;
 constexpr int kTileElems = 8;
 
-// Scores of RV row vectors (q_t, dp vectors apart) against keys k0 .. k0 + KT - 1 (rows of
-// `keys`, `stride` floats apart): s[r * kTileKeys + k].
-template <int NV, int RV, int KT>
-PAGODA_INLINE void scores_t(const float* q_t, int64_t dp, const float* keys, int64_t stride, int64_t k0, vfloat* s) {
-  vfloat acc[RV][KT];
-#pragma GCC unroll 4
-  for (int r = 0; r < RV; ++r) {
-#pragma GCC unroll 8
-    for (int k = 0; k < KT; ++k) acc[r][k] = vfloat{};
+// How a score pass reads queries and keys. Float32: q_t holds, per row vector, dp vectors (lane i:
+// row i's element), each meeting one broadcast key element. Bf16 (vdpbf16ps): dp / 2 vectors whose
+// lane i is row i's element pair (2e, 2e + 1), each meeting the key's pair broadcast from the cache
+// in place: half the instructions, and products of bf16 pairs are exact in float32.
+struct TileFloat32 {
+  using Q = float;
+  using K = float;
+  using QVec = vfloat;
+  using KVec = vfloat;
+  static constexpr int kElems = 1;  // head elements a step
+  static PAGODA_INLINE QVec query(const float* q_t, int64_t dp, int r, int64_t step) {
+    return loadv(q_t + (r * dp + step) * W);
   }
-  const float* key = keys + k0 * stride;
-#pragma GCC unroll 2
-  for (int64_t d = 0; d < NV * W; ++d) {
-    vfloat qv[RV];
-#pragma GCC unroll 4
-    for (int r = 0; r < RV; ++r) qv[r] = loadv(q_t + (r * dp + d) * W);
-#pragma GCC unroll 8
-    for (int k = 0; k < KT; ++k) {
-      const vfloat kb = splat(key[k * stride + d]);
-#pragma GCC unroll 4
-      for (int r = 0; r < RV; ++r) acc[r][k] += qv[r] * kb;
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < RV; ++r) {
-#pragma GCC unroll 8
-    for (int k = 0; k < KT; ++k) s[r * kTileKeys + k] = acc[r][k];
-  }
-}
-
+  static PAGODA_INLINE KVec key(const float* row, int64_t step) { return splat(row[step]); }
+  static PAGODA_INLINE vfloat dot(vfloat acc, QVec q, KVec k) { return acc + q * k; }
+};
 #if PAGODA_BF16_DOT
-// scores_t for bf16 queries and keys (vdpbf16ps): q_t holds, per row vector, dp / 2 vectors whose
-// lane i is row i's element pair (2e, 2e + 1); each key's pair is broadcast from the cache in place.
-// Half the multiply-add instructions of float32, and products of bf16 pairs are exact in float32.
-template <int NV, int RV, int KT>
-PAGODA_INLINE void scores_t_bf16(const uint32_t* q_t, int64_t dp, const uint16_t* keys, int64_t stride, int64_t k0,
-                                 vfloat* s) {
+struct TileBf16 {
+  using Q = uint32_t;
+  using K = uint16_t;
+  using QVec = vbf16;
+  using KVec = vbf16;
+  static constexpr int kElems = 2;
+  static PAGODA_INLINE QVec query(const uint32_t* q_t, int64_t dp, int r, int64_t step) {
+    QVec v;
+    std::memcpy(&v, q_t + (r * dp / 2 + step) * W, sizeof(v));
+    return v;
+  }
+  static PAGODA_INLINE KVec key(const uint16_t* row, int64_t step) {
+    int32_t pair;
+    std::memcpy(&pair, row + 2 * step, sizeof(pair));
+    return reinterpret_cast<vbf16>(_mm512_set1_epi32(pair));
+  }
+  static PAGODA_INLINE vfloat dot(vfloat acc, QVec q, KVec k) { return dot_bf16(acc, q, k); }
+};
+#endif
+
+// Scores of RV row vectors (q_t) against keys k0 .. k0 + KT - 1 (rows of `keys`, `stride`
+// elements apart): s[r * kTileKeys + k].
+template <class Tile, int NV, int RV, int KT>
+PAGODA_INLINE void scores_t(const typename Tile::Q* q_t, int64_t dp, const typename Tile::K* keys, int64_t stride,
+                            int64_t k0, vfloat* s) {
   vfloat acc[RV][KT];
 #pragma GCC unroll 4
   for (int r = 0; r < RV; ++r) {
 #pragma GCC unroll 8
     for (int k = 0; k < KT; ++k) acc[r][k] = vfloat{};
   }
-  const uint16_t* key = keys + k0 * stride;
+  const typename Tile::K* key = keys + k0 * stride;
 #pragma GCC unroll 2
-  for (int64_t e = 0; e < NV * W / 2; ++e) {
-    vbf16 qv[RV];
+  for (int64_t step = 0; step < NV * W / Tile::kElems; ++step) {
+    typename Tile::QVec qv[RV];
 #pragma GCC unroll 4
-    for (int r = 0; r < RV; ++r) std::memcpy(&qv[r], q_t + (r * dp / 2 + e) * W, sizeof(qv[r]));
+    for (int r = 0; r < RV; ++r) qv[r] = Tile::query(q_t, dp, r, step);
 #pragma GCC unroll 8
     for (int k = 0; k < KT; ++k) {
-      int32_t pair;
-      std::memcpy(&pair, key + k * stride + 2 * e, sizeof(pair));
-      const vbf16 kb = reinterpret_cast<vbf16>(_mm512_set1_epi32(pair));
+      const typename Tile::KVec kb = Tile::key(key + k * stride, step);
 #pragma GCC unroll 4
-      for (int r = 0; r < RV; ++r) acc[r][k] = dot_bf16(acc[r][k], qv[r], kb);
+      for (int r = 0; r < RV; ++r) acc[r][k] = Tile::dot(acc[r][k], qv[r], kb);
     }
   }
 #pragma GCC unroll 4
@@ -895,7 +910,6 @@ PAGODA_INLINE void scores_t_bf16(const uint32_t* q_t, int64_t dp, const uint16_t
     for (int k = 0; k < KT; ++k) s[r * kTileKeys + k] = acc[r][k];
   }
 }
-#endif
 
 // o_t (RV row vectors, dp vectors apart) = o_t * correction + P x V over keys [jlo, jhi] (p: a
 // vector per key and row vector, kTileRowVectors * bs apart... see attend_rows_t), for head
@@ -932,29 +946,19 @@ PAGODA_INLINE void values_t(float* o_t, int64_t dp, const vfloat* correction, co
 // `values`, `stride` floats apart; block-relative, all readable): scores, online softmax (max and
 // sum per lane), and accumulation into o_t. pos: each lane's query position; a lane sees the key
 // at position block_start + j when pos - window < block_start + j <= pos. p: scratch of RV * bs vectors.
-template <int NV, int RV, typename Q, typename K>
-inline void attend_rows_t(const Q* q_t, float* o_t, vfloat* row_max, vfloat* row_sum, const vint* pos, int64_t dp,
-                          const K* keys, int64_t key_stride, float score_scale, const float* values, int64_t stride,
-                          int64_t bs, int64_t jlo, int64_t jhi, int64_t block_start, int64_t window, float soft_cap,
-                          vfloat* p) {
+template <class Tile, int NV, int RV>
+inline void attend_rows_t(const typename Tile::Q* q_t, float* o_t, vfloat* row_max, vfloat* row_sum, const vint* pos,
+                          int64_t dp, const typename Tile::K* keys, int64_t key_stride, float score_scale,
+                          const float* values, int64_t stride, int64_t bs, int64_t jlo, int64_t jhi,
+                          int64_t block_start, int64_t window, float soft_cap, vfloat* p) {
   // scores into p, kTileKeys keys at a time (a chunk may start before jlo or end past jhi: it
   // stays inside the block, and the mask below drops those keys)
   for (int64_t k0 = jlo - jlo % kTileKeys; k0 <= jhi; k0 += kTileKeys) {
     vfloat s[RV * kTileKeys];
-    if constexpr (std::is_same_v<K, float>) {
-      if (k0 + kTileKeys <= bs) {
-        scores_t<NV, RV, kTileKeys>(q_t, dp, keys, key_stride, k0, s);
-      } else {
-        for (int64_t k = k0; k < bs; ++k) scores_t<NV, RV, 1>(q_t, dp, keys, key_stride, k, s + (k - k0));
-      }
+    if (k0 + kTileKeys <= bs) {
+      scores_t<Tile, NV, RV, kTileKeys>(q_t, dp, keys, key_stride, k0, s);
     } else {
-#if PAGODA_BF16_DOT
-      if (k0 + kTileKeys <= bs) {
-        scores_t_bf16<NV, RV, kTileKeys>(q_t, dp, keys, key_stride, k0, s);
-      } else {
-        for (int64_t k = k0; k < bs; ++k) scores_t_bf16<NV, RV, 1>(q_t, dp, keys, key_stride, k, s + (k - k0));
-      }
-#endif
+      for (int64_t k = k0; k < bs; ++k) scores_t<Tile, NV, RV, 1>(q_t, dp, keys, key_stride, k, s + (k - k0));
     }
     for (int r = 0; r < RV; ++r) {
       for (int64_t k = 0; k < kTileKeys && k0 + k < bs; ++k) p[r * bs + k0 + k] = s[r * kTileKeys + k];
@@ -1055,11 +1059,8 @@ void attend_item(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahead,
   if (lines.size() < static_cast<size_t>(BS * rate)) lines.resize(static_cast<size_t>(BS * rate));
 
   for (int64_t b = span.lo / BS; b * BS <= span.hi; ++b) {
-    const int64_t block_start = b * BS;
-    const int64_t block_base = static_cast<int64_t>(table[b]) * L.cache_block_stride + item.kv_begin * dim;
-    // Keys of this block that any row of the item may read.
-    const int64_t union_lo = std::max(block_start, span.lo) - block_start;
-    const int64_t union_hi = std::min(block_start + BS - 1, span.hi) - block_start;
+    const BlockSpan block = block_span(item, span, table, L, b);
+    const int64_t block_start = block.start, block_base = block.base, union_lo = block.lo, union_hi = block.hi;
     for (int64_t h = 0; h < heads; ++h) {
       const C* key_src = in.key_cache + block_base + h * dim;
       const C* value_src = in.value_cache + block_base + h * dim;
@@ -1227,14 +1228,12 @@ void attend_tile_t(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahea
   const int32_t* table = in.block_tables + item.seq * L.block_table_stride;
   const int64_t rate = lines_per_key(dim, sizeof(C));
   for (int64_t b = span.lo / BS; b * BS <= span.hi; ++b) {
-    const int64_t block_start = b * BS;
-    const int64_t block_base = static_cast<int64_t>(table[b]) * L.cache_block_stride + item.kv_begin * dim;
-    const int64_t union_lo = std::max(block_start, span.lo) - block_start;
-    const int64_t union_hi = std::min(block_start + BS - 1, span.hi) - block_start;
+    const BlockSpan block = block_span(item, span, table, L, b);
+    const int64_t block_start = block.start;
     for (int64_t h = 0; h < heads; ++h) {
-      const C* key_src = in.key_cache + block_base + h * dim;
-      const C* value_src = in.value_cache + block_base + h * dim;
-      ahead.issue((union_hi - union_lo + 1) * rate);
+      ahead.issue((block.hi - block.lo + 1) * rate);  // compute-bound: the block's lines at once
+      const C* key_src = in.key_cache + block.base + h * dim;
+      const C* value_src = in.value_cache + block.base + h * dim;
       const float* keys = key_buf;
       const float* values = value_buf;
       int64_t stride = dp;
@@ -1243,7 +1242,7 @@ void attend_tile_t(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahea
         values = value_src;
         stride = L.cache_token_stride;
       } else {
-        for (int64_t j = union_lo; j <= union_hi; ++j) {
+        for (int64_t j = block.lo; j <= block.hi; ++j) {
           if constexpr (!kBf16Dot) widen_row(key_src + j * L.cache_token_stride, key_buf + j * dp, dim, dp);
           widen_row(value_src + j * L.cache_token_stride, value_buf + j * dp, dim, dp);
         }
@@ -1252,35 +1251,30 @@ void attend_tile_t(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahea
         const int64_t n = std::min<int64_t>(kTileRowVectors, rvh - rv);
         const int64_t pos_min = first_pos + (rv * W) / G;
         const int64_t pos_max = first_pos + (std::min(head_rows, (rv + n) * W) - 1) / G;
-        const int64_t jlo = std::max(union_lo, L.window > 0 ? pos_min - L.window + 1 - block_start : int64_t{0});
-        const int64_t jhi = std::min(union_hi, pos_max - block_start);
+        const int64_t jlo = std::max(block.lo, L.window > 0 ? pos_min - L.window + 1 - block_start : int64_t{0});
+        const int64_t jhi = std::min(block.hi, pos_max - block_start);
         if (jlo > jhi) continue;
         const int64_t v = h * rvh + rv;
         float* const ov = reinterpret_cast<float*>(o_t + v * dp);
-        if constexpr (kBf16Dot) {
+#define PAGODA_ROWS(TILE, RV, QV, KEYS, KEY_STRIDE, SCALE)                                                    \
+  attend_rows_t<TILE, NV, RV>(QV, ov, row_max + v, row_sum + v, pos + rv, dp, KEYS, KEY_STRIDE, SCALE, values, \
+                              stride, BS, jlo, jhi, block_start, L.window, L.soft_cap, p)
+#define PAGODA_PATH(TILE, QV, KEYS, KEY_STRIDE, SCALE)                    \
+  if (n == kTileRowVectors) {                                             \
+    PAGODA_ROWS(TILE, kTileRowVectors, QV, KEYS, KEY_STRIDE, SCALE);      \
+  } else {                                                                \
+    PAGODA_ROWS(TILE, 1, QV, KEYS, KEY_STRIDE, SCALE);                    \
+  }
+#if PAGODA_BF16_DOT
+        if constexpr (kBf16Dot) {  // keys in place, the scale applied to the scores
           const auto* qv = reinterpret_cast<const uint32_t*>(q_t + h * rvh * dp) + rv * (dp / 2) * W;
-          const auto* kv = reinterpret_cast<const uint16_t*>(key_src);
-#define PAGODA_ROWS(RV)                                                                                          \
-  attend_rows_t<NV, RV>(qv, ov, row_max + v, row_sum + v, pos + rv, dp, kv, L.cache_token_stride, L.scale, values, \
-                        stride, BS, jlo, jhi, block_start, L.window, L.soft_cap, p)
-          if (n == kTileRowVectors) {
-            PAGODA_ROWS(kTileRowVectors);
-          } else {
-            PAGODA_ROWS(1);
-          }
-#undef PAGODA_ROWS
-        } else {
-          const auto* qv = reinterpret_cast<const float*>(q_t + v * dp);
-#define PAGODA_ROWS(RV)                                                                                             \
-  attend_rows_t<NV, RV>(qv, ov, row_max + v, row_sum + v, pos + rv, dp, keys, stride, 1.0f, values, stride, BS, jlo, \
-                        jhi, block_start, L.window, L.soft_cap, p)
-          if (n == kTileRowVectors) {
-            PAGODA_ROWS(kTileRowVectors);
-          } else {
-            PAGODA_ROWS(1);
-          }
-#undef PAGODA_ROWS
+          PAGODA_PATH(TileBf16, qv, reinterpret_cast<const uint16_t*>(key_src), L.cache_token_stride, L.scale)
+          continue;
         }
+#endif
+        PAGODA_PATH(TileFloat32, reinterpret_cast<const float*>(q_t + v * dp), keys, stride, 1.0f)  // q_t pre-scaled
+#undef PAGODA_PATH
+#undef PAGODA_ROWS
       }
     }
   }
