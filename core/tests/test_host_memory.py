@@ -60,7 +60,7 @@ def test_populate_without_madvise_does_nothing(monkeypatch: pytest.MonkeyPatch) 
 
 
 @linux_only
-def test_a_refused_advice_stops_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_refused_advice_leaves_the_memory_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host_memory, "MADV_POPULATE_WRITE", 0x7FFF)  # no such advice: EINVAL
     t = zeros_lazy((mmap.PAGESIZE * 4,), torch.uint8, torch.device("cpu"))
     assert populate([t]) == 0

@@ -298,5 +298,7 @@ def test_interface_defaults() -> None:
     assert host.linear_kernel(torch.float32) is None and host.layer_ops(torch.float32) is None
     assert host.attention_backend_preference() == [] and host.memory_stats() == {}
     assert host.device() == torch.device("cpu") and host.describe() == "fakehost"
+    cache = torch.zeros(4)
+    assert host.prefault_kv_cache([cache]) is None and cache.sum().item() == 0.0  # the default does nothing
     with pytest.raises(NotImplementedError):
         host.kv_cache_budget_bytes(config, 0, 0)

@@ -116,6 +116,11 @@ class Platform:
         """
         raise NotImplementedError
 
+    def prefault_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """Called once the KV cache is allocated, before any step: a host platform may fault the
+        lazily mapped cache in here (``pagoda.worker.host_memory.populate``) so that requests do not
+        pay first-touch page faults. The default does nothing."""
+
     def is_pin_memory_available(self, config: EngineConfig | None = None) -> bool:
         """Whether host buffers copied to the device may be pinned (page-locked).
 

@@ -22,8 +22,8 @@ import logging
 import math
 import mmap
 import sys
-import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -71,60 +71,40 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
-def _chunks(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """(start, length) of PREFAULT_CHUNK-sized pieces covering the tensors' pages."""
-    chunks = []
-    for tensor in tensors:
-        if tensor.device.type != "cpu" or tensor.numel() == 0:
-            continue
-        begin = tensor.data_ptr() // PAGE * PAGE
-        end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-        chunks += [(start, min(PREFAULT_CHUNK, end - start)) for start in range(begin, end, PREFAULT_CHUNK)]
-    return chunks
+def _pages(tensor: torch.Tensor) -> tuple[int, int]:
+    """[begin, end) addresses of a tensor's memory, begin rounded down to its page."""
+    return tensor.data_ptr() // PAGE * PAGE, tensor.data_ptr() + tensor.numel() * tensor.element_size()
 
 
 def populate(tensors: Sequence[torch.Tensor], threads: int = 1) -> int:
-    """Fault in the pages of CPU tensors (MADV_POPULATE_WRITE) on ``threads`` threads; returns the
-    bytes populated. Contents are unchanged. Stops at the first chunk the kernel refuses (no such
-    advice before Linux 5.14), having populated what came before it."""
+    """Fault in the pages of CPU tensors (MADV_POPULATE_WRITE), PREFAULT_CHUNK bytes a call on
+    ``threads`` threads; returns the bytes populated. Contents are unchanged. A chunk the kernel
+    refuses (no such advice before Linux 5.14: every call fails at once) is left lazy."""
     madvise = _madvise()
     if madvise is None:
         return 0
-    pending = iter(_chunks(tensors))
-    lock = threading.Lock()
-    done = [0]
-    refused = threading.Event()
+    chunks = []
+    for tensor in tensors:
+        if tensor.device.type == "cpu" and tensor.numel():
+            begin, end = _pages(tensor)
+            chunks += [(start, min(PREFAULT_CHUNK, end - start)) for start in range(begin, end, PREFAULT_CHUNK)]
 
-    def work() -> None:
-        while not refused.is_set():
-            with lock:
-                chunk = next(pending, None)
-            if chunk is None:
-                return
-            if madvise(chunk[0], chunk[1], MADV_POPULATE_WRITE) != 0:
-                logger.debug("KV cache prefault stopped: madvise(MADV_POPULATE_WRITE) failed (errno %d)",
-                             ctypes.get_errno())
-                refused.set()
-                return
-            with lock:
-                done[0] += chunk[1]
+    def one(chunk: tuple[int, int]) -> int:
+        return chunk[1] if madvise(chunk[0], chunk[1], MADV_POPULATE_WRITE) == 0 else 0
 
-    workers = [threading.Thread(target=work, name=f"pagoda-kv-prefault-{i}", daemon=True)
-               for i in range(max(1, threads) - 1)]
-    for worker in workers:
-        worker.start()
-    work()  # the calling thread is one of them
-    for worker in workers:
-        worker.join()
-    return done[0]
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="pagoda-kv-prefault") as pool:
+        sizes = list(pool.map(one, chunks))
+    if 0 in sizes:
+        logger.debug("KV cache prefault: madvise(MADV_POPULATE_WRITE) refused %d of %d chunks", sizes.count(0),
+                     len(sizes))
+    return sum(sizes)
 
 
 def resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
     """(resident, total) pages of a CPU tensor's memory, from mincore(2) (Linux)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    begin = tensor.data_ptr() // PAGE * PAGE
-    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    begin, end = _pages(tensor)
     pages = -(-(end - begin) // PAGE)
     vec = (ctypes.c_ubyte * pages)()
     if libc.mincore(begin, end - begin, vec) != 0:

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagoda import envs
 from pagoda.attention import Attention, AttentionMetadata, AttentionSpec
 from pagoda.attention.kv_quant import is_fp8, resolve_kv_cache_dtype
 from pagoda.attention.selector import select_attention_backend
@@ -30,7 +29,7 @@ from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.structured_output.backend import StructuredOutputBackend
 from pagoda.structured_output.manager import load_backend_class
 from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
-from pagoda.worker.host_memory import populate, zeros_lazy
+from pagoda.worker.host_memory import zeros_lazy
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.pipeline_stage import send_to_next_stage, stage_inputs, take_scheduled_tokens
 from pagoda.worker.sampling import RunnerSampler
@@ -225,12 +224,7 @@ class ModelRunner:
         self.kv_caches = [zeros_lazy(shape, cache_dtype, self.device) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.bind(self.attn_backend, cache)
-        if self.device.type == "cpu" and envs.PAGODA_CPU_KVCACHE_PREFAULT:
-            # fault the lazily mapped cache in now, not on requests' time (host_memory)
-            start = time.perf_counter()
-            populated = populate(self.kv_caches, threads=torch.get_num_threads())
-            logger.info("KV cache: %.2f GiB faulted in on %d threads in %.2f s", populated / (1 << 30),
-                        torch.get_num_threads(), time.perf_counter() - start)
+        self.platform.prefault_kv_cache(self.kv_caches)
         self.num_blocks = num_blocks
         max_blocks_per_req = needed
         self.batch = InputBatch(max_num_seqs, self.max_model_len, max_blocks_per_req,
