@@ -11,12 +11,15 @@
 // the output is written in the model dtype.
 //
 // The arithmetic uses GCC vector extensions of the machine's widest float vector
-// (16 lanes with AVX-512, else 8): one query row against W keys is W dot products
-// done lane-parallel over head_dim, then summed across lanes all at once by a
+// (16 lanes with AVX-512, else 8). A decode: one query row against W keys is W dot
+// products done lane-parallel over head_dim, then summed across lanes all at once by a
 // shuffle tree, so the W scores land in one vector for a vectorized exp. The query
 // heads of a group go through a block together (up to four rows), each K/V vector
 // loaded once for all of them. bf16 decodes read the cache in place with the
-// AVX512_BF16 dot-product instruction where the CPU has it.
+// AVX512_BF16 dot-product instruction where the CPU has it. A tile of query tokens
+// (prefill, chunks) at a register-resident head_dim puts W query rows in a vector
+// instead (attend_tile_t): scores are broadcast multiply-adds with no lane sums, and
+// the online softmax is lane-wise; bf16 scores use the dot-product instruction too.
 //
 // Decode is memory-bound: each thread runs a read-ahead cursor over the cache lines
 // it will read (across its next items too), a fixed distance ahead, and the inner
@@ -912,8 +915,8 @@ PAGODA_INLINE void scores_t(const typename Tile::Q* q_t, int64_t dp, const typen
 }
 
 // o_t (RV row vectors, dp vectors apart) = o_t * correction + P x V over keys [jlo, jhi] (p: a
-// vector per key and row vector, kTileRowVectors * bs apart... see attend_rows_t), for head
-// elements [e0, e0 + kTileElems).
+// vector per key, p_stride vectors from one row vector's keys to the next's), for head elements
+// [e0, e0 + kTileElems).
 template <int RV>
 PAGODA_INLINE void values_t(float* o_t, int64_t dp, const vfloat* correction, const vfloat* p, int64_t p_stride,
                             const float* values, int64_t stride, int64_t jlo, int64_t jhi, int64_t e0) {
@@ -998,7 +1001,8 @@ inline void attend_rows_t(const typename Tile::Q* q_t, float* o_t, vfloat* row_m
 // Line pairs to prefetch per key read: the lines of one head's K row.
 inline int64_t lines_per_key(int64_t head_dim, int64_t element_size) { return (head_dim * element_size + 63) / 64; }
 
-// A tile of query tokens (or one decode) over the item's KV heads, reading float32 rows in place
+// One decode (a single query token) over the item's KV heads, or a tile of query tokens at a head_dim
+// without a register-resident path (attend_tile_t takes the others), reading float32 rows in place
 // or widening each block's rows into a float32 buffer first.
 template <typename T, typename C, int NV>
 void attend_item(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahead, std::vector<float>& scratch,
@@ -1010,10 +1014,9 @@ void attend_item(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahead,
   // float32 and fp8 rows of a head_dim that fills whole vectors are read in place (fp8 converted in
   // registers); others are widened per block.
   constexpr bool kFp8Cache = kIsFp8<C>;
-  // fp8 rows are converted in registers for a decode (each key read once); a tile of query tokens
-  // widens each block once instead, as every key is read by every token of the tile.
-  const bool in_place = (std::is_same_v<C, float> || (kFp8Cache && NV > 0 && item.token_end - item.token_begin == 1)) &&
-                        dp == dim;
+  // fp8 rows are converted in registers for a decode (each key read once; with NV > 0 this function
+  // only sees decodes); a tile of the generic path widens each block once instead.
+  const bool in_place = (std::is_same_v<C, float> || (kFp8Cache && NV > 0)) && dp == dim;
   const int64_t G = L.group, BS = L.block_size;
   const int64_t num_tokens = item.token_end - item.token_begin;
   const int64_t heads = item.kv_end - item.kv_begin;
@@ -1152,7 +1155,7 @@ void attend_tile_t(const WorkItem& item, const Inputs<T, C>& in, ReadAhead& ahea
   const int64_t dim = L.head_dim;  // == dp: the library serves one head_dim
   constexpr bool kFp8Cache = kIsFp8<C>;
   constexpr bool kInPlace = std::is_same_v<C, float>;
-  // bf16 queries and keys meet in vdpbf16ps, keys read in place (scores_t_bf16); V is widened.
+  // bf16 queries and keys meet in vdpbf16ps, keys read in place (TileBf16); V is widened.
   constexpr bool kBf16Dot = PAGODA_BF16_DOT && std::is_same_v<T, bf16> && std::is_same_v<C, bf16>;
   const int64_t G = L.group, BS = L.block_size;
   const int64_t num_tokens = item.token_end - item.token_begin;
