@@ -127,6 +127,26 @@ def test_pointer_into_memory_nothing_keeps_fails_the_capture(kernels: ModuleType
     assert torch.equal(output, temporary)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_torch_calls_on_opaque_tensors_replay(kernels: ModuleType) -> None:
+    # oneDNN's packed linear weights (what CPUs without AVX-512 run linears on) have no storage;
+    # the capture used to fail on them with NotImplementedError and took every AVX2 CPU's engine down
+    s = Static()
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(4, 8), 64)
+    assert packed.layout != torch.strided
+
+    def linear_then_kernel() -> torch.Tensor:
+        h = torch.ops.mkldnn._linear_pointwise(s.x.view(1, 8), packed, None, "none", [], "")
+        y = torch.empty(4)
+        kernels.axpb(h.data_ptr(), y.data_ptr(), 4, 2.0, 1.0)
+        return y
+
+    graph, output = capture(linear_then_kernel, [s, packed])
+    s.x.copy_(torch.randn(8))
+    graph.replay()
+    assert torch.allclose(output, linear_then_kernel())
+
+
 def test_kernel_calls_on_other_threads_are_not_recorded(kernels: ModuleType) -> None:
     s = Static()
     other = torch.empty(8)

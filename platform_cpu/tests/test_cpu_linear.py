@@ -30,6 +30,8 @@ def test_bfloat16_within_bf16_rounding_and_strided_input() -> None:
     wide = torch.randn(10, 96, generator=g).to(torch.bfloat16)
     x = wide[:, :48]  # a strided view, as q/k/v slices of a fused projection are
     kernel = OneDNNLinearKernel()
+    if torch.bfloat16 not in kernel.dtypes:
+        pytest.skip("oneDNN packs bf16 only with AVX512BW/VL/DQ or AVX-NE-CONVERT")
     out = kernel.apply(x, kernel.prepare(w), None)
     assert out.dtype == torch.bfloat16 and out.shape == (10, 64)
     exact = x.double() @ w.double().T
@@ -48,3 +50,30 @@ def test_platform_offers_the_kernel_for_fp32_and_bf16_only(monkeypatch: pytest.M
     monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
     assert platform.linear_kernel(torch.float32) is None
     assert not OneDNNLinearKernel().supports(torch.zeros(4, 4, dtype=torch.float16))
+
+
+def test_a_dtype_onednn_cannot_pack_here_is_not_offered(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as on a CPU without AVX512BW / AVX-NE-CONVERT, where oneDNN's bf16 packing raises
+    from pagoda_platform_cpu import linear
+    from pagoda_platform_cpu.linear import GemvLinearKernel
+
+    real = linear._reorder
+
+    def refuses_bf16(weight: torch.Tensor) -> object:
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+        return real(weight)
+
+    monkeypatch.setattr(linear, "_reorder", refuses_bf16)
+    packer = OneDNNLinearKernel()
+    assert packer.dtypes == (torch.float32,)
+    w = torch.randn(48, 32).to(torch.bfloat16)
+    assert not packer.supports(w) and packer.supports(w.float())
+    # the GEMV kernel keeps only the plain weight and answers every row count
+    kernel = GemvLinearKernel(packer, max_rows=4)
+    prepared = kernel.prepare(w)
+    assert prepared.packed is None
+    for rows in (1, 4, 17, 40):
+        x = torch.randn(rows, 32).to(torch.bfloat16)
+        torch.testing.assert_close(kernel.apply(x, prepared, None).float(), torch.nn.functional.linear(x, w).float(),
+                                   rtol=2e-2, atol=2e-2)

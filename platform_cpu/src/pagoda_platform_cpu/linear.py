@@ -78,17 +78,33 @@ def host_memory_bytes() -> int:
         return 0
 
 
+def _reorder(weight: torch.Tensor) -> Any:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+
+
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU: its bf16 packing needs AVX512BW/VL/DQ or
+    AVX-NE-CONVERT and raises on a plain AVX2 CPU (or under ``ONEDNN_MAX_CPU_ISA=AVX2``)."""
+    try:
+        _reorder(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError as exc:
+        logger.info("oneDNN does not pack %s weights on this CPU (%s): those linears use F.linear", dtype, exc)
+        return False
+    return True
+
+
 class OneDNNLinearKernel:
     name = "onednn_packed"
 
     def __init__(self, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> None:
-        self.dtypes = dtypes
+        # probed once per kernel: a dtype this CPU's oneDNN cannot pack is not offered at all
+        self.dtypes = tuple(d for d in dtypes if _packs(d))
 
     def supports(self, weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self.dtypes and weight.numel() > 0
 
     def prepare(self, weight: torch.Tensor) -> Any:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
+        return _reorder(weight.contiguous())
 
     def apply(self, x: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepared, bias, "none", [], "")

@@ -321,6 +321,10 @@ def _ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int, torch.Tenso
     """The storages under ``tensors`` as sorted, disjoint (start, end, a tensor on it) spans."""
     by_start: dict[int, tuple[int, torch.Tensor]] = {}
     for t in tensors:
+        if t.layout != torch.strided:
+            # oneDNN's packed weights and sparse tensors have no storage a kernel's raw pointer could
+            # point into; only torch calls read them, and a recorded torch call holds its arguments
+            continue
         storage = t.untyped_storage()
         start = storage.data_ptr()
         if start:
