@@ -2,10 +2,10 @@
 
 Every C++ kernel library is built with ``-mno-avx512f`` (a compiler wrapper in ``CXX``), oneDNN is
 held to AVX2 (``ONEDNN_MAX_CPU_ISA``) and so is torch (``ATEN_CPU_CAPABILITY``), in a child process
-with its own kernel cache. Linears then run on the GEMV and oneDNN (fp32) or F.linear (bf16, which
-oneDNN packs only with AVX512BW or AVX-NE-CONVERT), and decode steps replay kernel graphs over them.
-Both used to fail at start-up there: the graph capture raised on oneDNN's packed weights, and the bf16
-packing raised outright. Kernel-level AVX2 builds are tested beside each kernel; this is the engine.
+with its own kernel cache. Linears then run on the GEMV and oneDNN (bf16 weights packed as float32:
+oneDNN packs bf16 only with AVX512BW or AVX-NE-CONVERT), and decode steps replay kernel graphs over
+them. Both used to fail at start-up there: the graph capture raised on oneDNN's packed weights, and
+the bf16 packing raised outright. Kernel-level AVX2 builds are tested beside each kernel; this is the engine.
 """
 
 from __future__ import annotations

