@@ -81,6 +81,7 @@ def test_bf16_weights_oneDNN_cannot_pack_here_are_packed_as_float32(monkeypatch:
     kernel = GemvLinearKernel(packer, max_rows=4)
     prepared = kernel.prepare(w)
     assert isinstance(prepared.packed, WidenedWeight)
+    assert kernel.packed_bytes == 48 * 32 * 4  # the float32 copy counts against the packed budget
     for rows in (1, 4, 17, 40):
         x = torch.randn(rows, 32, generator=g).to(torch.bfloat16)
         torch.testing.assert_close(kernel.apply(x, prepared, None).float(),

@@ -118,6 +118,10 @@ class OneDNNLinearKernel:
     def supports(self, weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self.dtypes and weight.numel() > 0
 
+    def packed_nbytes(self, weight: torch.Tensor) -> int:
+        """Bytes the packed copy of ``weight`` takes (twice a bf16 weight's own where it is widened)."""
+        return weight.numel() * (4 if weight.dtype in self.widened else weight.element_size())
+
     def prepare(self, weight: torch.Tensor) -> Any:
         if weight.dtype in self.widened:
             return WidenedWeight(_reorder(weight.float().contiguous()), weight.dtype)
@@ -172,7 +176,8 @@ class GemvLinearKernel:
         plain = weight.contiguous()
         packed = None
         if self.packer is not None and self.packer.supports(plain):
-            size = plain.numel() * plain.element_size()
+            nbytes = getattr(self.packer, "packed_nbytes", None)
+            size = nbytes(plain) if nbytes is not None else plain.numel() * plain.element_size()
             if self.packed_bytes + size <= self.packed_budget_bytes:
                 packed = self.packer.prepare(plain)
                 self.packed_bytes += size
