@@ -1,6 +1,10 @@
 """Host memory for the KV cache: mapped lazily, and faulted in at start-up.
 
-The cache is an anonymous mapping (``zeros_lazy``), in huge pages where the OS allows. Left lazy,
+The cache is a shared anonymous mapping (``zeros_lazy``; Python's ``mmap`` default). That is shmem:
+its huge pages follow ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``, commonly ``never``, so
+``MADV_HUGEPAGE`` is only a request. A private mapping gets anonymous huge pages under the usual
+``madvise`` mode; measured on the guest below, that made decode attention ~4% faster but the 4 GiB
+prefault 5.4-6.5 s against 2.3 s in 4 KiB pages, so the mapping stays shared. Left lazy,
 the first write to each page costs a fault, the OS zeroing it and, under a hypervisor, the host
 backing it; and the block allocator hands out every block of the pool before it reuses one (LRU
 over cached prefixes), so those faults land on requests' latency for as long as the engine takes
@@ -9,9 +13,9 @@ Measured on a 2-vCPU KVM guest (Zen 5): a 512-token prefill step's K/V writes (7
 fp32) took ~0.25 ms a layer on fresh pages against a few µs on touched ones, ~5% of the step.
 
 ``populate`` faults a mapping in with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) from several
-threads at once (ctypes releases the GIL for each chunk): on that guest 4 GiB of fresh huge-page
-memory took 1.4 s on 2 threads (2.8 s on one; ~10 s when the OS had no huge pages to give). Where
-the kernel lacks the advice, nothing is populated and the cache stays lazy.
+threads at once (ctypes releases the GIL for each chunk): on that guest 4 GiB took 2.3 s on 2
+threads in 4 KiB pages (an earlier measurement, in huge pages, 1.4 s). Where the kernel lacks the
+advice, nothing is populated and the cache stays lazy.
 """
 
 from __future__ import annotations
@@ -37,13 +41,13 @@ PAGE = mmap.PAGESIZE
 
 
 def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor whose host pages are mapped on first touch, in huge pages where the OS allows.
+    """A zero tensor whose host pages are mapped on first touch, in huge pages where shmem's setting allows.
 
     torch.zeros memsets the whole KV cache up front, page fault by page fault (5.7 s for
     4 GiB on the 2-vCPU guest); an anonymous mapping gets zero pages from the OS lazily, and
-    ``populate`` can fault it in on several threads in huge pages (1.4 s). Huge pages (madvise;
-    THP "madvise" mode is the common default) also cut TLB misses on the scattered block reads
-    of decode attention: ~10% faster decode attention measured on 1 thread.
+    ``populate`` can fault it in on several threads (2.3 s). Huge pages cut TLB misses on the
+    scattered block reads of decode attention (~10% on 1 thread, ~4% on 2, when measured), but
+    the mapping is shared, so it gets them only where ``shmem_enabled`` allows (module docstring).
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
