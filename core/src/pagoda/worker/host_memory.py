@@ -13,9 +13,8 @@ Measured on a 2-vCPU KVM guest (Zen 5): a 512-token prefill step's K/V writes (7
 fp32) took ~0.25 ms a layer on fresh pages against a few µs on touched ones, ~5% of the step.
 
 ``populate`` faults a mapping in with ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) from several
-threads at once (ctypes releases the GIL for each chunk): on that guest 4 GiB took 2.3 s on 2
-threads in 4 KiB pages (an earlier measurement, in huge pages, 1.4 s). Where the kernel lacks the
-advice, nothing is populated and the cache stays lazy.
+threads at once (ctypes releases the GIL for each chunk): on that guest 4 GiB took 1.4-2.3 s on 2
+threads. Where the kernel lacks the advice, nothing is populated and the cache stays lazy.
 """
 
 from __future__ import annotations
@@ -45,9 +44,9 @@ def zeros_lazy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 
     torch.zeros memsets the whole KV cache up front, page fault by page fault (5.7 s for
     4 GiB on the 2-vCPU guest); an anonymous mapping gets zero pages from the OS lazily, and
-    ``populate`` can fault it in on several threads (2.3 s). Huge pages cut TLB misses on the
-    scattered block reads of decode attention (~10% on 1 thread, ~4% on 2, when measured), but
-    the mapping is shared, so it gets them only where ``shmem_enabled`` allows (module docstring).
+    ``populate`` can fault it in on several threads (1.4-2.3 s). Huge pages cut TLB misses on the
+    scattered block reads of decode attention (~4% on 2 threads), but the mapping is shared, so it
+    gets them only where ``shmem_enabled`` allows (module docstring).
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
