@@ -10,6 +10,7 @@ the bf16 packing raised outright. Kernel-level AVX2 builds are tested beside eac
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -72,15 +73,9 @@ def test_engine_without_avx512_matches_transformers(tmp_path: Path, tiny_model_d
     result = _run_avx2(tmp_path, path, dtype)
     assert result["avx512_gemm"] is False, "the AVX-512 matmul was built: the wrapper did not take"
     assert result["replays"], "decode steps did not replay kernel graphs"
-    reference = hf_model if dtype == "float32" else _bf16_copy(hf_model)
+    reference = hf_model if dtype == "float32" else copy.deepcopy(hf_model).to(torch.bfloat16)
     # bf16: transformers rounds intermediates at other points than the engine's kernels, and a
     # random model's near-ties come up within a few tokens (one prompt here differs at its 8th)
     compared = 8 if dtype == "float32" else 4
     for prompt, tokens in zip(PROMPTS, result["tokens"]):
         assert tokens[:compared] == hf_greedy(reference, prompt, compared)
-
-
-def _bf16_copy(model: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(model).to(torch.bfloat16)
