@@ -77,3 +77,35 @@ def test_prefix_cache_reuses_blocks(tiny_model_dir, hf_greedy) -> None:
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 256  # 16 full blocks of the shared prefix were not recomputed
     _check(hf_greedy, llm, hf_model, [prefix + [4, 5, 6]], new_tokens=2)
+
+
+def test_eager_steps_compute_only_the_sampled_rows_past_the_last_attention(tiny_model_dir, hf_greedy,
+                                                                            divergence_is_a_tie) -> None:
+    """The runner hands a model that supports it the rows that sample (output_rows), chunks that sample
+    nothing included; results stay transformers' own, and prompt logprobs (every row) still get them all."""
+    path, hf_model = tiny_model_dir("llama")
+    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
+              max_num_batched_tokens=64, num_kv_blocks=2048, enforce_eager=True, enable_prefix_caching=False)
+    runner = llm.llm_engine.engine_core.core.runner
+    seen: list[tuple[int, int | None]] = []
+    forward = runner.model.forward
+
+    def spy(input_ids, positions, metadata, *args, **kwargs):
+        rows = kwargs.get("output_rows")
+        out = forward(input_ids, positions, metadata, *args, **kwargs)
+        seen.append((len(input_ids), None if rows is None else len(rows)))
+        assert len(out) == (len(input_ids) if rows is None else len(rows))
+        return out
+
+    runner.model.forward = spy
+    prompts = _prompts(6, hf_model.config.vocab_size, seed=11, max_len=150)
+    _check(hf_greedy, llm, hf_model, prompts, divergence_is_a_tie=divergence_is_a_tie)
+    assert any(rows is not None and 0 < rows < tokens for tokens, rows in seen)
+    seen.clear()
+    _check(hf_greedy, llm, hf_model, prompts[1:2], divergence_is_a_tie=divergence_is_a_tie)
+    assert seen[:3] == [(64, 0), (64, 0), (len(prompts[1]) - 128, 1)], "64-token chunks of a longer prompt sample nothing"
+
+    seen.clear()
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    out = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(prompts[1]) and all(rows is None for _, rows in seen)

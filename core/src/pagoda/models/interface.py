@@ -19,7 +19,16 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class CausalLMModel(Protocol):
-    """Constructor: ``cls(hf_config: PretrainedConfig, dtype: torch.dtype)`` on the meta or target device."""
+    """Constructor: ``cls(hf_config: PretrainedConfig, dtype: torch.dtype)`` on the meta or target device.
+
+    Optional: a class attribute ``supports_output_rows = True`` declares that ``forward`` takes
+    ``output_rows`` ([R] int64, ascending, or None): the rows whose final hidden states the step
+    reads (the tokens that sample). The model then returns ``[R, hidden_size]``, those rows in that
+    order, and may skip the rest past its last attention (which still writes every row's K/V). The
+    runner passes it in eager steps whose sampled rows are fewer than the step's tokens; not
+    with prompt logprobs, pooling, or on a pipeline stage other than the last. (Beyond vLLM,
+    whose models always return every row.)
+    """
 
     def forward(
         self,

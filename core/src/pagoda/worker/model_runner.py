@@ -360,6 +360,15 @@ class ModelRunner:
         """The model reads token type ids (BERT-style embeddings); the batch keeps them per row."""
         return bool(getattr(self.model, "uses_token_type_ids", False))
 
+    def _output_rows(self, cu: np.ndarray, samples: np.ndarray, total: int, wants_prompt_logprobs: bool) -> np.ndarray | None:
+        """The rows an eager step's model may return alone (each sampling request's last token), or None
+        for all of them: only where the model supports it and no caller reads other rows."""
+        if (self.runner_type != "generate" or wants_prompt_logprobs or not self.pp.is_last_rank
+                or not getattr(self.model, "supports_output_rows", False)):
+            return None
+        rows = cu[1:][np.nonzero(samples)[0]] - 1
+        return rows if len(rows) < total else None
+
     def _extra_inputs(self, token_type_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"token_type_ids": token_type_ids} if self.uses_token_type_ids else {}
 
@@ -412,6 +421,7 @@ class ModelRunner:
 
         dev = self.device
         hidden = None
+        hidden_rows: np.ndarray | None = None  # the rows hidden holds, where the model returned only some
         wants_prompt_logprobs = bool(b.num_prompt_logprobs[rows].max() >= 0)
         if self.graphs is not None and not wants_prompt_logprobs:
             # A pure-decode step replays a captured graph; None: not one it can serve.
@@ -434,12 +444,17 @@ class ModelRunner:
             if b.token_type_ids is not None:
                 extra = self._extra_inputs(torch.from_numpy(b.token_type_ids[token_rows, positions]).to(dev, non_blocking=True))
             extra.update(stage_inputs(self.pp, self.model, total, self.dtype, dev, receive=True))
+            output_rows = self._output_rows(cu, seq_lens >= b.num_tokens[rows], total, wants_prompt_logprobs)
+            if output_rows is not None:
+                extra["output_rows"] = torch.from_numpy(output_rows).to(dev, non_blocking=True)
             hidden = self.model(
                 torch.from_numpy(input_ids).to(dev, non_blocking=True),
                 torch.from_numpy(positions).to(dev, non_blocking=True),
                 md,
                 **extra,
             )
+            if output_rows is not None:
+                hidden_rows = output_rows
         # Only requests whose known tokens are all computed after this step sample.
         samples = seq_lens >= b.num_tokens[rows]
         b.num_computed[rows] = seq_lens
@@ -457,8 +472,11 @@ class ModelRunner:
         if wants_prompt_logprobs:
             result.prompt_logprobs = sampler.prompt_logprobs(self.model, hidden, req_ids, rows, start, nsched, cu)
         if len(sample_idx):
-            logits_rows = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev)
-            logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
+            if hidden_rows is not None:
+                logits = self.model.compute_logits(hidden)  # the model returned exactly these rows
+            else:
+                logits_rows = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev)
+                logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
             beam_k = b.num_beam_candidates[rows[sample_idx]]
             if beam_k.any():
                 is_beam = beam_k > 0

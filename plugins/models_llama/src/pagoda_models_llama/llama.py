@@ -147,14 +147,18 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns this layer's output and the residual stream, not yet added (the next norm adds them).
 
         The residual stream is this model's own tensor (the embedding output, then sums):
-        ``add_and_norm`` may write each new sum into it in place.
+        ``add_and_norm`` may write each new sum into it in place. ``output_rows``: past the attention
+        (which still writes every row's K/V), only these rows go on, in this order.
         """
         normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(normed, cos, sin, metadata)
+        if output_rows is not None:
+            hidden, residual = hidden.index_select(0, output_rows), residual.index_select(0, output_rows)
         normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(normed), residual
 
@@ -172,15 +176,20 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(rope_config_from_hf(cfg), dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+                intermediate_tensors: IntermediateTensors | None = None,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        if output_rows is not None and not self.is_last_stage:
+            raise ValueError("output_rows: only the last pipeline stage computes the model's output rows")
         cos, sin = self.rotary_emb.cos_sin(positions)  # gathered once per step, shared by all layers
         residual: torch.Tensor | None = None
         if intermediate_tensors is None:
             hidden = self.embed_tokens(input_ids)
         else:  # a later pipeline stage continues the previous one's residual stream
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden, residual = layer(hidden, residual, cos, sin, metadata)
+        layers = self.layers[self.start_layer : self.end_layer]
+        for i, layer in enumerate(layers):
+            # The last layer needs every row's K/V, but only the output rows past its attention.
+            hidden, residual = layer(hidden, residual, cos, sin, metadata, output_rows if i == len(layers) - 1 else None)
         if not self.is_last_stage:
             assert residual is not None  # every stage holds at least one layer
             return IntermediateTensors(hidden_states=hidden, residual=residual)
@@ -209,6 +218,8 @@ class LlamaForCausalLM(nn.Module):
     supports_pp: bool = True
     # load_weights calls a quantization method's weight_loader (pagoda.quantization.model)
     supports_quant: bool = True
+    # forward(output_rows=...) returns only those rows' hidden states (pagoda.models.interface)
+    supports_output_rows: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -239,8 +250,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.rotary_emb.max_positions
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, metadata, intermediate_tensors)
+                intermediate_tensors: IntermediateTensors | None = None,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, metadata, intermediate_tensors, output_rows)
 
     def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
         """What a stage receives from the previous one (vLLM's name): the hidden states and the residual."""
