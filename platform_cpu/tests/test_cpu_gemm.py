@@ -168,3 +168,24 @@ def test_source_builds_for_cpus_without_the_instructions(flags: list[str], suppo
         pytest.skip("no C++ compiler")
     library = ctypes.CDLL(str(gemm_module.EXTENSION.compile_to(tmp_path / "libgemm.so", flags)))
     assert (bool(library.pagoda_gemm_supports(0)), bool(library.pagoda_gemm_supports(1))) == supported
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_calls_learn_their_order_and_the_next_weight_changes_no_result(dtype: torch.dtype) -> None:
+    """Each call is told the weight that followed it last time (its first panels are prefetched): the
+    order is the order of the calls, and results are bit for bit those of a call told nothing."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(96, 64), (576, 1536), (50, 33)]  # other K and panel counts: each thread's first panel differs
+    weights = [torch.randn(n, k, generator=g).to(dtype) for n, k in shapes]
+    kernel = PackedGemmKernel()
+    prepared = [kernel.prepare(w) for w in weights]
+    for rows in (2, 8, 40, 300):
+        xs = [torch.randn(rows, k, generator=g).to(dtype) for _, k in shapes]
+        for _ in range(2):  # the second round runs with what the first one taught
+            outs = [kernel.apply(x, p, None) for x, p in zip(xs, prepared)]
+        for a, b in zip(prepared, prepared[1:] + prepared[:1]):
+            assert kernel._followers[a.data_ptr] is b
+        for x, w, out in zip(xs, weights, outs):
+            plain = PackedGemmKernel()  # knows no order
+            assert torch.equal(out, plain.apply(x, plain.prepare(w), None))
+            _check(x, w, None, out)

@@ -33,6 +33,7 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _STEP = {torch.float32: 1, torch.bfloat16: 2}  # k values per packed element group
 _num_threads = torch.get_num_threads
 _empty = torch.empty
+_NO_FOLLOWER = (None, 0, 0)
 _NEEDS = {torch.float32: "AVX-512F", torch.bfloat16: "AVX512_BF16 (with AVX512BW and AVX512VL)"}
 
 
@@ -130,6 +131,11 @@ class PackedGemmKernel:
         self.row_tile = row_tile
         self.onednn_rows = tuple(onednn_rows)
         self.arena = arena if arena is not None else HugePageArena()
+        # The order the layers ran in, as a hint to the kernel: the weight each one's call was last followed
+        # by (keyed by packed address), so a call prefetches the next one's first panels (csrc/gemm.cpp,
+        # Follower). A wrong guess only costs the lines read.
+        self._followers: dict[int, PackedWeight] = {}
+        self._previous = 0
 
     def supports(self, weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self.dtypes and weight.numel() > 0
@@ -178,9 +184,15 @@ class PackedGemmKernel:
             bias = padded
             bias_ptr = padded.data_ptr()
         y = _empty(m, n, dtype=dtype)
+        address = prepared.data_ptr
+        if self._previous and self._previous != address:
+            self._followers[self._previous] = prepared
+        self._previous = address
+        follower = self._followers.get(address)
         if m and prepared.kernel(
-            x.data_ptr(), row_stride, m, k, prepared.data_ptr, prepared.panels, bias_ptr, y.data_ptr(), n, _num_threads(),
-            self.row_tile,
+            x.data_ptr(), row_stride, m, k, address, prepared.panels, bias_ptr, y.data_ptr(), n, _num_threads(),
+            self.row_tile, *((follower.data_ptr, follower.panels, follower.in_features) if follower is not None
+                             and follower.dtype is dtype else _NO_FOLLOWER),
         ):
             raise RuntimeError(f"gemm: this build has no {dtype} kernel")
         return y

@@ -168,7 +168,7 @@ PAGODA_INLINE void tile(const T* x, int64_t ldx, int64_t K, const T* panel, cons
 // memory stream the hardware prefetchers keep up with; a software stream beside it cost 9% at 1 row.
 template <typename T, int MR>
 void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
-             int64_t columns, const T* next) {
+             int64_t columns, const T* next, int64_t next_lines) {
   constexpr int64_t step = kStep<T>;
   const int64_t steps = (K + step - 1) / step;  // a k-step of a panel is 128 bytes, 2 lines, in both dtypes
   // the tiles run below: whole MR-row tiles, an 8-row one when MR > 8 leaves more than 8, then the rest
@@ -178,7 +178,7 @@ void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, cons
     rest -= 8;
   }
   if (rest > 0) ++tiles;
-  const int64_t lines = 2 * steps, share = (lines + tiles - 1) / tiles;
+  const int64_t lines = next_lines, share = (lines + tiles - 1) / tiles;
   int64_t index = 0;
   auto prefetch = [&]() -> Prefetch {
     const int64_t t = index++;
@@ -218,11 +218,11 @@ void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, cons
 // where two 512-bit multiply-adds issue a cycle and the panel streams from L2.
 template <typename T>
 void rows(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
-          int64_t columns, int row_tile, const T* next) {
+          int64_t columns, int row_tile, const T* next, int64_t next_lines) {
   switch (row_tile) {
-    case 12: rows_by<T, 12>(x, ldx, M, K, panel, bias, y, ldy, columns, next); break;
-    case 14: rows_by<T, 14>(x, ldx, M, K, panel, bias, y, ldy, columns, next); break;
-    default: rows_by<T, kRowTile>(x, ldx, M, K, panel, bias, y, ldy, columns, next); break;
+    case 12: rows_by<T, 12>(x, ldx, M, K, panel, bias, y, ldy, columns, next, next_lines); break;
+    case 14: rows_by<T, 14>(x, ldx, M, K, panel, bias, y, ldy, columns, next, next_lines); break;
+    default: rows_by<T, kRowTile>(x, ldx, M, K, panel, bias, y, ldy, columns, next, next_lines); break;
   }
 }
 
@@ -248,35 +248,64 @@ inline int64_t row_block(int64_t M, int64_t row_bytes, int row_tile) {
   return std::min(M, (rows + tile - 1) / tile * tile);
 }
 
+// Elements of one packed panel of a K-column weight.
+template <typename T>
+constexpr int64_t panel_elements(int64_t K) {
+  return (K + kStep<T> - 1) / kStep<T> * kStep<T> * kPanel;
+}
+
+// The weight the next call multiplies, as its caller expects it (pagoda_platform_cpu.gemm keeps the
+// order its layers ran in): each thread's last panel pulls in the first panel that thread takes
+// there, so a call no longer starts on a panel from memory (SmolLM2's 120 decoder matrices at 32
+// rows, fp32, 2 Zen 5 threads: 15.4 -> 15.0 ms with each thread's first panel cached). A stale or
+// wrong guess costs only the lines read; a prefetch never faults.
+template <typename T>
+struct Follower {
+  const T* packed = nullptr;  // nullptr: none known
+  int64_t panels = 0;
+  int64_t K = 0;
+};
+
 template <typename T>
 void gemm(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_t panels, const float* bias, T* y,
-          int64_t N, int max_threads, int row_tile) {
-  const int64_t panel_elems = (K + kStep<T> - 1) / kStep<T> * kStep<T> * kPanel;
+          int64_t N, int max_threads, int row_tile, Follower<T> follower = {}) {
+  const int64_t panel_elems = panel_elements<T>(K);
+  const int64_t own_lines = 2 * (panel_elems / kPanel / kStep<T>);  // a k-step is 2 lines
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads, panels)));
   // Rows in blocks whose x fits half of L2: each panel runs over a block while the block stays in
   // L2, where running every row over each panel would stream all of x from L3 once per panel
   // (x of 4,096 rows x 576 bf16 is 4.7 MB; that took the 4,096-row case below oneDNN).
   const int64_t block = row_block(M, K * static_cast<int64_t>(sizeof(T)), row_tile);
-  auto run = [&](int64_t p0, int64_t p1) {
+  auto run = [&](int64_t p0, int64_t p1, int t, int nt) {
+    // after this thread's last panel: the first one it takes in the next call, if that call's split is known
+    const T* after = nullptr;
+    int64_t after_lines = 0;
+    const int follower_threads = static_cast<int>(std::min<int64_t>(max_threads, follower.panels));
+    if (follower.packed != nullptr && follower_threads == nt) {
+      after = follower.packed + follower.panels * t / nt * panel_elements<T>(follower.K);
+      after_lines = 2 * (panel_elements<T>(follower.K) / kPanel / kStep<T>);
+    }
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t mb = std::min(block, M - m0);
+      const bool last_block = m0 + block >= M;
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kPanel;
+        const T* next = p + 1 < p1 ? packed + (p + 1) * panel_elems : last_block ? after : packed + p0 * panel_elems;
         rows(x + m0 * ldx, ldx, mb, K, packed + p * panel_elems, bias == nullptr ? nullptr : bias + n0,
-             y + m0 * N + n0, N, std::min(kPanel, N - n0), row_tile,
-             p + 1 < p1 ? packed + (p + 1) * panel_elems : nullptr);
+             y + m0 * N + n0, N, std::min(kPanel, N - n0), row_tile, next,
+             p + 1 < p1 || !last_block ? own_lines : after_lines);
       }
     }
   };
   if (threads == 1) {
-    run(0, panels);
+    run(0, panels, 0, 1);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
     // One contiguous range of panels per thread: its share of the weight, read once.
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    run(panels * t / nt, panels * (t + 1) / nt);
+    run(panels * t / nt, panels * (t + 1) / nt, t, nt);
   }
 }
 
@@ -370,27 +399,32 @@ PAGODA_EXPORT void pagoda_gemm_pack_bf16(const uint16_t* weight, uint16_t* packe
 }
 
 // y [M, N] (rows N apart) = x [M, K] (rows ldx apart) times the packed weight of `panels` panels, plus
-// bias (float32, padded to panels * 32; may be null). Returns -1 where this build lacks the instructions.
+// bias (float32, padded to panels * 32; may be null). next_packed / next_panels / next_K: the packed
+// weight the caller expects to multiply next (null: none), for its first panels to be prefetched.
+// Returns -1 where this build lacks the instructions.
 PAGODA_EXPORT int pagoda_gemm_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* packed, int64_t panels,
-                                  const float* bias, float* y, int64_t N, int threads, int row_tile) {
+                                  const float* bias, float* y, int64_t N, int threads, int row_tile,
+                                  const float* next_packed, int64_t next_panels, int64_t next_K) {
 #if defined(PAGODA_GEMM_FP32)
-  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile);
+  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile,
+                    pagoda_gemm::Follower<float>{next_packed, next_panels, next_K});
   return 0;
 #else
   (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)panels, (void)bias, (void)y, (void)N, (void)threads;
-  (void)row_tile;
+  (void)row_tile, (void)next_packed, (void)next_panels, (void)next_K;
   return -1;
 #endif
 }
 PAGODA_EXPORT int pagoda_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* packed,
                                    int64_t panels, const float* bias, uint16_t* y, int64_t N, int threads,
-                                   int row_tile) {
+                                   int row_tile, const uint16_t* next_packed, int64_t next_panels, int64_t next_K) {
 #if defined(PAGODA_GEMM_BF16)
-  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile);
+  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile,
+                    pagoda_gemm::Follower<uint16_t>{next_packed, next_panels, next_K});
   return 0;
 #else
   (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)panels, (void)bias, (void)y, (void)N, (void)threads;
-  (void)row_tile;
+  (void)row_tile, (void)next_packed, (void)next_panels, (void)next_K;
   return -1;
 #endif
 }
