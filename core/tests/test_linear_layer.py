@@ -70,3 +70,56 @@ def test_prepared_layers_use_the_kernel_and_release_unshared_weights() -> None:
     assert "kernel=scaled" in repr(model.proj)
     # preparing twice is a no-op
     assert prepare_linear_layers(model, kernel) == 0
+
+
+class FusingKernel(ScaledKernel):
+    """ScaledKernel plus a SiLU-and-mul it computes itself (and counts), as a platform's fused matmul would."""
+
+    name = "fusing"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused_calls = 0
+
+    def supports_silu_and_mul(self, weight: torch.Tensor) -> bool:
+        return self.supports(weight) and weight.shape[0] % 2 == 0
+
+    def prepare_silu_and_mul(self, weight: torch.Tensor) -> Any:
+        return ("gated", self.prepare(weight))
+
+    def apply_silu_and_mul(self, x: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        self.fused_calls += 1
+        gate, up = self.apply(x, prepared[1], bias).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+
+def test_a_gate_up_projection_with_its_activation_fuses_where_the_kernel_can() -> None:
+    from pagoda.layers import MergedColumnParallelLinear, SiluAndMulLinearKernel
+
+    x = torch.randn(3, 8)
+    results = {}
+    for kernel in (FusingKernel(), ScaledKernel(), None):
+        layer = _filled(MergedColumnParallelLinear(8, [5, 5], True, torch.float32, activation="silu_and_mul"), 2)
+        gate, up = torch.nn.functional.linear(x, layer.weight, layer.bias).chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        if kernel is not None:
+            assert prepare_linear_layers(layer, kernel) == 1
+        results[kernel.name if kernel else None] = layer(x)
+        torch.testing.assert_close(results[kernel.name if kernel else None], want)
+        assert results[kernel.name if kernel else None].shape == (3, 5)
+        if isinstance(kernel, FusingKernel):
+            assert isinstance(kernel, SiluAndMulLinearKernel) and kernel.fused_calls == 1
+            assert layer.fused_activation and "activation fused" in repr(layer)
+        else:
+            assert not isinstance(kernel, SiluAndMulLinearKernel) and not layer.fused_activation
+
+
+def test_a_gate_up_activation_other_than_silu_and_mul_of_two_halves_is_refused() -> None:
+    import pytest
+
+    from pagoda.layers import MergedColumnParallelLinear
+
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        MergedColumnParallelLinear(8, [5, 5], False, torch.float32, activation="gelu_and_mul")
+    with pytest.raises(ValueError, match="two equal projections"):
+        MergedColumnParallelLinear(8, [5, 6], False, torch.float32, activation="silu_and_mul")

@@ -189,3 +189,35 @@ def test_calls_learn_their_order_and_the_next_weight_changes_no_result(dtype: to
             plain = PackedGemmKernel()  # knows no order
             assert torch.equal(out, plain.apply(x, plain.prepare(w), None))
             _check(x, w, None, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 8, 32, 77, 300])
+@pytest.mark.parametrize(("intermediate", "in_features", "with_bias"), [(1536, 576, False), (40, 33, True), (16, 64, False), (8, 7, True)])
+def test_silu_and_mul_epilogue_is_the_separate_ops_bit_for_bit(dtype: torch.dtype, rows: int, intermediate: int,
+                                                                in_features: int, with_bias: bool) -> None:
+    """The fused gate/up projection equals the projection then the layer ops' silu_and_mul exactly: widths
+    not a multiple of 16 (a partial last panel), odd K, bias, every row-tile tail."""
+    from pagoda_platform_cpu.layer_ops import cpu_layer_ops
+
+    g = torch.Generator().manual_seed(rows + intermediate + in_features)
+    w = torch.randn(2 * intermediate, in_features, generator=g).to(dtype)
+    b = torch.randn(2 * intermediate, generator=g).to(dtype) if with_bias else None
+    x = (3 * torch.randn(rows, in_features, generator=g)).to(dtype)
+    kernel = PackedGemmKernel()
+    fused = kernel.apply_silu_and_mul(x, kernel.prepare_silu_and_mul(w), b)
+    separate = cpu_layer_ops().silu_and_mul(kernel.apply(x, kernel.prepare(w), b))
+    assert fused.shape == (rows, intermediate) and fused.dtype == dtype
+    assert torch.equal(fused, separate)
+
+
+@pytest.mark.skipif(gemm_module.unavailable_reason(torch.float32) is not None, reason="no float32 packed matmul here")
+def test_silu_and_mul_epilogue_refuses_what_it_cannot_take() -> None:
+    kernel = PackedGemmKernel()
+    assert not kernel.supports_silu_and_mul(torch.randn(7, 4))  # no gate/up halves
+    with pytest.raises(RuntimeError, match="even number of rows"):
+        kernel.prepare_silu_and_mul(torch.randn(7, 4))
+    with pytest.raises(RuntimeError, match="prepare_silu_and_mul"):
+        kernel.apply_silu_and_mul(torch.randn(2, 4), kernel.prepare(torch.randn(8, 4)), None)
+    with pytest.raises(RuntimeError, match="bias of \\[8\\]"):
+        kernel.apply_silu_and_mul(torch.randn(2, 4), kernel.prepare_silu_and_mul(torch.randn(8, 4)), torch.randn(4))

@@ -12,6 +12,7 @@ measurement per CPU (``pagoda_platform_cpu.gemm_tuning``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,10 @@ from pagoda_platform_cpu.huge_pages import HugePageArena
 
 EXTENSION_NAME = "pagoda_cpu_gemm"
 SOURCE = "csrc/gemm.cpp"
-EXTENSION = CppExtension(EXTENSION_NAME, "pagoda_platform_cpu", [SOURCE])
+# -ffp-contract=off: the SiLU-and-mul epilogue rounds as the layer ops do (built the same way); the
+# matmul's multiply-adds are explicit instructions, which the flag does not touch.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+EXTENSION = CppExtension(EXTENSION_NAME, "pagoda_platform_cpu", [SOURCE], cflags=_CFLAGS)
 PANEL = 32  # output columns per packed panel (kPanel in the source)
 ROW_TILES = (8, 12, 14)  # register-tile heights the source has; 8 unless tuned (gemm_tuning)
 DEFAULT_ROW_TILE = 8
@@ -108,6 +112,20 @@ class PackedWeight:
     data_ptr: int
     kernel: Callable[..., int]  # the library's entry point for this dtype
     plain: torch.Tensor | None = None  # kept only where F.linear serves some row counts (gemm_tuning)
+    # Packed for SiLU-and-mul (prepare_silu_and_mul): each panel 16 gate columns then the same 16 of up;
+    # out_features is then the output's width, half the projection's.
+    silu_and_mul: bool = False
+
+
+def _interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """[2 I, ...] (gate rows, then up rows) -> [ceil(I / 16) * 32, ...]: 16 gate rows, the same 16 up rows,
+    and so on, zero-padded: the row order of a weight packed for the SiLU-and-mul epilogue."""
+    half = t.shape[0] // 2
+    groups = -(-half // (PANEL // 2))
+    out = t.new_zeros((2, groups * (PANEL // 2), *t.shape[1:]))
+    out[0, :half] = t[:half]
+    out[1, :half] = t[half:]
+    return out.reshape(2, groups, PANEL // 2, *t.shape[1:]).transpose(0, 1).reshape(groups * PANEL, *t.shape[1:])
 
 
 class PackedGemmKernel:
@@ -154,6 +172,25 @@ class PackedGemmKernel:
         plain = weight if self.onednn_rows else None
         return PackedWeight(packed, n, k, dtype, packed.shape[0], packed.data_ptr(), self._lib.gemm[dtype], plain)
 
+    def supports_silu_and_mul(self, weight: torch.Tensor) -> bool:
+        """A [gate; up] projection (an even number of rows) this kernel can take."""
+        return self.supports(weight) and weight.shape[0] % 2 == 0
+
+    def prepare_silu_and_mul(self, weight: torch.Tensor) -> PackedWeight:
+        """[2 I, K] (gate rows, then up rows) packed so each panel holds 16 gate columns and the same 16 of up;
+        ``apply_silu_and_mul`` then writes silu(gate) * up, [T, I], from the matmul's registers."""
+        if not self.supports_silu_and_mul(weight):
+            raise RuntimeError(f"gemm: a [gate; up] weight of an even number of rows expected, got {tuple(weight.shape)}")
+        packed = self.prepare(_interleave_gate_up(weight.contiguous()))
+        return dataclasses.replace(packed, out_features=weight.shape[0] // 2, plain=None, silu_and_mul=True)
+
+    def apply_silu_and_mul(self, x: torch.Tensor, prepared: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """silu(gate) * up of ``x @ [gate; up]^T + bias``, rounded as the separate projection and
+        ``silu_and_mul`` round: bit for bit their result."""
+        if not prepared.silu_and_mul:
+            raise RuntimeError("gemm: apply_silu_and_mul needs a weight from prepare_silu_and_mul")
+        return self.apply(x, prepared, bias)
+
     def apply(self, x: torch.Tensor, prepared: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         # Called for every linear layer of every step: the 2-D case reads each attribute once, inline.
         shape = x.shape
@@ -174,13 +211,18 @@ class PackedGemmKernel:
         if column_stride != 1 and k > 1:
             x = x.contiguous()
             row_stride = k
+        gated = prepared.silu_and_mul
         bias_ptr = None
         if bias is not None:
-            if bias.numel() != n:
-                raise RuntimeError(f"gemm: bias of [{n}] expected")
+            width = 2 * n if gated else n
+            if bias.numel() != width:
+                raise RuntimeError(f"gemm: bias of [{width}] expected")
             # float32, padded to whole panels, so the last panel's bias load stays in bounds.
-            padded = torch.zeros(prepared.panels * PANEL, dtype=torch.float32)
-            padded[:n] = bias.reshape(n)
+            if gated:
+                padded = _interleave_gate_up(bias.reshape(width).float())
+            else:
+                padded = torch.zeros(prepared.panels * PANEL, dtype=torch.float32)
+                padded[:n] = bias.reshape(n)
             bias = padded
             bias_ptr = padded.data_ptr()
         y = _empty(m, n, dtype=dtype)
@@ -192,7 +234,7 @@ class PackedGemmKernel:
         if m and prepared.kernel(
             x.data_ptr(), row_stride, m, k, address, prepared.panels, bias_ptr, y.data_ptr(), n, _num_threads(),
             self.row_tile, *((follower.data_ptr, follower.panels, follower.in_features) if follower is not None
-                             and follower.dtype is dtype else _NO_FOLLOWER),
+                             and follower.dtype is dtype else _NO_FOLLOWER), 1 if gated else 0,
         ):
             raise RuntimeError(f"gemm: this build has no {dtype} kernel")
         return y

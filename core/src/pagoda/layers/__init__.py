@@ -4,7 +4,7 @@ from pagoda.layers.activation import Activation, GeluAndMul, SiluAndMul, gated_a
 from pagoda.layers.alibi import get_alibi_slopes
 from pagoda.layers.embedding import Embedding
 from pagoda.layers.head_norm import PerHeadLayerNorm
-from pagoda.layers.linear import Linear, LinearKernel, prepare_linear_layers
+from pagoda.layers.linear import Linear, LinearKernel, SiluAndMulLinearKernel, prepare_linear_layers
 from pagoda.layers.moe import FusedMoE, GatedMLP, fused_experts, fused_topk
 from pagoda.layers.norm import LayerNorm, RMSNorm
 from pagoda.layers.ops import TORCH_LAYER_OPS, LayerOps, LayerOpsModule, TorchLayerOps, bind_layer_ops
@@ -33,6 +33,7 @@ __all__ = [
     "LayerOpsModule",
     "Linear",
     "LinearKernel",
+    "SiluAndMulLinearKernel",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "PerHeadLayerNorm",

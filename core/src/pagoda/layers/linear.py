@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.activation import SiluAndMul
+
 if TYPE_CHECKING:
     from pagoda.quantization.base_config import LinearMethodBase
 
@@ -40,6 +42,25 @@ class LinearKernel(Protocol):
         ...
 
 
+@runtime_checkable
+class SiluAndMulLinearKernel(LinearKernel, Protocol):
+    """A ``LinearKernel`` that can also fuse SiLU-and-mul into a gate/up projection's matmul (optional).
+
+    ``apply_silu_and_mul`` returns ``silu(gate) * up`` of ``x @ [gate; up]^T + b``, [T, out / 2], rounded
+    as the two separate ops round (the projection's result to ``x``'s dtype first), so results are
+    bit for bit those of ``apply`` followed by the platform's ``silu_and_mul``.
+    """
+
+    def supports_silu_and_mul(self, weight: torch.Tensor) -> bool:
+        ...
+
+    def prepare_silu_and_mul(self, weight: torch.Tensor) -> Any:
+        ...
+
+    def apply_silu_and_mul(self, x: torch.Tensor, prepared: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        ...
+
+
 class Linear(nn.Module):
     """``y = x W^T + b``; ``weight`` is [out, in] and ``bias`` [out], as in Hugging Face checkpoints."""
 
@@ -54,13 +75,21 @@ class Linear(nn.Module):
         self.prepared: Any = None
         # Set by pagoda.quantization.quantize_model: the method then holds the weights and computes the layer.
         self.quant_method: LinearMethodBase | None = None
+        # A gated activation applied to the output (``activation``); fused: the kernel computes it in its matmul.
+        self.act: nn.Module | None = None
+        self.fused_activation = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_activation:
+            fused: Any = self.kernel  # a SiluAndMulLinearKernel, checked by prepare
+            return fused.apply_silu_and_mul(x, self.prepared, self.bias)
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x, self.bias)
-        if self.kernel is None:
-            return F.linear(x, self.weight, self.bias)
-        return self.kernel.apply(x, self.prepared, self.bias)
+            y = self.quant_method.apply(self, x, self.bias)
+        elif self.kernel is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = self.kernel.apply(x, self.prepared, self.bias)
+        return y if self.act is None else self.act(y)
 
     def prepare(self, kernel: LinearKernel, *, keep_weight: bool) -> bool:
         """Hand the weight to ``kernel``; False (and nothing changes) if it cannot take it.
@@ -70,7 +99,12 @@ class Linear(nn.Module):
         """
         if self.quant_method is not None or not kernel.supports(self.weight.data):
             return False
-        self.prepared = kernel.prepare(self.weight.data)
+        if (isinstance(self.act, SiluAndMul) and isinstance(kernel, SiluAndMulLinearKernel)
+                and kernel.supports_silu_and_mul(self.weight.data)):
+            self.prepared = kernel.prepare_silu_and_mul(self.weight.data)
+            self.fused_activation = True
+        else:
+            self.prepared = kernel.prepare(self.weight.data)
         self.kernel = kernel
         if not keep_weight:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device), requires_grad=False)
@@ -78,7 +112,8 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = f", kernel={self.kernel.name}" if self.kernel is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{kernel}"
+        fused = ", activation fused" if self.fused_activation else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{kernel}{fused}"
 
 
 def prepare_linear_layers(model: nn.Module, kernel: LinearKernel) -> int:

@@ -28,6 +28,7 @@ from pagoda.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.linear import Linear
 
 
@@ -111,10 +112,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Projections of one input stacked on the output dim (gate and up), each split across ranks.
 
     Rank r holds ``[gate_r; up_r]``, so the gated activation still finds its two halves side by side.
+    ``activation="silu_and_mul"`` (beyond vLLM): the layer returns ``silu(gate) * up`` itself, fused
+    into the matmul where the platform's kernel can (``SiluAndMulLinearKernel``), else through the
+    platform's ``silu_and_mul``: one call where a model wrote ``SiluAndMul()(gate_up_proj(x))``.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 *, activation: str | None = None) -> None:
         super().__init__(in_features, sum(output_sizes), bias, dtype, output_sizes=output_sizes)
+        if activation is not None:
+            if activation != "silu_and_mul" or len(output_sizes) != 2 or output_sizes[0] != output_sizes[1]:
+                raise ValueError(f"activation: only 'silu_and_mul' of two equal projections (gate, up), got "
+                                 f"{activation!r} of {output_sizes}")
+            self.act = SiluAndMul()
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -82,6 +83,13 @@ PAGODA_INLINE void store_columns(uint16_t* y, __m512 v, __mmask16 mask) {
 }
 #endif
 
+// What a tile does with its sums. kSiluAndMul: the weight was packed with each panel's 32 columns
+// 16 gate columns then the same 16 columns' up (pagoda_platform_cpu.gemm.PackedGemmKernel.
+// prepare_silu_and_mul), and the tile writes silu(gate) * up, 16 columns a panel: the fused MLP's
+// activation, rounded as the two separate ops round (the projection's result to T first, then
+// pagoda::simd::silu_mul), so results are bit for bit theirs.
+enum class Epilogue { kStore, kSiluAndMul };
+
 // Cache lines of the next panel to pull in while a tile computes (see rows_by).
 struct Prefetch {
   const char* from = nullptr;
@@ -91,7 +99,7 @@ struct Prefetch {
 };
 
 // Rows [0, MR) of x against one panel.
-template <typename T, int MR>
+template <typename T, int MR, Epilogue E>
 PAGODA_INLINE void tile(const T* x, int64_t ldx, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
                         int64_t columns, Prefetch pf = {}) {
   __m512 acc[MR][2];
@@ -139,6 +147,16 @@ PAGODA_INLINE void tile(const T* x, int64_t ldx, int64_t K, const T* panel, cons
       acc[r][1] = madd(acc[r][1], a, w1);
     }
   }
+  if constexpr (E == Epilogue::kSiluAndMul) {
+    using Rounded = std::conditional_t<sizeof(T) == 2, pagoda::bf16, float>;  // what the projection stores
+    const __mmask16 mask = columns >= 16 ? 0xffff : static_cast<__mmask16>((1u << columns) - 1);
+    for (int r = 0; r < MR; ++r) {
+      const auto gate = pagoda::simd::round_to<Rounded>(reinterpret_cast<pagoda::simd::vfloat>(acc[r][0]));
+      const auto up = pagoda::simd::round_to<Rounded>(reinterpret_cast<pagoda::simd::vfloat>(acc[r][1]));
+      store_columns(y + r * ldy, reinterpret_cast<__m512>(pagoda::simd::silu_mul<Rounded>(gate, up)), mask);
+    }
+    return;
+  }
   if (columns == kPanel) {
     for (int r = 0; r < MR; ++r) {
       store_columns(y + r * ldy, acc[r][0]);
@@ -166,7 +184,7 @@ PAGODA_INLINE void tile(const T* x, int64_t ldx, int64_t K, const T* panel, cons
 // prefetching a whole panel in bursts) and 8-13% at 64-128 rows; prefetcht0 rather than t1 gained
 // another 9-13% at 32 rows (f32 430 -> 468, bf16 792 -> 899). At 1-3 rows the product is a
 // memory stream the hardware prefetchers keep up with; a software stream beside it cost 9% at 1 row.
-template <typename T, int MR>
+template <typename T, int MR, Epilogue E>
 void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
              int64_t columns, const T* next, int64_t next_lines) {
   constexpr int64_t step = kStep<T>;
@@ -189,10 +207,10 @@ void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, cons
   };
   int64_t m = 0;
   for (; m + MR <= M; m += MR) {
-    tile<T, MR>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns, prefetch());
+    tile<T, MR, E>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns, prefetch());
   }
   if (MR > 8 && M - m > 8) {
-    tile<T, 8>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns, prefetch());
+    tile<T, 8, E>(x + m * ldx, ldx, K, panel, bias, y + m * ldy, ldy, columns, prefetch());
     m += 8;
   }
   const T* xr = x + m * ldx;
@@ -200,14 +218,14 @@ void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, cons
   if (M == m) return;
   const Prefetch pf = prefetch();
   switch (M - m) {
-    case 1: tile<T, 1>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
-    case 2: tile<T, 2>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
-    case 3: tile<T, 3>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
-    case 4: tile<T, 4>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
-    case 5: tile<T, 5>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
-    case 6: tile<T, 6>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
-    case 7: tile<T, 7>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
-    case 8: tile<T, 8>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 1: tile<T, 1, E>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 2: tile<T, 2, E>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 3: tile<T, 3, E>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 4: tile<T, 4, E>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 5: tile<T, 5, E>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 6: tile<T, 6, E>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 7: tile<T, 7, E>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
+    case 8: tile<T, 8, E>(xr, ldx, K, panel, bias, yr, ldy, columns, pf); break;
     default: break;
   }
 }
@@ -216,13 +234,13 @@ void rows_by(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, cons
 // start-up): taller tiles load each weight vector for more rows (8 rows: 2 weight loads a
 // 16 multiply-adds; 12: 2 a 24; 14: 2 a 28, 31 of the 32 vector registers), which matters
 // where two 512-bit multiply-adds issue a cycle and the panel streams from L2.
-template <typename T>
+template <typename T, Epilogue E>
 void rows(const T* x, int64_t ldx, int64_t M, int64_t K, const T* panel, const float* bias, T* y, int64_t ldy,
           int64_t columns, int row_tile, const T* next, int64_t next_lines) {
   switch (row_tile) {
-    case 12: rows_by<T, 12>(x, ldx, M, K, panel, bias, y, ldy, columns, next, next_lines); break;
-    case 14: rows_by<T, 14>(x, ldx, M, K, panel, bias, y, ldy, columns, next, next_lines); break;
-    default: rows_by<T, kRowTile>(x, ldx, M, K, panel, bias, y, ldy, columns, next, next_lines); break;
+    case 12: rows_by<T, 12, E>(x, ldx, M, K, panel, bias, y, ldy, columns, next, next_lines); break;
+    case 14: rows_by<T, 14, E>(x, ldx, M, K, panel, bias, y, ldy, columns, next, next_lines); break;
+    default: rows_by<T, kRowTile, E>(x, ldx, M, K, panel, bias, y, ldy, columns, next, next_lines); break;
   }
 }
 
@@ -266,9 +284,11 @@ struct Follower {
   int64_t K = 0;
 };
 
-template <typename T>
+// y [M, N] = x W^T (+ bias); with kSiluAndMul, N is the output's columns (half the packed weight's).
+template <typename T, Epilogue E = Epilogue::kStore>
 void gemm(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_t panels, const float* bias, T* y,
           int64_t N, int max_threads, int row_tile, Follower<T> follower = {}) {
+  constexpr int64_t out_panel = E == Epilogue::kSiluAndMul ? kPanel / 2 : kPanel;  // output columns a panel
   const int64_t panel_elems = panel_elements<T>(K);
   const int64_t own_lines = 2 * (panel_elems / kPanel / kStep<T>);  // a k-step is 2 lines
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads, panels)));
@@ -289,10 +309,10 @@ void gemm(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_
       const int64_t mb = std::min(block, M - m0);
       const bool last_block = m0 + block >= M;
       for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * kPanel;
+        const int64_t n0 = p * out_panel;
         const T* next = p + 1 < p1 ? packed + (p + 1) * panel_elems : last_block ? after : packed + p0 * panel_elems;
-        rows(x + m0 * ldx, ldx, mb, K, packed + p * panel_elems, bias == nullptr ? nullptr : bias + n0,
-             y + m0 * N + n0, N, std::min(kPanel, N - n0), row_tile, next,
+        rows<T, E>(x + m0 * ldx, ldx, mb, K, packed + p * panel_elems, bias == nullptr ? nullptr : bias + p * kPanel,
+             y + m0 * N + n0, N, std::min(out_panel, N - n0), row_tile, next,
              p + 1 < p1 || !last_block ? own_lines : after_lines);
       }
     }
@@ -401,30 +421,42 @@ PAGODA_EXPORT void pagoda_gemm_pack_bf16(const uint16_t* weight, uint16_t* packe
 // y [M, N] (rows N apart) = x [M, K] (rows ldx apart) times the packed weight of `panels` panels, plus
 // bias (float32, padded to panels * 32; may be null). next_packed / next_panels / next_K: the packed
 // weight the caller expects to multiply next (null: none), for its first panels to be prefetched.
-// Returns -1 where this build lacks the instructions.
+// epilogue 1: the weight is packed for SiLU-and-mul (Epilogue::kSiluAndMul) and y is [M, N] of
+// silu(gate) * up. Returns -1 where this build lacks the instructions.
 PAGODA_EXPORT int pagoda_gemm_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* packed, int64_t panels,
                                   const float* bias, float* y, int64_t N, int threads, int row_tile,
-                                  const float* next_packed, int64_t next_panels, int64_t next_K) {
+                                  const float* next_packed, int64_t next_panels, int64_t next_K, int epilogue) {
 #if defined(PAGODA_GEMM_FP32)
-  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile,
-                    pagoda_gemm::Follower<float>{next_packed, next_panels, next_K});
+  const pagoda_gemm::Follower<float> follower{next_packed, next_panels, next_K};
+  if (epilogue == 1) {
+    pagoda_gemm::gemm<float, pagoda_gemm::Epilogue::kSiluAndMul>(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile,
+                                                                follower);
+  } else {
+    pagoda_gemm::gemm<float>(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile, follower);
+  }
   return 0;
 #else
   (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)panels, (void)bias, (void)y, (void)N, (void)threads;
-  (void)row_tile, (void)next_packed, (void)next_panels, (void)next_K;
+  (void)row_tile, (void)next_packed, (void)next_panels, (void)next_K, (void)epilogue;
   return -1;
 #endif
 }
 PAGODA_EXPORT int pagoda_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* packed,
                                    int64_t panels, const float* bias, uint16_t* y, int64_t N, int threads,
-                                   int row_tile, const uint16_t* next_packed, int64_t next_panels, int64_t next_K) {
+                                   int row_tile, const uint16_t* next_packed, int64_t next_panels, int64_t next_K,
+                                   int epilogue) {
 #if defined(PAGODA_GEMM_BF16)
-  pagoda_gemm::gemm(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile,
-                    pagoda_gemm::Follower<uint16_t>{next_packed, next_panels, next_K});
+  const pagoda_gemm::Follower<uint16_t> follower{next_packed, next_panels, next_K};
+  if (epilogue == 1) {
+    pagoda_gemm::gemm<uint16_t, pagoda_gemm::Epilogue::kSiluAndMul>(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile,
+                                                                follower);
+  } else {
+    pagoda_gemm::gemm<uint16_t>(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile, follower);
+  }
   return 0;
 #else
   (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)panels, (void)bias, (void)y, (void)N, (void)threads;
-  (void)row_tile, (void)next_packed, (void)next_panels, (void)next_K;
+  (void)row_tile, (void)next_packed, (void)next_panels, (void)next_K, (void)epilogue;
   return -1;
 #endif
 }

@@ -71,49 +71,6 @@ PAGODA_INLINE void store_n(T* p, vfloat v, int64_t n) {
   std::memcpy(static_cast<void*>(p), buf, n * sizeof(T));
 }
 
-// A float32 result rounded to what storing it as T keeps (torch rounds every bf16 op's result).
-template <typename T>
-PAGODA_INLINE vfloat round_to(vfloat v);
-template <>
-PAGODA_INLINE vfloat round_to<float>(vfloat v) {
-  return v;
-}
-template <>
-PAGODA_INLINE vfloat round_to<bf16>(vfloat v) {
-  return round_bf16(v);
-}
-
-// exp(x) on W lanes: Cody-Waite range reduction and pagoda::exp_poly, ~1-2 ulp.
-using pagoda::exp_poly;
-using pagoda::kLn2Hi;
-using pagoda::kLn2Lo;
-using pagoda::kLog2e;
-
-#if defined(__AVX512F__)
-// vscalefps scales by 2^n with IEEE overflow to inf and gradual underflow, so no range
-// selects are needed; the clamp only keeps infinities out of the reduction.
-PAGODA_INLINE vfloat vexp(vfloat x) {
-  const __m512 clamped = _mm512_max_ps(_mm512_min_ps((__m512)x, _mm512_set1_ps(150.0f)), _mm512_set1_ps(-150.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vfloat vn = (vfloat)n;
-  const vfloat r = (vfloat)clamped - vn * kLn2Hi - vn * kLn2Lo;
-  return (vfloat)_mm512_scalef_ps((__m512)exp_poly(r), n);
-}
-#else
-// exp(x) = 0 below -87 (the smallest normal float is e^-87.3) and +inf above 88.
-PAGODA_INLINE vfloat vexp(vfloat x) {
-  const vfloat clamped = x < -87.0f ? splat(-87.0f) : (x > 88.0f ? splat(88.0f) : x);
-  const vfloat shifter = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const vfloat n = (clamped * kLog2e + shifter) - shifter;
-  const vfloat r = clamped - n * kLn2Hi - n * kLn2Lo;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  const vfloat scaled = exp_poly(r) * (vfloat)bits;
-  const vfloat inf = splat(std::numeric_limits<float>::infinity());
-  return x < -87.0f ? splat(0.0f) : (x > 88.0f ? inf : scaled);
-}
-#endif
-
 // Rows of a [A, B, D] tensor whose last dim is contiguous (a [T, D] tensor is [T, 1, D]).
 template <typename T>
 struct Rows {
@@ -253,12 +210,6 @@ void norm_rows_impl(const View& x, const View* residual, const T* w, T* o, float
 }
 
 // -- SiLU-and-mul ---------------------------------------------------------------------------------
-
-// round(silu(gate)) * up, rounded by the store; silu(g) = g / (1 + exp(-g)) as torch computes it.
-template <typename T>
-PAGODA_INLINE vfloat silu_mul(vfloat g, vfloat u) {
-  return round_to<T>(g / (splat(1.0f) + vexp(-g))) * u;
-}
 
 template <typename T>
 void silu_and_mul_impl(const T* in, int64_t rows, int64_t half, int64_t stride, T* o, int threads) {

@@ -29,7 +29,6 @@ from pagoda.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     VocabParallelEmbedding,
     rope_config_from_hf,
 )
@@ -119,12 +118,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         _check_activation(cfg)
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, options.mlp_bias, dtype)
+        # silu(gate) * up from the projection itself: fused into its matmul where the platform can
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, options.mlp_bias,
+                                                       dtype, activation="silu_and_mul")
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, options.mlp_bias, dtype)
-        self.act_fn = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+        return self.down_proj(self.gate_up_proj(hidden))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -8,12 +8,13 @@
 //  - float vectors of the machine's widest width (GCC vector extensions: 16 lanes with
 //    AVX-512F, else 8), with unaligned loads and stores, horizontal sums and maxima, and
 //    bf16 <-> float32 conversions of a whole vector;
-//  - the exp() polynomial of the attention and SiLU kernels.
+//  - the exp() polynomial of the attention and SiLU kernels, a vector exp() and SiLU-and-mul.
 // The vector part is compiled for the build's -march; nothing here checks the CPU at run time.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -232,5 +233,54 @@ PAGODA_INLINE V exp_poly(V r) {
   p = p * r + 5.0000001201e-1f;
   return p * r * r + r + 1.0f;
 }
+
+// -- vector exp and SiLU (the layer ops and the matmul's SiLU-and-mul epilogue share these) -----------
+
+namespace simd {
+
+// A float32 result rounded to what storing it as T keeps (torch rounds every bf16 op's result).
+template <typename T>
+PAGODA_INLINE vfloat round_to(vfloat v);
+template <>
+PAGODA_INLINE vfloat round_to<float>(vfloat v) {
+  return v;
+}
+template <>
+PAGODA_INLINE vfloat round_to<bf16>(vfloat v) {
+  return round_bf16(v);
+}
+
+#if defined(__AVX512F__)
+// exp(x) on W lanes: Cody-Waite range reduction and exp_poly, ~1-2 ulp. vscalefps scales by 2^n with IEEE overflow to inf and gradual underflow, so no range
+// selects are needed; the clamp only keeps infinities out of the reduction.
+PAGODA_INLINE vfloat vexp(vfloat x) {
+  const __m512 clamped = _mm512_max_ps(_mm512_min_ps((__m512)x, _mm512_set1_ps(150.0f)), _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vfloat vn = (vfloat)n;
+  const vfloat r = (vfloat)clamped - vn * kLn2Hi - vn * kLn2Lo;
+  return (vfloat)_mm512_scalef_ps((__m512)exp_poly(r), n);
+}
+#else
+// exp(x) = 0 below -87 (the smallest normal float is e^-87.3) and +inf above 88.
+PAGODA_INLINE vfloat vexp(vfloat x) {
+  const vfloat clamped = x < -87.0f ? splat(-87.0f) : (x > 88.0f ? splat(88.0f) : x);
+  const vfloat shifter = splat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vfloat n = (clamped * kLog2e + shifter) - shifter;
+  const vfloat r = clamped - n * kLn2Hi - n * kLn2Lo;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  const vfloat scaled = exp_poly(r) * (vfloat)bits;
+  const vfloat inf = splat(std::numeric_limits<float>::infinity());
+  return x < -87.0f ? splat(0.0f) : (x > 88.0f ? inf : scaled);
+}
+#endif
+
+// round(silu(gate)) * up, rounded by the store; silu(g) = g / (1 + exp(-g)) as torch computes it.
+template <typename T>
+PAGODA_INLINE vfloat silu_mul(vfloat g, vfloat u) {
+  return round_to<T>(g / (splat(1.0f) + vexp(-g))) * u;
+}
+
+}  // namespace simd
 
 }  // namespace pagoda
