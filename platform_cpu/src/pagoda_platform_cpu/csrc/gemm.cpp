@@ -329,6 +329,18 @@ void gemm(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_
   }
 }
 
+// gemm with the entry points' epilogue code: 1 SiLU-and-mul, anything else a plain store.
+template <typename T>
+void gemm_with_epilogue(const T* x, int64_t ldx, int64_t M, int64_t K, const T* packed, int64_t panels,
+                        const float* bias, T* y, int64_t N, int max_threads, int row_tile, Follower<T> follower,
+                        int epilogue) {
+  if (epilogue == 1) {
+    gemm<T, Epilogue::kSiluAndMul>(x, ldx, M, K, packed, panels, bias, y, N, max_threads, row_tile, follower);
+  } else {
+    gemm<T>(x, ldx, M, K, packed, panels, bias, y, N, max_threads, row_tile, follower);
+  }
+}
+
 #endif  // PAGODA_GEMM_FP32
 
 constexpr int kFloat32 = 0, kBFloat16 = 1;
@@ -427,13 +439,8 @@ PAGODA_EXPORT int pagoda_gemm_f32(const float* x, int64_t ldx, int64_t M, int64_
                                   const float* bias, float* y, int64_t N, int threads, int row_tile,
                                   const float* next_packed, int64_t next_panels, int64_t next_K, int epilogue) {
 #if defined(PAGODA_GEMM_FP32)
-  const pagoda_gemm::Follower<float> follower{next_packed, next_panels, next_K};
-  if (epilogue == 1) {
-    pagoda_gemm::gemm<float, pagoda_gemm::Epilogue::kSiluAndMul>(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile,
-                                                                follower);
-  } else {
-    pagoda_gemm::gemm<float>(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile, follower);
-  }
+  pagoda_gemm::gemm_with_epilogue(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile,
+                                  pagoda_gemm::Follower<float>{next_packed, next_panels, next_K}, epilogue);
   return 0;
 #else
   (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)panels, (void)bias, (void)y, (void)N, (void)threads;
@@ -446,13 +453,8 @@ PAGODA_EXPORT int pagoda_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, in
                                    int row_tile, const uint16_t* next_packed, int64_t next_panels, int64_t next_K,
                                    int epilogue) {
 #if defined(PAGODA_GEMM_BF16)
-  const pagoda_gemm::Follower<uint16_t> follower{next_packed, next_panels, next_K};
-  if (epilogue == 1) {
-    pagoda_gemm::gemm<uint16_t, pagoda_gemm::Epilogue::kSiluAndMul>(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile,
-                                                                follower);
-  } else {
-    pagoda_gemm::gemm<uint16_t>(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile, follower);
-  }
+  pagoda_gemm::gemm_with_epilogue(x, ldx, M, K, packed, panels, bias, y, N, threads, row_tile,
+                                  pagoda_gemm::Follower<uint16_t>{next_packed, next_panels, next_K}, epilogue);
   return 0;
 #else
   (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)panels, (void)bias, (void)y, (void)N, (void)threads;
