@@ -421,7 +421,9 @@ class ModelRunner:
 
         dev = self.device
         hidden = None
-        hidden_rows: np.ndarray | None = None  # the rows hidden holds, where the model returned only some
+        # Only requests whose known tokens are all computed after this step sample.
+        samples = seq_lens >= b.num_tokens[rows]
+        only_sampled_rows = False  # the model returned just the sampled rows' hidden states (output_rows)
         wants_prompt_logprobs = bool(b.num_prompt_logprobs[rows].max() >= 0)
         if self.graphs is not None and not wants_prompt_logprobs:
             # A pure-decode step replays a captured graph; None: not one it can serve.
@@ -444,19 +446,16 @@ class ModelRunner:
             if b.token_type_ids is not None:
                 extra = self._extra_inputs(torch.from_numpy(b.token_type_ids[token_rows, positions]).to(dev, non_blocking=True))
             extra.update(stage_inputs(self.pp, self.model, total, self.dtype, dev, receive=True))
-            output_rows = self._output_rows(cu, seq_lens >= b.num_tokens[rows], total, wants_prompt_logprobs)
+            output_rows = self._output_rows(cu, samples, total, wants_prompt_logprobs)
             if output_rows is not None:
                 extra["output_rows"] = torch.from_numpy(output_rows).to(dev, non_blocking=True)
+                only_sampled_rows = True
             hidden = self.model(
                 torch.from_numpy(input_ids).to(dev, non_blocking=True),
                 torch.from_numpy(positions).to(dev, non_blocking=True),
                 md,
                 **extra,
             )
-            if output_rows is not None:
-                hidden_rows = output_rows
-        # Only requests whose known tokens are all computed after this step sample.
-        samples = seq_lens >= b.num_tokens[rows]
         b.num_computed[rows] = seq_lens
         if not self.pp.is_last_rank:
             # no waiting for the last stage: the next batch can start here while this one runs there
@@ -472,7 +471,7 @@ class ModelRunner:
         if wants_prompt_logprobs:
             result.prompt_logprobs = sampler.prompt_logprobs(self.model, hidden, req_ids, rows, start, nsched, cu)
         if len(sample_idx):
-            if hidden_rows is not None:
+            if only_sampled_rows:
                 logits = self.model.compute_logits(hidden)  # the model returned exactly these rows
             else:
                 logits_rows = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev)
