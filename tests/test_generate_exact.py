@@ -108,4 +108,5 @@ def test_eager_steps_compute_only_the_sampled_rows_past_the_last_attention(tiny_
     seen.clear()
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
     out = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
-    assert len(out.prompt_logprobs) == len(prompts[1]) and all(rows is None for _, rows in seen)
+    assert len(out.prompt_logprobs) == len(prompts[1])
+    assert seen and all(rows is None for _, rows in seen), "prompt logprobs read every row's hidden state"

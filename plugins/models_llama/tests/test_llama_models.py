@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from pagoda.testing import family_checks as fc
+from pagoda.testing.paged_kv import PagedKVHarness
 from pagoda_models_llama import llama
 
 SMALL = dict(
@@ -171,8 +172,6 @@ def test_output_rows_returns_those_rows_of_the_full_forward(case: str) -> None:
     first, second = pair.tokens(13, seed=2), pair.tokens(20, seed=3)
     logits = {}
     for pruned in (False, True):
-        from pagoda.testing.paged_kv import PagedKVHarness
-
         harness = PagedKVHarness(pair.model)
         a, b = harness.new_sequence(14), harness.new_sequence(20)
         positions, metadata = harness.step([(a, 13), (b, 20)])
