@@ -95,9 +95,10 @@ def test_worker_killed_mid_generation_fails_requests_and_health(tmp_path: Path) 
     from pagoda import SamplingParams
     from pagoda.config import EngineArgs
     from pagoda.engine.core import prepare_engine_config
-    from pagoda.engine.core_client import EngineCoreOutputs, ThreadedClient
+    from pagoda.engine.core_client import ThreadedClient
+    from pagoda.engine.messages import EngineCoreOutputs
     from pagoda.executor import ExecutorFailedError
-    from pagoda.scheduler.request import Request
+    from pagoda.engine.messages import EngineCoreRequest
 
     model = _tiny_llama(tmp_path / "m")
     config = EngineArgs(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
@@ -112,7 +113,7 @@ def test_worker_killed_mid_generation_fails_requests_and_health(tmp_path: Path) 
     try:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         for i in range(3):
-            client.add_request(Request(f"r{i}", [1 + i, 2, 3], params, None, config.cache_config.block_size or 16))
+            client.add_request(EngineCoreRequest(f"r{i}", [1 + i, 2, 3], params, None, 0.0))
         client.start()
         deadline = time.monotonic() + 60
         while sum(len(b.outputs) for b in batches) < 6 and time.monotonic() < deadline:
@@ -139,7 +140,7 @@ def test_hung_worker_times_out_the_step(tmp_path: Path, monkeypatch: pytest.Monk
     from pagoda.config import EngineArgs
     from pagoda.engine.core import EngineCore, prepare_engine_config
     from pagoda.executor import ExecutorFailedError
-    from pagoda.scheduler.request import Request
+    from pagoda.engine.messages import EngineCoreRequest
 
     monkeypatch.setenv("PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS", "10")
     config = EngineArgs(model=str(_tiny_llama(tmp_path / "m")), skip_tokenizer_init=True, dtype="float32",
@@ -147,8 +148,8 @@ def test_hung_worker_times_out_the_step(tmp_path: Path, monkeypatch: pytest.Monk
     core = EngineCore(config, prepare_engine_config(config))
     pids = [p.pid for p in core.model_executor.workers]
     try:
-        core.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
-                                 None, core.block_size))
+        core.add_request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.0,
+                                                                          ignore_eos=True), None, 0.0))
         assert core.step(), "the first step produced nothing"
         os.kill(pids[1], signal.SIGSTOP)  # alive but silent: no sentinel fires, only the timeout can tell
         started = time.monotonic()

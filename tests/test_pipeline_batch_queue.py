@@ -167,9 +167,10 @@ def test_a_stage_killed_with_two_batches_in_flight_fails_every_request(tiny_mode
 
     from pagoda.config import EngineArgs
     from pagoda.engine.core import prepare_engine_config
-    from pagoda.engine.core_client import EngineCoreOutputs, ThreadedClient
+    from pagoda.engine.core_client import ThreadedClient
+    from pagoda.engine.messages import EngineCoreOutputs
     from pagoda.executor import ExecutorFailedError
-    from pagoda.scheduler.request import Request
+    from pagoda.engine.messages import EngineCoreRequest
 
     path, _ = tiny_model_dir("llama")
     config = EngineArgs(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
@@ -183,7 +184,7 @@ def test_a_stage_killed_with_two_batches_in_flight_fails_every_request(tiny_mode
     try:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         for i in range(6):
-            client.add_request(Request(f"r{i}", [1 + i, 2, 3], params, None, 16))
+            client.add_request(EngineCoreRequest(f"r{i}", [1 + i, 2, 3], params, None, 0.0))
         client.start()
         deadline = time.monotonic() + 60
         while sum(len(b.outputs) for b in batches) < 12 and time.monotonic() < deadline:

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pagoda.beam_search.group import BeamGroup, beam_request_params
 from pagoda.beam_search.scheduling import NO_BEAM_SEARCH, BeamSearchScheduling
 from pagoda.kv_cache.manager import KVCacheManager
-from pagoda.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagoda.engine.messages import EngineCoreOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
 
 BLOCK = 4
-
-
-@dataclass
-class Params:
-    max_tokens: int = 4
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
 
 
 def make_scheduler(num_blocks: int = 64, budget: int = 32, max_seqs: int = 8, policy: str = "fcfs",
@@ -30,7 +22,7 @@ def make_scheduler(num_blocks: int = 64, budget: int = 32, max_seqs: int = 8, po
 
 
 def req(rid: str, n: int, priority: int = 0, arrival: float = 0.0, max_tokens: int = 4, first: int = 1) -> Request:
-    return Request(rid, list(range(first, first + n)), Params(max_tokens=max_tokens), eos_token_id=0,
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens), eos_token_id=0,
                    block_size=BLOCK, arrival_time=arrival, priority=priority)
 
 
@@ -178,8 +170,8 @@ def test_group_forks_sharing_blocks_and_finishes_with_its_beams() -> None:
     so, outs = beam_step(s)
     new_ids = [n.req_id for n in so.scheduled_new_reqs]
     assert new_ids == [child.request_id]  # the runner gets the fork whole
-    assert so.scheduled_new_reqs[0].num_beam_candidates == 2 * group.beam_width
-    assert so.scheduled_cached_reqs.new_token_ids == [[20]]  # the root's token chosen by the group
+    assert so.scheduled_new_reqs[0].beam.num_candidates == 2 * group.beam_width
+    assert [d.new_token_ids for d in so.scheduled_cached_reqs] == [[20]]  # the root's token chosen by the group
     while not outs:
         so, outs = beam_step(s)
     (done,) = outs

@@ -5,22 +5,13 @@ back to the stages before the last."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pagoda.kv_cache.manager import KVCacheManager
+from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
 
 BLOCK = 4
-
-
-@dataclass
-class Params:
-    max_tokens: int = 16
-    min_tokens: int = 0
-    ignore_eos: bool = True
-    stop_token_ids: list[int] | None = None
 
 
 def make(num_blocks: int = 64, budget: int = 64, max_seqs: int = 16, use_pp: bool = False,
@@ -32,8 +23,8 @@ def make(num_blocks: int = 64, budget: int = 64, max_seqs: int = 16, use_pp: boo
 
 
 def req(rid: str, n: int, first: int = 1, max_tokens: int = 16) -> Request:
-    return Request(rid, list(range(first, first + n)), Params(max_tokens=max_tokens), eos_token_id=None,
-                   block_size=BLOCK)
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   eos_token_id=None, block_size=BLOCK)
 
 
 def output_of(s: Scheduler, so: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
@@ -136,14 +127,16 @@ def test_the_stages_before_the_last_get_the_sampled_tokens_with_the_step_that_co
     assert first.num_scheduled_tokens == {"a": 3, "b": 5}
     s.update_from_output(first, output_of(s, first, token=11))
     second = s.schedule()
-    cached = second.scheduled_cached_reqs
-    got = dict(zip(cached.req_ids, cached.scheduled_output_token_ids))
+    got = {d.req_id: d.scheduled_output_token_ids for d in second.scheduled_cached_reqs}
     assert got == {"a": [11], "b": []}  # a decodes its sampled token; b's chunk is all prompt
     s.update_from_output(second, output_of(s, second, token=12))
     third = s.schedule()
-    got = dict(zip(third.scheduled_cached_reqs.req_ids, third.scheduled_cached_reqs.scheduled_output_token_ids))
+    got = {d.req_id: d.scheduled_output_token_ids for d in third.scheduled_cached_reqs}
     assert got == {"a": [12], "b": [12]}
-    assert not make().schedule().scheduled_cached_reqs.scheduled_output_token_ids  # not without use_pp
+    s = make()
+    s.add_request(req("a", 3))
+    s.update_from_output(first := s.schedule(), output_of(s, first, token=11))
+    assert [d.scheduled_output_token_ids for d in s.schedule().scheduled_cached_reqs] == [None]  # not without use_pp
 
 
 def test_discard_batch_frees_its_requests() -> None:

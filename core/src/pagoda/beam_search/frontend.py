@@ -7,23 +7,22 @@ group is done, with an ``EngineCoreOutput`` carrying ``beam_sequences``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pagoda.beam_search.group import BeamGroup, EarlyStopping, beam_request_params
 from pagoda.beam_search.outputs import beams_to_request_output
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import BeamSearchParams
-from pagoda.scheduler.output import EngineCoreOutput
-from pagoda.scheduler.request import Request
+from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
 
 
 class BeamSearchFrontend:
     """Beam searches in flight on one front end: id -> (prompt text, prompt ids)."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, block_size: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.block_size = block_size
         self.in_flight: dict[str, tuple[str | None, list[int]]] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -42,7 +41,7 @@ class BeamSearchFrontend:
         eos_token_id: int | None,
         early_stopping: EarlyStopping,
         arrival_time: float | None,
-    ) -> tuple[BeamGroup, Request]:
+    ) -> tuple[BeamGroup, EngineCoreRequest]:
         """The group and its root beam (the prompt) to hand to the core."""
         if request_id in self.in_flight:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -52,8 +51,8 @@ class BeamSearchFrontend:
             length_penalty=params.length_penalty, early_stopping=early_stopping,
             temperature=params.temperature, max_model_len=self.max_model_len,
         )
-        root = Request(group.new_beam_id(), prompt_token_ids, beam_request_params(), None, self.block_size,
-                       arrival_time=arrival_time, cache_salt=cache_salt)
+        root = EngineCoreRequest(group.new_beam_id(), prompt_token_ids, beam_request_params(), None,
+                                 time.time() if arrival_time is None else arrival_time, cache_salt=cache_salt)
         self.in_flight[request_id] = (prompt, prompt_token_ids)
         return group, root
 

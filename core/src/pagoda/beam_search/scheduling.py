@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagoda.beam_search.group import BeamGroup
-from pagoda.scheduler.output import EngineCoreOutput
+from pagoda.engine.messages import EngineCoreOutput
+from pagoda.scheduler.output import BeamCandidates
 from pagoda.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -49,8 +50,8 @@ class NoBeamSearch:
     def preempt_idle(self) -> bool:
         return False
 
-    def runner_fields(self, req: Request) -> tuple[int, float]:
-        return 0, 0.0
+    def runner_fields(self, req: Request) -> BeamCandidates | None:
+        return None
 
     def report(self, req: Request, candidates: dict[str, tuple[list[int], list[float]]] | None) -> None:
         raise AssertionError(f"{req.request_id!r} is not a beam but was reported as one")
@@ -140,10 +141,10 @@ class BeamSearchScheduling:
                 return True
         return False
 
-    def runner_fields(self, req: Request) -> tuple[int, float]:
-        """(candidates per step, temperature) of a beam row; (0, 0.0) for a sampling row."""
+    def runner_fields(self, req: Request) -> BeamCandidates | None:
+        """What the runner returns for a beam row instead of sampling; None for a sampling row."""
         group = req.beam_group
-        return (group.num_candidates, group.temperature) if group is not None else (0, 0.0)
+        return BeamCandidates(group.num_candidates, group.temperature) if group is not None else None
 
     # -- results --------------------------------------------------------------------
     def report(self, req: Request, candidates: dict[str, tuple[list[int], list[float]]] | None) -> None:

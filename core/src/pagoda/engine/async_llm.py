@@ -28,7 +28,7 @@ from typing import Any
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.core import prepare_engine_config
-from pagoda.engine.core_client import EngineCoreOutputs
+from pagoda.engine.messages import EngineCoreOutputs
 from pagoda.engine.mp_client import make_async_client
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor
@@ -221,7 +221,7 @@ class AsyncLLM:
             self.engine_core.add_request(request)
         self.output_processor.add_request(parent)
         collector = RequestOutputCollector(sampling_params.output_kind)
-        metrics = RequestMetrics(arrival, requests[0].num_prompt_tokens, num_sequences=len(requests))
+        metrics = RequestMetrics(arrival, len(requests[0].prompt_token_ids), num_sequences=len(requests))
         self._tracked[request_id] = _Tracked(collector, metrics, isinstance(sampling_params, PoolingParams))
         return RequestStream(self, request_id, collector)
 

@@ -22,7 +22,8 @@ from pagoda.model_loader import load_tokenizer
 from pagoda.models.registry import ModelRegistry
 from pagoda.platforms import Platform, resolve_platform, set_current_platform
 from pagoda.plugins import get_plugin_manager, load_plugins
-from pagoda.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.structured_output.manager import StructuredOutputManager
@@ -198,11 +199,11 @@ class EngineCore:
         self.model_executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.block_size))
 
-    def add_beam_search(self, group: BeamGroup, root: Request) -> None:
-        self.scheduler.add_beam_search(group, root)
+    def add_beam_search(self, group: BeamGroup, root: EngineCoreRequest) -> None:
+        self.scheduler.add_beam_search(group, Request.from_engine_core_request(root, self.block_size))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort requests and beam searches by id; unknown ids are ignored (already finished)."""

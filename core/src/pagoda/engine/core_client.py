@@ -1,9 +1,9 @@
 """Engine-core clients: how a front end reaches the core (vLLM v1's ``EngineCoreClient``).
 
-Both front ends (``LLMEngine``, ``AsyncLLM``) send requests, beam searches and
-aborts through a client and receive ``EngineCoreOutputs``: token outputs, the
-ids of requests a failed step took down, and ``SchedulerStats``. Nothing else
-crosses, so the core can move into another process (a client that pickles the
+Both front ends (``LLMEngine``, ``AsyncLLM``) send ``EngineCoreRequest``s, beam
+searches and aborts through a client and receive ``EngineCoreOutputs``: token
+outputs, the ids of requests a failed step took down, and ``SchedulerStats``
+(all in ``pagoda.engine.messages``). Nothing else crosses, so the core can move into another process (a client that pickles the
 same calls) without touching either front end.
 
 * ``InprocClient``: the core in the caller's thread; ``get_output()`` runs one step.
@@ -17,32 +17,20 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagoda.beam_search.group import BeamGroup
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
+from pagoda.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagoda.executor import ExecutorFailedError
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.platforms import Platform
-from pagoda.scheduler.output import EngineCoreOutput
-from pagoda.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
 # How long the idle core thread sleeps on its queue before re-checking shutdown.
 _IDLE_POLL_S = 0.5
-
-
-@dataclass
-class EngineCoreOutputs:
-    """What one step of the core sends back to its front end."""
-
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
-    # requests the step took down with it (it raised): request id -> the exception
-    failed: dict[str, BaseException] = field(default_factory=dict)
-    scheduler_stats: SchedulerStats | None = None
 
 
 def step_and_hand_off(
@@ -72,9 +60,9 @@ def step_and_hand_off(
 
 
 class EngineCoreClient(Protocol):
-    def add_request(self, request: Request) -> None: ...
+    def add_request(self, request: EngineCoreRequest) -> None: ...
 
-    def add_beam_search(self, group: BeamGroup, root: Request) -> None: ...
+    def add_beam_search(self, group: BeamGroup, root: EngineCoreRequest) -> None: ...
 
     def abort_requests(self, request_ids: Iterable[str]) -> None: ...
 
@@ -87,10 +75,10 @@ class InprocClient:
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         self.core = EngineCore(config, platform)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         self.core.add_request(request)
 
-    def add_beam_search(self, group: BeamGroup, root: Request) -> None:
+    def add_beam_search(self, group: BeamGroup, root: EngineCoreRequest) -> None:
         self.core.add_beam_search(group, root)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -151,10 +139,10 @@ class ThreadedClient:
             self._thread = threading.Thread(target=self._run, name="pagoda-engine-core", daemon=True)
             self._thread.start()
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         self._commands.put(("add", request))
 
-    def add_beam_search(self, group: BeamGroup, root: Request) -> None:
+    def add_beam_search(self, group: BeamGroup, root: EngineCoreRequest) -> None:
         self._commands.put(("beam", (group, root)))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

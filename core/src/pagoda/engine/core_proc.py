@@ -7,7 +7,7 @@ update, taking commands from one ZMQ socket and pushing each step's
 HTTP stay in the API process (``pagoda.engine.mp_client.MPClient``).
 
 Wire format: every message is one pickled tuple ``(kind, payload)`` (protocol
-5). Commands in: ``("add", Request)``, ``("abort", [ids])``, ``("shutdown",
+5). Commands in: ``("add", EngineCoreRequest)``, ``("abort", [ids])``, ``("shutdown",
 None)``. Messages out: ``("ready", supported_tasks)`` once the model is
 loaded, ``("startup_failed", traceback text)``, ``("outputs",
 EngineCoreOutputs)`` after every step, ``("dead", traceback text)`` if the
@@ -149,7 +149,8 @@ class EngineCoreProc:
                 raise RuntimeError(f"unknown engine-core command {kind!r}")
 
     def run(self) -> None:
-        from pagoda.engine.core_client import EngineCoreOutputs, step_and_hand_off
+        from pagoda.engine.core_client import step_and_hand_off
+        from pagoda.engine.messages import EngineCoreOutputs
 
         core = self.core
         while not self.stopping:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda.inputs import parse_prompt
+from pagoda.sampling_params import SamplingParams
 
 
 class InputProcessor:
@@ -13,13 +14,13 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
-    def process(self, prompt: Any, params: Any) -> tuple[str | None, list[int], str | None]:
+    def process(self, prompt: Any, params: SamplingParams | None) -> tuple[str | None, list[int], str | None]:
         text, ids, salt = parse_prompt(prompt)
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError("skip_tokenizer_init=True: prompts must be given as token ids (prompt_token_ids)")
             ids = self.tokenizer(text).input_ids
-        truncate = getattr(params, "truncate_prompt_tokens", None)
+        truncate = params.truncate_prompt_tokens if params is not None else None
         if truncate is not None and truncate > 0 and len(ids) > truncate:
             ids = ids[-truncate:]
         if not ids:

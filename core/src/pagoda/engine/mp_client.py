@@ -36,11 +36,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pagoda.config import EngineConfig
-from pagoda.engine.core_client import EngineCoreOutputs
+from pagoda.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagoda.engine.core_proc import dumps, loads, run_engine_core
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.platforms import Platform
-from pagoda.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +172,7 @@ class MPClient:
         with self._send_lock:
             self._in.send(frame, copy=False)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         try:
             frame = dumps("add", request)
         except Exception as exc:  # e.g. a logits processor defined in a closure
@@ -181,7 +180,7 @@ class MPClient:
         with self._send_lock:
             self._in.send(frame, copy=False)
 
-    def add_beam_search(self, group: Any, root: Request) -> None:
+    def add_beam_search(self, group: Any, root: EngineCoreRequest) -> None:
         raise NotImplementedError("beam search runs with the in-process engine core (LLMEngine) only")
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -316,7 +315,7 @@ class DPLBAsyncMPClient:
         while len(seen) > _MAX_REMEMBERED_BLOCKS:
             seen.popitem(last=False)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         with self._lock:
             rank = self._pick(request.block_hashes)
             self._owner[request.request_id] = rank
@@ -329,7 +328,7 @@ class DPLBAsyncMPClient:
             self._release([request.request_id])
             raise
 
-    def add_beam_search(self, group: Any, root: Request) -> None:
+    def add_beam_search(self, group: Any, root: EngineCoreRequest) -> None:
         raise NotImplementedError("beam search runs with the in-process engine core (LLMEngine) only")
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -11,8 +11,9 @@ from typing import Any
 
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
-from pagoda.sampling_params import RequestOutputKind
-from pagoda.scheduler.output import EngineCoreOutput
+from pagoda.pooling_params import PoolingParams
+from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.engine.messages import EngineCoreOutput
 
 
 @dataclass
@@ -22,7 +23,7 @@ class RequestState:
     index: int
     prompt: str | None
     prompt_token_ids: list[int]
-    params: Any
+    params: SamplingParams | PoolingParams
     detokenizer: IncrementalDetokenizer | None
     wants_logprobs: bool = False
     token_ids: list[int] = field(default_factory=list)
@@ -141,17 +142,18 @@ class OutputProcessor:
             st.cumulative_logprob += float(sum(out.new_sampled_logprobs))
         params = st.params
         if st.detokenizer is not None and ids:
+            assert isinstance(params, SamplingParams)  # only generated text is detokenized
             # don't show the EOS / stop token as text
             shown = ids
-            if out.finish_reason == "stop" and not getattr(params, "include_stop_str_in_output", False):
+            if out.finish_reason == "stop" and not params.include_stop_str_in_output:
                 shown = ids[:-1] if ids and (out.stop_reason is None or isinstance(out.stop_reason, int)) else ids
             delta = st.detokenizer.add_tokens(shown)
             st.text += delta
-            stops = getattr(params, "stop", None) or []
+            stops = params.stop or []
             if isinstance(stops, str):
                 stops = [stops]
             if stops and delta:
-                found = _find_stop(st.text, len(delta), stops, getattr(params, "include_stop_str_in_output", False))
+                found = _find_stop(st.text, len(delta), stops, params.include_stop_str_in_output)
                 if found is not None:
                     stop, cut = found
                     st.text = st.text[:cut]
@@ -167,7 +169,7 @@ class OutputProcessor:
         if st.finish_reason is None:
             # Hold back the tail that may be the start of a stop string, so a stop split
             # across steps never reaches the client (vLLM's output_text_buffer_length).
-            hold = getattr(st.params, "output_text_buffer_length", 0)
+            hold = st.params.output_text_buffer_length if isinstance(st.params, SamplingParams) else 0
             if hold:
                 visible = st.text[: max(len(st.text) - hold, st.sent_text)]
         if delta:

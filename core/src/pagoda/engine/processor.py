@@ -16,12 +16,12 @@ from pagoda.config import EngineConfig
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.logits_processors import resolve_logits_processors
+from pagoda.engine.messages import EngineCoreRequest
 from pagoda.engine.output_processor import ParentState, RequestState
 from pagoda.inputs import parse_prompt
 from pagoda.model_loader import load_tokenizer
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
-from pagoda.scheduler.request import Request
 from pagoda.structured_output.manager import load_backend_class
 
 
@@ -50,10 +50,9 @@ class Processor:
         )
         self.max_model_len = model.max_model_len
         self.vocab_size = model.vocab_size or (len(self.tokenizer) if self.tokenizer is not None else 0)
-        self.block_size: int = config.cache_config.block_size  # type: ignore[assignment]  # resolved with the config
         self.eos_token_id, self.extra_stop_ids = eos_and_stop_ids(self.tokenizer, model.hf_config, model.generation)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
-        self.beam_searches = BeamSearchFrontend(self.tokenizer, self.max_model_len, self.block_size)
+        self.beam_searches = BeamSearchFrontend(self.tokenizer, self.max_model_len)
         self.runner_type: str = model.runner_type
         # pagoda.pooling.PoolingModelInfo of a pooling model (what PoolingParams.verify reads)
         self.pooling = model.pooling
@@ -99,7 +98,7 @@ class Processor:
 
     def process(
         self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, arrival_time: float, priority: int
-    ) -> tuple[ParentState, list[Request]]:
+    ) -> tuple[ParentState, list[EngineCoreRequest]]:
         """-> (the output processor's state for the request, one core request per sequence)."""
         if isinstance(params, PoolingParams):
             return self.process_pooling(request_id, prompt, params, arrival_time, priority)
@@ -113,7 +112,7 @@ class Processor:
         n_children = max(params.best_of or params.n, params.n)
         rank = n_children > params.n
         states: list[RequestState] = []
-        requests: list[Request] = []
+        requests: list[EngineCoreRequest] = []
         for i in range(n_children):
             child_id = request_id if n_children == 1 else f"{i}_{request_id}"
             p = self._child_params(params, len(ids), rank)
@@ -127,8 +126,8 @@ class Processor:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.spaces_between_special_tokens)
             states.append(RequestState(child_id, request_id, i, text, ids, p, detok,
                                        wants_logprobs=params.logprobs is not None))
-            requests.append(Request(child_id, ids, p, None if p.ignore_eos else self.eos_token_id, self.block_size,
-                                    arrival_time=arrival_time, priority=priority, cache_salt=salt))
+            requests.append(EngineCoreRequest(child_id, ids, p, None if p.ignore_eos else self.eos_token_id,
+                                              arrival_time, priority=priority, cache_salt=salt))
         parent = ParentState(request_id, params.n, n_children, states, params.output_kind, rank_by_logprob=rank)
         return parent, requests
 
@@ -150,7 +149,7 @@ class Processor:
 
     def process_pooling(
         self, request_id: str, prompt: Any, params: PoolingParams, arrival_time: float, priority: int
-    ) -> tuple[ParentState, list[Request]]:
+    ) -> tuple[ParentState, list[EngineCoreRequest]]:
         """A pooling request: one core request, prefill only; its PoolingParams checked against the model."""
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise ValueError("priority is only honoured with scheduling_policy='priority'")
@@ -163,8 +162,8 @@ class Processor:
         if params.step_tag_id is not None or (self.pooling is not None and self.pooling.pooler_config.pooling_type == "STEP"):
             params.requires_token_ids = True
         state = RequestState(request_id, request_id, 0, text, ids, params, None)
-        request = Request(request_id, ids, None, None, self.block_size, arrival_time=arrival_time, priority=priority,
-                          cache_salt=salt, pooling_params=params, token_type_ids=token_type_ids)
+        request = EngineCoreRequest(request_id, ids, params, None, arrival_time, priority=priority, cache_salt=salt,
+                                    token_type_ids=token_type_ids)
         parent = ParentState(request_id, 1, 1, [state], params.output_kind)
         return parent, [request]
 
@@ -213,7 +212,7 @@ class Processor:
     def process_beam_search(
         self, request_id: str, prompt: Any, params: BeamSearchParams, arrival_time: float | None,
         early_stopping: EarlyStopping,
-    ) -> tuple[BeamGroup, Request]:
+    ) -> tuple[BeamGroup, EngineCoreRequest]:
         """-> (the group, its root beam); ``beam_searches`` tracks it until the core reports it done."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")

@@ -5,9 +5,16 @@ from __future__ import annotations
 import copy
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagoda.kv_cache.hashing import hash_request_blocks
+from pagoda.pooling_params import PoolingParams
+from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.beam_search.group import BeamGroup
+    from pagoda.engine.messages import EngineCoreRequest
+    from pagoda.structured_output.manager import RequestStructuredOutput
 
 
 class RequestStatus(enum.IntEnum):
@@ -33,34 +40,41 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 
 
 class Request:
-    """Token ids, progress and cache bookkeeping of one sequence."""
+    """Token ids, progress and cache bookkeeping of one sequence.
+
+    ``params`` is the request's ``SamplingParams``, or its ``PoolingParams`` for a pooling request
+    (prefill only, finished by the pooler's output after its step); ``sampling_params`` and
+    ``pooling_params`` read it typed (vLLM's names), the other one None.
+    """
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: Any,
+        sampling_params: SamplingParams | None,
         eos_token_id: int | None,
         block_size: int,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        pooling_params: Any = None,
+        pooling_params: PoolingParams | None = None,
         token_type_ids: list[int] | None = None,
     ) -> None:
+        params = sampling_params if pooling_params is None else pooling_params
+        if not isinstance(params, (SamplingParams, PoolingParams)) or (sampling_params is not None
+                                                                        and pooling_params is not None):
+            raise TypeError(f"request {request_id!r} needs exactly one of SamplingParams and PoolingParams")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params
+        self.params: SamplingParams | PoolingParams = params
         self.eos_token_id = eos_token_id
         self.block_size = block_size
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        # A pooling request (PoolingParams): prefill only, finished by the pooler's output after its step.
-        self.pooling_params = pooling_params
         # the prompt's token type ids (BERT-style pair encodings), one per prompt token
         self.token_type_ids = token_type_ids
-        self.max_tokens: int | None = getattr(sampling_params, "max_tokens", None)
+        self.max_tokens: int | None = params.max_tokens if isinstance(params, SamplingParams) else None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -76,13 +90,30 @@ class Request:
         self.pending_prompt_logprobs: list[Any] = []
         # Beam search: the group this beam belongs to, and tokens the scheduler appended
         # that the runner has not been told about yet.
-        self.beam_group: Any = None
+        self.beam_group: BeamGroup | None = None
         self.unsent_token_ids: list[int] = []
-        # Structured outputs: a RequestStructuredOutput (grammar future, then matcher), or None.
-        self.structured_output: Any = None
+        # Structured outputs: the grammar future, then its matcher; None for an unconstrained request.
+        self.structured_output: RequestStructuredOutput | None = None
         # timestamps for metrics
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, block_size: int) -> Request:
+        """The scheduler's request for what a front end sent (the core hashes its blocks, not the front end)."""
+        sampling = req.params if isinstance(req.params, SamplingParams) else None
+        pooling = req.params if isinstance(req.params, PoolingParams) else None
+        return cls(req.request_id, req.prompt_token_ids, sampling, req.eos_token_id, block_size,
+                   arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
+                   pooling_params=pooling, token_type_ids=req.token_type_ids)
+
+    @property
+    def sampling_params(self) -> SamplingParams | None:
+        return self.params if isinstance(self.params, SamplingParams) else None
+
+    @property
+    def pooling_params(self) -> PoolingParams | None:
+        return self.params if isinstance(self.params, PoolingParams) else None
 
     @property
     def num_tokens(self) -> int:
@@ -103,8 +134,9 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Still owes prompt logprobs, so it must compute (not reuse cached) prompt positions."""
+        params = self.params
         return (
-            getattr(self.sampling_params, "prompt_logprobs", None) is not None
+            isinstance(params, SamplingParams) and params.prompt_logprobs is not None
             and self.num_prompt_logprobs_sent < self.num_prompt_tokens
         )
 

@@ -18,23 +18,37 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.beam_search.group import BeamGroup
 from pagoda.beam_search.scheduling import NO_BEAM_SEARCH, BeamSearchScheduling, NoBeamSearch
 from pagoda.kv_cache.manager import KVCacheManager
-from pagoda.scheduler.output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from pagoda.engine.messages import EngineCoreOutput
+from pagoda.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from pagoda.structured_output.manager import RequestStructuredOutput, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _StepBuilder:
+    """The step being scheduled: what is left of its token budget and what it holds so far."""
+
+    budget: int
+    max_reqs: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached: list[CachedRequestData] = field(default_factory=list)
+
+    def has_room(self) -> bool:
+        return self.budget > 0 and len(self.num_scheduled) < self.max_reqs
+
+    def take(self, rid: str, num_tokens: int) -> None:
+        self.num_scheduled[rid] = num_tokens
+        self.budget -= num_tokens
 
 
 class Scheduler:
@@ -88,7 +102,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        constraint = getattr(request.sampling_params, "structured_outputs", None)
+        params = request.sampling_params
+        constraint = params.structured_outputs if params is not None else None
         if constraint is not None:
             if self.structured_output_manager is None:
                 raise ValueError("this engine has no structured outputs manager; structured_outputs is not supported")
@@ -186,23 +201,52 @@ class Scheduler:
             req.unsent_token_ids.append(token)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
-        preempted = False
-        now = time.time()
+        """running requests first (preempting when blocks run out) -> waiting ones, if nothing was preempted
+        -> copy-on-write -> the step's output; the scheduled requests' progress advances at once."""
+        self._admit_compiled()
+        step = _StepBuilder(self.max_num_batched_tokens, self._micro_batch_size())
+        preempted = self._schedule_running(step)
+        if not preempted:
+            self._schedule_waiting(step)
+        copies, replaced = self.kv.take_copy_on_write()
+        if replaced:
+            # copy-on-write swapped table entries in place: send those tables whole
+            for diff in step.cached:
+                if diff.req_id in replaced:
+                    diff.new_block_ids = self.kv.get_block_ids(diff.req_id)
+                    diff.replace_block_ids = True
+        out = SchedulerOutput(
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
+            finished_req_ids=self._finished_ids,
+            block_copies=copies,
+        )
+        self._finished_ids = set()
+        self._fill_grammar_bitmask(out)
+        # Advance now: the next schedule() may run before this step's output is
+        # applied (pipelined engines) and must not hand out the same tokens again.
+        for rid, n in step.num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+            self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+        return out
+
+    def _admit_compiled(self) -> None:
+        """Constrained requests whose grammar is ready join the queue."""
         if self._compiling:
             ready = [r for r in self._compiling if r.structured_output.is_ready]
             for r in ready:
                 self._compiling.remove(r)
                 self.waiting.add(r)
 
-        max_reqs = self._micro_batch_size()
+    def _schedule_running(self, step: _StepBuilder) -> bool:
+        """A decode token or the next prefill chunk for each running request; -> whether any was preempted."""
+        preempted = False
         i = 0
-        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
+        while i < len(self.running) and step.has_room():
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
             if num_new <= 0 or req.request_id in self._in_flight:
                 i += 1
                 continue
@@ -215,7 +259,7 @@ class Scheduler:
                 if self.running.index(victim) < i:
                     # (priority policy) a request already scheduled this step: take its step back
                     i -= 1
-                    budget += self._unschedule(victim.request_id, num_scheduled, cached, new_reqs)
+                    self._unschedule(victim.request_id, step)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -223,91 +267,70 @@ class Scheduler:
             if new_blocks is None:
                 # ``req`` itself was preempted; the list shifted under ``i``
                 continue
-            num_scheduled[req.request_id] = num_new
-            budget -= num_new
+            step.take(req.request_id, num_new)
             if req.request_id not in self._in_runner:
                 # forked since the last step: the runner gets it whole
                 self._in_runner.add(req.request_id)
                 req.unsent_token_ids = []
-                new_reqs.append(self._new_request_data(req))
+                step.new_reqs.append(self._new_request_data(req))
             else:
-                cached.append(req.request_id, new_blocks, req.num_computed_tokens, token_ids=req.unsent_token_ids)
+                diff = CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens,
+                                         new_token_ids=req.unsent_token_ids)
                 req.unsent_token_ids = []
                 if self.use_pp:
                     first = max(req.num_computed_tokens, req.num_prompt_tokens)
-                    cached.scheduled_output_token_ids.append(req.all_token_ids[first:req.num_computed_tokens + num_new])
+                    diff.scheduled_output_token_ids = req.all_token_ids[first:req.num_computed_tokens + num_new]
+                step.cached.append(diff)
             i += 1
+        return preempted
 
-        if not preempted:
-            beams = self.beam_search
-            while len(self.waiting) and budget > 0 and len(num_scheduled) < max_reqs:
-                free_rows = self.max_num_seqs - len(self.running) - beams.reserved_rows()
-                admissible = beams.admissible(self.waiting.peek(), free_rows, self.waiting)
-                if admissible is None or len(self.running) >= self.max_num_seqs:
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        """Admit waiting requests in policy order (after a prefix-cache lookup) while budget and rows allow."""
+        beams = self.beam_search
+        now = time.time()
+        while len(self.waiting) and step.has_room():
+            free_rows = self.max_num_seqs - len(self.running) - beams.reserved_rows()
+            admissible = beams.admissible(self.waiting.peek(), free_rows, self.waiting)
+            if admissible is None or len(self.running) >= self.max_num_seqs:
+                break
+            if admissible.request_id in self._in_flight:
+                break  # preempted (or its id reused) while a batch holding it runs: after that batch
+            req = admissible
+            grammar = req.structured_output
+            if grammar is not None and grammar.error is not None:
+                self._fail_constraint(req, grammar.error)
+                continue
+            computed_ids: list[int] = []
+            num_computed = 0
+            # cached tokens have no logits, so a request still owing prompt logprobs computes them all
+            if req.num_computed_tokens == 0 and not req.wants_prompt_logprobs:
+                computed_ids, num_computed = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_computed
+            if num_new > step.budget:
+                if not self.enable_chunked_prefill:
                     break
-                if admissible.request_id in self._in_flight:
-                    break  # preempted (or its id reused) while a batch holding it runs: after that batch
-                req = admissible
-                grammar = req.structured_output
-                if grammar is not None and grammar.error is not None:
-                    self._fail_constraint(req, grammar.error)
+                num_new = step.budget
+            new_blocks = self.kv.allocate_slots(req, num_new, computed_ids, num_computed)
+            if new_blocks is None:
+                if not step.num_scheduled and beams.preempt_idle():
                     continue
-                computed_ids: list[int] = []
-                num_computed = 0
-                # cached tokens have no logits, so a request still owing prompt logprobs computes them all
-                if req.num_computed_tokens == 0 and not req.wants_prompt_logprobs:
-                    computed_ids, num_computed = self.kv.get_computed_blocks(req)
-                num_new = req.num_tokens - num_computed
-                if num_new > budget:
-                    if not self.enable_chunked_prefill:
-                        break
-                    num_new = budget
-                new_blocks = self.kv.allocate_slots(req, num_new, computed_ids, num_computed)
-                if new_blocks is None:
-                    if not num_scheduled and beams.preempt_idle():
-                        continue
-                    break
-                if req is self.waiting.peek():
-                    self.waiting.pop()
-                else:
-                    self.waiting.remove(req)
-                beams.on_admitted(req)
-                req.unsent_token_ids = []
-                req.num_computed_tokens = num_computed
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_computed
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                self._in_runner.add(req.request_id)
-                num_scheduled[req.request_id] = num_new
-                budget -= num_new
-                new_reqs.append(self._new_request_data(req))
-
-        copies, replaced = self.kv.take_copy_on_write()
-        if replaced:
-            # copy-on-write swapped table entries in place: send those tables whole
-            for j, rid in enumerate(cached.req_ids):
-                if rid in replaced:
-                    cached.new_block_ids[j] = self.kv.get_block_ids(rid)
-                    cached.replace_block_ids[j] = True
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            finished_req_ids=self._finished_ids,
-            block_copies=copies,
-        )
-        self._finished_ids = set()
-        self._fill_grammar_bitmask(out)
-        # Advance now: the next schedule() may run before this step's output is
-        # applied (pipelined engines) and must not hand out the same tokens again.
-        for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
-            self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
-        return out
+                break
+            if req is self.waiting.peek():
+                self.waiting.pop()
+            else:
+                self.waiting.remove(req)
+            beams.on_admitted(req)
+            req.unsent_token_ids = []
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_computed
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._in_runner.add(req.request_id)
+            step.take(req.request_id, num_new)
+            step.new_reqs.append(self._new_request_data(req))
 
     def _micro_batch_size(self) -> int:
         """Most requests one step takes: all of them, or with several batches in flight an even share."""
@@ -375,39 +398,20 @@ class Scheduler:
             return True
         return False
 
-    def _unschedule(self, rid: str, num_scheduled: dict[str, int], cached: CachedRequestData,
-                    new_reqs: list[NewRequestData]) -> int:
-        """Withdraw ``rid`` from the step being built; returns the tokens it had been given."""
-        if rid in cached.req_ids:
-            j = cached.req_ids.index(rid)
-            for column in (cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
-                           cached.replace_block_ids, cached.new_token_ids):
-                del column[j]
-            if cached.scheduled_output_token_ids:
-                del cached.scheduled_output_token_ids[j]
-        for j, new in enumerate(new_reqs):
+    def _unschedule(self, rid: str, step: _StepBuilder) -> None:
+        """Withdraw ``rid`` from the step being built; its tokens go back to the budget."""
+        step.cached[:] = [diff for diff in step.cached if diff.req_id != rid]
+        for j, new in enumerate(step.new_reqs):
             if new.req_id == rid:
                 # the runner never saw it: nothing for it to forget
-                del new_reqs[j]
+                del step.new_reqs[j]
                 self._in_runner.discard(rid)
                 break
-        return num_scheduled.pop(rid, 0)
+        step.budget += step.num_scheduled.pop(rid, 0)
 
     def _new_request_data(self, req: Request) -> NewRequestData:
-        num_candidates, candidate_temperature = self.beam_search.runner_fields(req)
-        return NewRequestData(
-            req_id=req.request_id,
-            token_ids=req.all_token_ids,
-            num_prompt_tokens=req.num_prompt_tokens,
-            sampling_params=req.sampling_params,
-            block_ids=self.kv.get_block_ids(req.request_id),
-            num_computed_tokens=req.num_computed_tokens,
-            output_token_ids=req.output_token_ids,
-            num_beam_candidates=num_candidates,
-            beam_temperature=candidate_temperature,
-            pooling_params=req.pooling_params,
-            token_type_ids=req.token_type_ids,
-        )
+        return NewRequestData.from_request(req, self.kv.get_block_ids(req.request_id),
+                                           self.beam_search.runner_fields(req))
 
     # -- results ----------------------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -483,12 +487,12 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params
-        min_tokens = getattr(params, "min_tokens", 0) or 0
-        if req.num_output_tokens >= min_tokens:
-            if req.eos_token_id is not None and token == req.eos_token_id and not getattr(params, "ignore_eos", False):
+        assert params is not None  # only sampled requests reach here: pooling ones finish with their pooler output
+        if req.num_output_tokens >= params.min_tokens:
+            if req.eos_token_id is not None and token == req.eos_token_id and not params.ignore_eos:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            stop_ids = getattr(params, "stop_token_ids", None)
+            stop_ids = params.stop_token_ids
             if stop_ids and token in stop_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token

@@ -7,23 +7,31 @@ building a step's flat batch is bulk index math rather than per-token Python.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from pagoda.pooling_params import PoolingParams
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler.output import BeamCandidates, NewRequestData
 
-@dataclass
+
+@dataclass(slots=True)
 class RowState:
     req_id: str
     row: int
-    sampling_params: Any
+    params: SamplingParams | PoolingParams
     num_prompt_tokens: int
     output_token_ids: list[int]
-    # Beam search rows report this many next-token candidates instead of sampling.
-    num_beam_candidates: int = 0
-    beam_temperature: float = 0.0
-    # a pooling request's PoolingParams (the pooler reads them); None for sampled rows
-    pooling_params: Any = None
+    # a beam search row reports candidates instead of sampling
+    beam: BeamCandidates | None = None
+
+    @property
+    def sampling_params(self) -> SamplingParams | None:
+        return self.params if isinstance(self.params, SamplingParams) else None
+
+    @property
+    def pooling_params(self) -> PoolingParams | None:
+        return self.params if isinstance(self.params, PoolingParams) else None
 
 
 class InputBatch:
@@ -45,30 +53,27 @@ class InputBatch:
         self.rows: dict[str, RowState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def add(self, req_id: str, token_ids: list[int], num_prompt_tokens: int, block_ids: list[int],
-            num_computed: int, sampling_params: Any, output_token_ids: list[int],
-            num_beam_candidates: int = 0, beam_temperature: float = 0.0, pooling_params: Any = None,
-            token_type_ids: list[int] | None = None) -> RowState:
+    def add(self, new: NewRequestData) -> RowState:
         if not self._free_rows:
             raise RuntimeError("input batch is full (more running requests than max_num_seqs)")
         row = self._free_rows.pop()
-        n = len(token_ids)
+        n = len(new.token_ids)
         if n > self.max_model_len:
-            raise ValueError(f"request {req_id} has {n} tokens, more than max_model_len={self.max_model_len}")
-        self.token_ids[row, :n] = token_ids
+            raise ValueError(f"request {new.req_id} has {n} tokens, more than max_model_len={self.max_model_len}")
+        self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
-        self.num_computed[row] = num_computed
+        self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
-        self.append_blocks(row, block_ids)
-        self.num_prompt_tokens[row] = num_prompt_tokens
-        prompt_logprobs = getattr(sampling_params, "prompt_logprobs", None)
+        self.append_blocks(row, new.block_ids)
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
+        params = new.params
+        prompt_logprobs = params.prompt_logprobs if isinstance(params, SamplingParams) else None
         self.num_prompt_logprobs[row] = -1 if prompt_logprobs is None else prompt_logprobs
-        self.num_beam_candidates[row] = num_beam_candidates
+        self.num_beam_candidates[row] = new.beam.num_candidates if new.beam is not None else 0
         if self.token_type_ids is not None:
-            self.token_type_ids[row, :n] = token_type_ids if token_type_ids is not None else 0
-        state = RowState(req_id, row, sampling_params, num_prompt_tokens, output_token_ids,
-                         num_beam_candidates, beam_temperature, pooling_params)
-        self.rows[req_id] = state
+            self.token_type_ids[row, :n] = new.token_type_ids if new.token_type_ids is not None else 0
+        state = RowState(new.req_id, row, params, new.num_prompt_tokens, new.output_token_ids, new.beam)
+        self.rows[new.req_id] = state
         return state
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:

@@ -23,16 +23,14 @@ from pagoda.model_loader.kv_scales import CheckpointKVScales
 from pagoda.models.adapters import as_pooling_model
 from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
-from pagoda.pooling.pooler import PoolingMetadata
 from pagoda.quantization.model import checkpoint_module_filter, process_weights_after_loading, quantize_model
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from pagoda.structured_output.backend import StructuredOutputBackend
-from pagoda.structured_output.manager import load_backend_class
 from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
 from pagoda.worker.host_memory import zeros_lazy
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.pipeline_stage import send_to_next_stage, stage_inputs, take_scheduled_tokens
-from pagoda.worker.sampling import RunnerSampler
+from pagoda.worker.output_heads import GenerateHead, OutputHead, PoolingHead
+from pagoda.worker.step_inputs import StepInputs, prepare_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +67,6 @@ def _rss_peak_bytes() -> int:
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
         self.config = config
-        # structured outputs: the backend class whose kernel masks logits (loaded on the first constrained step)
-        self._bitmask_backend: type[StructuredOutputBackend] | None = None
         self.platform = platform
         self.device = platform.device()
         # resolved with the config (pagoda.engine.core.prepare_engine_config)
@@ -89,6 +85,8 @@ class ModelRunner:
         self.memory: MemoryReport | None = None
         # CUDA graphs for decode steps (pagoda.worker.graphs); None: every step runs eagerly.
         self.graphs: DecodeGraphRunner | None = None
+        # what the last stage does with the hidden states (sampler or pooler), built with the KV cache
+        self.head: OutputHead
         # which implementation serves the model (pagoda.models.registry), set by load_model
         self.model_choice: ModelChoice | None = None
         # this rank's pipeline group (one rank without pipeline parallelism)
@@ -96,6 +94,18 @@ class ModelRunner:
 
     # -- set-up --------------------------------------------------------------
     def load_model(self) -> None:
+        """resolve the class -> build it -> check parallelism -> quantize and load weights -> bind kernels."""
+        t0 = time.perf_counter()
+        cls, init_kwargs, arch = self._model_class()
+        model = self._instantiate(cls, init_kwargs)
+        self._check_parallelism(model, arch)
+        self._load_weights(model)
+        self.model = model.to(device=self.device).eval()
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._bind_kernels(arch, time.perf_counter() - t0)
+
+    def _model_class(self) -> tuple[type, dict[str, Any], str]:
+        """-> (the class that serves the model, its extra constructor arguments, the architecture)."""
         archs = list(getattr(self.hf_config, "architectures", None) or [])
         if not archs:
             raise ValueError(f"the model config at {self.source.path} names no architectures; pass hf_overrides={{'architectures': [...]}}")
@@ -115,23 +125,31 @@ class ModelRunner:
                 raise ValueError(f"{choice.cls} is registered with runner 'pooling' but is no pooling model "
                                  "(is_pooling_model is not set)")
             init_kwargs["pooler_config"] = info.pooler_config
-        t0 = time.perf_counter()
+        return cls, init_kwargs, archs[0]
+
+    def _instantiate(self, cls: type, init_kwargs: dict[str, Any]) -> Any:
+        """The model with uninitialised parameters of the model dtype, on the target device."""
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.hf_config, self.dtype, **init_kwargs)
+                return cls(self.hf_config, self.dtype, **init_kwargs)
         finally:
             torch.set_default_dtype(prev)
+
+    def _check_parallelism(self, model: Any, arch: str) -> None:
         if self.pp.world_size > 1 and (not getattr(model, "supports_pp", False) or self.runner_type != "generate"):
-            raise ValueError(f"{archs[0]} does not support pipeline parallelism (its model class does not set "
+            raise ValueError(f"{arch} does not support pipeline parallelism (its model class does not set "
                              "supports_pp; pooling models never do); run it with pipeline_parallel_size=1")
         if self.config.parallel_config.tensor_parallel_size > 1:
-            check_tensor_parallel_support(model, archs[0])
+            check_tensor_parallel_support(model, arch)
+
+    def _load_weights(self, model: Any) -> None:
+        """Quantization methods first (they replace the untouched float weights with their own), then the
+        checkpoint's tensors; its fp8 KV cache scales go to the attention layers, not the family's loader."""
         quant_config = self.config.resolved.quant_config
         keep_quantized = None
         if quant_config is not None:
-            # before any weight is read: the methods replace the (untouched) float weights with their own
             keep_quantized = checkpoint_module_filter(model, quantize_model(model, quant_config))
         # Every tensor is cast to the parameters' one dtype on load: a GGUF file's
         # conversion can then be cached already cast (pagoda.model_loader.convert_cache).
@@ -139,22 +157,22 @@ class ModelRunner:
         cache_dtype = self.dtype if param_dtypes == {self.dtype} else None
         # The model raises on missing or unexpected weights: only it knows how
         # checkpoint tensors map onto its fused parameters.
-        # fp8 KV cache scales the checkpoint carries go to the attention layers, not the family's loader
         kv_scales = CheckpointKVScales(model)
         model.load_weights(kv_scales.take(iter_weights(self.source, self.config.load_config.load_format, cache_dtype,
                                                        keep_quantized)))
         self.checkpoint_kv_scales = kv_scales
         if quant_config is not None:
             logger.info("%s (%d layers)", quant_config.describe(), process_weights_after_loading(model))
-        self.model = model.to(device=self.device).eval()
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _bind_kernels(self, arch: str, load_seconds: float) -> None:
+        """The platform's linear kernel and layer ops, where it has them."""
         kernel = self.platform.linear_kernel(self.dtype)
         prepared = prepare_linear_layers(self.model, kernel) if kernel is not None else 0
         ops = self.platform.layer_ops(self.dtype)
         bound = bind_layer_ops(self.model, ops) if ops is not None else 0
         logger.info(
             "loaded %s (%s) in %.2fs; linear kernel: %s (%d layers); layer ops: %s (%d modules)",
-            archs[0], self.dtype, time.perf_counter() - t0, kernel.name if kernel else "F.linear", prepared,
+            arch, self.dtype, load_seconds, kernel.name if kernel else "F.linear", prepared,
             ops.name if ops is not None else "torch", bound,
         )
 
@@ -230,8 +248,8 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, self.max_model_len, max_blocks_per_req,
                                 with_token_type_ids=self.uses_token_type_ids)
         # a pooling model samples nothing: its pooler replaces the sampler
-        self.sampler = None if self.runner_type == "pooling" else RunnerSampler(
-            self.config, self.text_config, self.batch, self.device)
+        self.head: OutputHead = (PoolingHead(self.model, self.batch) if self.runner_type == "pooling" else
+                                 GenerateHead.build(self.model, self.batch, self.config, self.text_config, self.device))
         self.memory = MemoryReport(self.weights_bytes, activation, num_blocks * bytes_per_block, num_blocks, self.block_size, bytes_per_block)
         logger.info("%s", self.memory.describe())
         if cache_dtype != self.dtype:
@@ -300,200 +318,86 @@ class ModelRunner:
         return max(after - before, 0)
 
     # -- per step -------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """prepare inputs -> forward -> (last stage) the output head: sampler or pooler."""
+        self._apply_diffs(so)
+        if not so.num_scheduled_tokens:
+            return ModelRunnerOutput.empty([])
+        step = prepare_step_inputs(self.batch, so, self.block_size)
+        hidden, only_sampled_rows = self._forward(step)
+        self.batch.num_computed[step.rows] = step.seq_lens
+        if not self.pp.is_last_rank:
+            # no waiting for the last stage: the next batch can start here while this one runs there
+            send_to_next_stage(self.pp, hidden)
+            return ModelRunnerOutput.empty(step.req_ids)
+        return self.head(hidden, step, so, only_sampled_rows)
+
+    def _forward(self, step: StepInputs) -> tuple[torch.Tensor, bool]:
+        """-> (hidden states, whether they hold only the rows that sample). A pure-decode step replays a
+        captured graph where one serves it; every other step runs eagerly."""
+        if self.graphs is not None and not step.wants_prompt_logprobs:
+            hidden = self.graphs.replay(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                                        step.block_tables, step.num_scheduled)
+            if hidden is not None:
+                return hidden, False
+        dev = self.device
+        extra: dict[str, Any] = {}
+        if self.batch.token_type_ids is not None:
+            token_types = self.batch.token_type_ids[step.token_rows, step.positions]
+            extra = self._extra_inputs(torch.from_numpy(token_types).to(dev, non_blocking=True))
+        extra.update(stage_inputs(self.pp, self.model, step.num_tokens, self.dtype, dev, receive=True))
+        output_rows = self._output_rows(step)
+        if output_rows is not None:
+            extra["output_rows"] = torch.from_numpy(output_rows).to(dev, non_blocking=True)
+        md = self.attn_backend.prepare(step.attention_metadata(dev))
+        hidden = self.model(torch.from_numpy(step.input_ids).to(dev, non_blocking=True),
+                            torch.from_numpy(step.positions).to(dev, non_blocking=True), md, **extra)
+        return hidden, output_rows is not None
+
+    def _output_rows(self, step: StepInputs) -> np.ndarray | None:
+        """The rows an eager step's model may return alone (each sampling request's last token), or None
+        for all of them: only where the model supports it and no caller reads other rows."""
+        if (self.runner_type != "generate" or step.wants_prompt_logprobs or not self.pp.is_last_rank
+                or not getattr(self.model, "supports_output_rows", False)):
+            return None
+        rows = step.last_token_rows
+        return rows if len(rows) < step.num_tokens else None
+
     def _apply_diffs(self, so: SchedulerOutput) -> None:
+        sampler = self.head.sampler if isinstance(self.head, GenerateHead) else None
         for rid in so.finished_req_ids:
             state = self.batch.remove(rid)
-            if state is not None and not state.num_beam_candidates and self.sampler is not None:
-                self.sampler.remove(state)
+            if state is not None and state.beam is None and sampler is not None:
+                sampler.remove(state)
         for new in so.scheduled_new_reqs:
-            state = self.batch.add(
-                new.req_id, new.token_ids, new.num_prompt_tokens, new.block_ids,
-                new.num_computed_tokens, new.sampling_params, new.output_token_ids,
-                num_beam_candidates=new.num_beam_candidates, beam_temperature=new.beam_temperature,
-                pooling_params=new.pooling_params, token_type_ids=new.token_type_ids,
-            )
-            if self.sampler is None:
-                continue
-            if not state.num_beam_candidates:
+            state = self.batch.add(new)
+            if sampler is not None and state.beam is None:
                 # beam rows never sample: the scheduler picks their tokens
-                self.sampler.add(state)
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            row = self.batch.rows[rid].row
-            if cached.replace_block_ids and cached.replace_block_ids[i]:
-                self.batch.replace_blocks(row, cached.new_block_ids[i])
+                sampler.add(state)
+        for diff in so.scheduled_cached_reqs:
+            row = self.batch.rows[diff.req_id].row
+            if diff.replace_block_ids:
+                self.batch.replace_blocks(row, diff.new_block_ids)
             else:
-                self.batch.append_blocks(row, cached.new_block_ids[i])
-            if cached.new_token_ids and cached.new_token_ids[i]:
-                self.batch.append_tokens(row, cached.new_token_ids[i])
-            if cached.scheduled_output_token_ids and cached.scheduled_output_token_ids[i]:
+                self.batch.append_blocks(row, diff.new_block_ids)
+            if diff.new_token_ids:
+                self.batch.append_tokens(row, diff.new_token_ids)
+            if diff.scheduled_output_token_ids:
                 # pipeline parallelism: tokens the last stage sampled; that stage has them already
-                take_scheduled_tokens(self.batch, row, cached.scheduled_output_token_ids[i],
-                                      cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid])
-            self.batch.num_computed[row] = cached.num_computed_tokens[i]
+                take_scheduled_tokens(self.batch, row, diff.scheduled_output_token_ids,
+                                      diff.num_computed_tokens + so.num_scheduled_tokens[diff.req_id])
+            self.batch.num_computed[row] = diff.num_computed_tokens
         if so.block_copies:
             src = torch.tensor([s for s, _ in so.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in so.block_copies], device=self.device)
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
 
-    def _apply_grammar_bitmask(self, logits: torch.Tensor, sample_req_ids: list[str], so: SchedulerOutput) -> torch.Tensor:
-        """Mask the constrained rows' logits with the scheduler's bitmask, one op for the batch."""
-        ids = so.structured_output_request_ids
-        rows = [ids.get(rid, -1) for rid in sample_req_ids]
-        if max(rows) < 0:
-            return logits
-        if self._bitmask_backend is None:
-            # the class only (its kernel is a static method): the backend instance lives beside the scheduler
-            self._bitmask_backend = load_backend_class(self.config.structured_outputs_config.backend)
-        # a row per sampled request, all ones (everything allowed) for the unconstrained ones
-        bitmask = torch.full((len(rows), so.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
-        constrained = [i for i, r in enumerate(rows) if r >= 0]
-        bitmask[constrained] = so.grammar_bitmask[[rows[i] for i in constrained]]
-        # float32 so a half-precision model's -inf fill and the sampler's in-place edits agree
-        logits = logits.to(torch.float32)
-        self._bitmask_backend.apply_token_bitmask(logits, bitmask.to(logits.device))
-        return logits
-
     @property
     def uses_token_type_ids(self) -> bool:
         """The model reads token type ids (BERT-style embeddings); the batch keeps them per row."""
         return bool(getattr(self.model, "uses_token_type_ids", False))
 
-    def _output_rows(self, cu: np.ndarray, samples: np.ndarray, total: int, wants_prompt_logprobs: bool) -> np.ndarray | None:
-        """The rows an eager step's model may return alone (each sampling request's last token), or None
-        for all of them: only where the model supports it and no caller reads other rows."""
-        if (self.runner_type != "generate" or wants_prompt_logprobs or not self.pp.is_last_rank
-                or not getattr(self.model, "supports_output_rows", False)):
-            return None
-        rows = cu[1:][np.nonzero(samples)[0]] - 1
-        return rows if len(rows) < total else None
-
     def _extra_inputs(self, token_type_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"token_type_ids": token_type_ids} if self.uses_token_type_ids else {}
-
-    def _pool(self, hidden: torch.Tensor, req_ids: list[str], rows: np.ndarray, cu: np.ndarray, start: np.ndarray,
-              nsched: np.ndarray, done: np.ndarray) -> ModelRunnerOutput:
-        """The pooler over each request whose prompt is all computed; float32 results on the host."""
-        pooled: list[Any] = [None] * len(req_ids)
-        result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids], pooler_output=pooled)
-        idx = np.nonzero(done)[0]
-        if not len(idx):
-            return result
-        if (start[idx] != 0).any():
-            # chunked prefill and prefix caching are off for pooling models: a prompt is one step
-            raise RuntimeError("a pooling request reached the pooler without its whole prompt in the step")
-        b = self.batch
-        states = [b.rows[req_ids[i]] for i in idx.tolist()]
-        params = [st.pooling_params for st in states]
-        tokens = None
-        if any(p.requires_token_ids for p in params):
-            tokens = [torch.from_numpy(b.token_ids[rows[i], : nsched[i]].copy()) for i in idx.tolist()]
-        md = PoolingMetadata(starts=cu[idx].tolist(), lengths=nsched[idx].tolist(), pooling_params=params,
-                             prompt_token_ids=tokens)
-        outputs = self.model.pooler(hidden, md)
-        for i, out in zip(idx.tolist(), outputs):
-            pooled[i] = out.detach().to("cpu", torch.float32)
-        return result
-
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._apply_diffs(so)
-        req_ids = list(so.num_scheduled_tokens)
-        if not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        b = self.batch
-        rows = np.fromiter((b.rows[r].row for r in req_ids), dtype=np.int64, count=len(req_ids))
-        nsched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        start = b.num_computed[rows]
-        cu = np.empty(len(rows) + 1, dtype=np.int64)
-        cu[0] = 0
-        np.cumsum(nsched, out=cu[1:])
-        total = int(cu[-1])
-        req_idx = np.repeat(np.arange(len(rows)), nsched)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - start, nsched)
-        token_rows = rows[req_idx]
-        input_ids = b.token_ids[token_rows, positions]
-        slots = b.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
-        seq_lens = start + nsched
-        max_blocks = int((seq_lens.max() + self.block_size - 1) // self.block_size)
-        block_tables = b.block_table[rows, :max_blocks]
-
-        dev = self.device
-        hidden = None
-        # Only requests whose known tokens are all computed after this step sample.
-        samples = seq_lens >= b.num_tokens[rows]
-        only_sampled_rows = False  # the model returned just the sampled rows' hidden states (output_rows)
-        wants_prompt_logprobs = bool(b.num_prompt_logprobs[rows].max() >= 0)
-        if self.graphs is not None and not wants_prompt_logprobs:
-            # A pure-decode step replays a captured graph; None: not one it can serve.
-            hidden = self.graphs.replay(input_ids, positions, slots, seq_lens, block_tables, nsched)
-        if hidden is None:
-            qsl_cpu = torch.from_numpy(cu.astype(np.int32))
-            seq_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-            md = AttentionMetadata(
-                num_seqs=len(rows), num_tokens=total,
-                query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-                seq_lens=seq_cpu.to(dev, non_blocking=True),
-                block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev, non_blocking=True),
-                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-                max_query_len=int(nsched.max()), max_seq_len=int(seq_lens.max()),
-                query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu,
-                is_all_decode=bool((nsched == 1).all()),
-            )
-            md = self.attn_backend.prepare(md)
-            extra = {}
-            if b.token_type_ids is not None:
-                extra = self._extra_inputs(torch.from_numpy(b.token_type_ids[token_rows, positions]).to(dev, non_blocking=True))
-            extra.update(stage_inputs(self.pp, self.model, total, self.dtype, dev, receive=True))
-            output_rows = self._output_rows(cu, samples, total, wants_prompt_logprobs)
-            if output_rows is not None:
-                extra["output_rows"] = torch.from_numpy(output_rows).to(dev, non_blocking=True)
-                only_sampled_rows = True
-            hidden = self.model(
-                torch.from_numpy(input_ids).to(dev, non_blocking=True),
-                torch.from_numpy(positions).to(dev, non_blocking=True),
-                md,
-                **extra,
-            )
-        b.num_computed[rows] = seq_lens
-        if not self.pp.is_last_rank:
-            # no waiting for the last stage: the next batch can start here while this one runs there
-            send_to_next_stage(self.pp, hidden)
-            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids])
-        if self.runner_type == "pooling":
-            return self._pool(hidden, req_ids, rows, cu, start, nsched, samples)
-        sampler = self.sampler
-        assert sampler is not None  # a generative model always has one
-        sample_idx = np.nonzero(samples)[0]
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
-        if wants_prompt_logprobs:
-            result.prompt_logprobs = sampler.prompt_logprobs(self.model, hidden, req_ids, rows, start, nsched, cu)
-        if len(sample_idx):
-            if only_sampled_rows:
-                logits = self.model.compute_logits(hidden)  # the model returned exactly these rows
-            else:
-                logits_rows = torch.from_numpy(cu[1:][sample_idx] - 1).to(dev)
-                logits = self.model.compute_logits(hidden.index_select(0, logits_rows))
-            beam_k = b.num_beam_candidates[rows[sample_idx]]
-            if beam_k.any():
-                is_beam = beam_k > 0
-                beam_idx = sample_idx[is_beam]
-                result.beam_candidates = sampler.beam_candidates(
-                    logits[torch.from_numpy(np.nonzero(is_beam)[0]).to(dev)], [req_ids[i] for i in beam_idx], rows[beam_idx]
-                )
-                keep = np.nonzero(~is_beam)[0]
-                sample_idx = sample_idx[keep]
-                logits = logits[torch.from_numpy(keep).to(dev)]
-        if len(sample_idx):
-            sample_rows = rows[sample_idx]
-            if so.structured_output_request_ids:
-                logits = self._apply_grammar_bitmask(logits, [req_ids[i] for i in sample_idx], so)
-            tokens = sampler.sample(logits, sample_rows, [req_ids[i] for i in sample_idx], result)
-            # The runner keeps its own copy of each request's tokens for the next step's inputs.
-            b.token_ids[sample_rows, b.num_tokens[sample_rows]] = tokens
-            b.num_tokens[sample_rows] += 1
-            for i, tok in zip(sample_idx.tolist(), tokens.tolist()):
-                sampled[i].append(tok)
-        return result

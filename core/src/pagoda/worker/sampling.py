@@ -80,7 +80,7 @@ class RunnerSampler:
     ) -> dict[str, tuple[list[int], list[float]]]:
         """Each beam row's top next tokens by log_softmax(logits / temperature), best first."""
         logits = logits.to(torch.float32)
-        temps = np.array([self.batch.rows[r].beam_temperature for r in req_ids], dtype=np.float32)
+        temps = np.array([self.batch.rows[r].beam.temperature for r in req_ids], dtype=np.float32)
         if (temps > 0).any():
             scale = torch.from_numpy(np.where(temps > 0, temps, 1.0).astype(np.float32)).to(logits.device)
             logits = logits / scale.unsqueeze(1)
