@@ -41,6 +41,9 @@ class EngineCoreRequest(msgspec.Struct, gc=False):
     cache_salt: str | None = None
     # the prompt's token type ids (BERT-style pair encodings), one per prompt token
     token_type_ids: list[int] | None = None
+    # the prefix-cache keys of the prompt's full blocks (pagoda.scheduler.request.prompt_block_hashes), hashed
+    # by the front end; empty: the core hashes them
+    block_hashes: list[bytes] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):

@@ -22,6 +22,7 @@ from pagoda.inputs import parse_prompt
 from pagoda.model_loader import load_tokenizer
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
+from pagoda.scheduler.request import prompt_block_hashes
 from pagoda.structured_output.manager import load_backend_class
 
 
@@ -52,6 +53,7 @@ class Processor:
         self.vocab_size = model.vocab_size or (len(self.tokenizer) if self.tokenizer is not None else 0)
         self.eos_token_id, self.extra_stop_ids = eos_and_stop_ids(self.tokenizer, model.hf_config, model.generation)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
+        self.block_size: int = config.cache_config.block_size  # type: ignore[assignment]  # resolved with the config
         self.beam_searches = BeamSearchFrontend(self.tokenizer, self.max_model_len)
         self.runner_type: str = model.runner_type
         # pagoda.pooling.PoolingModelInfo of a pooling model (what PoolingParams.verify reads)
@@ -113,6 +115,7 @@ class Processor:
         rank = n_children > params.n
         states: list[RequestState] = []
         requests: list[EngineCoreRequest] = []
+        hashes = prompt_block_hashes(ids, self.block_size, salt)
         for i in range(n_children):
             child_id = request_id if n_children == 1 else f"{i}_{request_id}"
             p = self._child_params(params, len(ids), rank)
@@ -127,7 +130,8 @@ class Processor:
             states.append(RequestState(child_id, request_id, i, text, ids, p, detok,
                                        wants_logprobs=params.logprobs is not None))
             requests.append(EngineCoreRequest(child_id, ids, p, None if p.ignore_eos else self.eos_token_id,
-                                              arrival_time, priority=priority, cache_salt=salt))
+                                              arrival_time, priority=priority, cache_salt=salt,
+                                              block_hashes=hashes))
         parent = ParentState(request_id, params.n, n_children, states, params.output_kind, rank_by_logprob=rank)
         return parent, requests
 
@@ -163,7 +167,8 @@ class Processor:
             params.requires_token_ids = True
         state = RequestState(request_id, request_id, 0, text, ids, params, None)
         request = EngineCoreRequest(request_id, ids, params, None, arrival_time, priority=priority, cache_salt=salt,
-                                    token_type_ids=token_type_ids)
+                                    token_type_ids=token_type_ids,
+                                    block_hashes=prompt_block_hashes(ids, self.block_size, salt))
         parent = ParentState(request_id, 1, 1, [state], params.output_kind)
         return parent, [request]
 

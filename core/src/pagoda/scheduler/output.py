@@ -32,6 +32,15 @@ class BeamCandidates(msgspec.Struct, frozen=True, gc=False):
     temperature: float
 
 
+class GrammarBitmask(msgspec.Struct, gc=False):
+    """The allowed next tokens of the constrained requests that sample this step."""
+
+    # req_id -> its row of ``bitmask``
+    request_rows: dict[str, int]
+    # int32 [rows, ceil(vocab / 32)]: bit t of a row allows token t; the runner masks the logits with it
+    bitmask: torch.Tensor
+
+
 class NewRequestData(msgspec.Struct, gc=False):
     """A request the runner has not seen (or sees again after preemption)."""
 
@@ -80,10 +89,8 @@ class SchedulerOutput(msgspec.Struct, gc=False):
     finished_req_ids: set[str]
     # (src_block, dst_block) KV copies to do before the step (copy-on-write)
     block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)
-    # Structured outputs: req_id -> row of ``grammar_bitmask`` (int32 [rows, ceil(vocab / 32)]) for each
-    # constrained request that samples this step; the runner masks its logits with that row.
-    structured_output_request_ids: dict[str, int] = msgspec.field(default_factory=dict)
-    grammar_bitmask: torch.Tensor | None = None
+    # structured outputs: set when a constrained request samples this step
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

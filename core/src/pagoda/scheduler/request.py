@@ -7,7 +7,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
-from pagoda.kv_cache.hashing import hash_request_blocks
+from pagoda.kv_cache.hashing import BlockHash, hash_request_blocks
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -39,7 +39,34 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 }
 
 
-class Request:
+def block_extra_keys(cache_salt: str | None) -> tuple[Any, ...] | None:
+    """What a request mixes into its blocks' prefix-cache keys beside their tokens."""
+    return (cache_salt,) if cache_salt else None
+
+
+def prompt_block_hashes(prompt_token_ids: list[int], block_size: int, cache_salt: str | None) -> list[BlockHash]:
+    """The keys of a prompt's full blocks: the front end computes them once, off the engine loop (the data
+    parallel balancer routes by them; the core's ``Request`` takes them as they are)."""
+    return hash_request_blocks([], prompt_token_ids, block_size, block_extra_keys(cache_salt))
+
+
+class TypedParams:
+    """Reads a request's ``params`` typed: ``sampling_params`` / ``pooling_params`` (vLLM's names) is the one
+    it is, the other None."""
+
+    __slots__ = ()
+    params: SamplingParams | PoolingParams
+
+    @property
+    def sampling_params(self) -> SamplingParams | None:
+        return self.params if isinstance(self.params, SamplingParams) else None
+
+    @property
+    def pooling_params(self) -> PoolingParams | None:
+        return self.params if isinstance(self.params, PoolingParams) else None
+
+
+class Request(TypedParams):
     """Token ids, progress and cache bookkeeping of one sequence.
 
     ``params`` is the request's ``SamplingParams``, or its ``PoolingParams`` for a pooling request
@@ -59,6 +86,7 @@ class Request:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         token_type_ids: list[int] | None = None,
+        block_hashes: list[BlockHash] | None = None,
     ) -> None:
         params = sampling_params if pooling_params is None else pooling_params
         if not isinstance(params, (SamplingParams, PoolingParams)) or (sampling_params is not None
@@ -82,8 +110,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule
         self.num_preemptions = 0
-        self.extra_keys: tuple[Any, ...] | None = (cache_salt,) if cache_salt else None
-        self.block_hashes: list[Any] = []
+        self.extra_keys = block_extra_keys(cache_salt)
+        # the prompt's, when the front end hashed them already (an EngineCoreRequest's)
+        self.block_hashes: list[BlockHash] = list(block_hashes or [])
         self._update_block_hashes()
         # prompt_logprobs: entries delivered so far, and entries waiting for the first token
         self.num_prompt_logprobs_sent = 0
@@ -103,17 +132,12 @@ class Request:
         """The scheduler's request for what a front end sent (the core hashes its blocks, not the front end)."""
         sampling = req.params if isinstance(req.params, SamplingParams) else None
         pooling = req.params if isinstance(req.params, PoolingParams) else None
+        # the front end hashes with the block size the engine config resolved; a count that does not fit it
+        # (a client of its own) is hashed again here
+        hashes = req.block_hashes if len(req.block_hashes) == len(req.prompt_token_ids) // block_size else None
         return cls(req.request_id, req.prompt_token_ids, sampling, req.eos_token_id, block_size,
                    arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
-                   pooling_params=pooling, token_type_ids=req.token_type_ids)
-
-    @property
-    def sampling_params(self) -> SamplingParams | None:
-        return self.params if isinstance(self.params, SamplingParams) else None
-
-    @property
-    def pooling_params(self) -> PoolingParams | None:
-        return self.params if isinstance(self.params, PoolingParams) else None
+                   pooling_params=pooling, token_type_ids=req.token_type_ids, block_hashes=hashes)
 
     @property
     def num_tokens(self) -> int:

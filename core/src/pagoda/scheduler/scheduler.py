@@ -25,7 +25,13 @@ from pagoda.beam_search.group import BeamGroup
 from pagoda.beam_search.scheduling import NO_BEAM_SEARCH, BeamSearchScheduling, NoBeamSearch
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.engine.messages import EngineCoreOutput
-from pagoda.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagoda.scheduler.output import (
+    CachedRequestData,
+    GrammarBitmask,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from pagoda.structured_output.manager import RequestStructuredOutput, StructuredOutputManager
@@ -368,8 +374,7 @@ class Scheduler:
                 ids[rid] = len(constrained)
                 constrained.append(req.structured_output)
         if constrained:
-            out.structured_output_request_ids = ids
-            out.grammar_bitmask = manager.grammar_bitmask(constrained)
+            out.grammar = GrammarBitmask(ids, manager.grammar_bitmask(constrained))
 
     def _fail_constraint(self, req: Request, error: BaseException) -> None:
         self.waiting.remove(req)

@@ -13,10 +13,11 @@ import numpy as np
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.output import BeamCandidates, NewRequestData
+from pagoda.scheduler.request import TypedParams
 
 
 @dataclass(slots=True)
-class RowState:
+class RowState(TypedParams):
     req_id: str
     row: int
     params: SamplingParams | PoolingParams
@@ -24,14 +25,6 @@ class RowState:
     output_token_ids: list[int]
     # a beam search row reports candidates instead of sampling
     beam: BeamCandidates | None = None
-
-    @property
-    def sampling_params(self) -> SamplingParams | None:
-        return self.params if isinstance(self.params, SamplingParams) else None
-
-    @property
-    def pooling_params(self) -> PoolingParams | None:
-        return self.params if isinstance(self.params, PoolingParams) else None
 
 
 class InputBatch:

@@ -1,5 +1,7 @@
-"""Runs the model on a flat batch: builds inputs from the persistent batch, runs
-the forward pass, computes logits only where a token is sampled, samples."""
+"""Runs the model on a flat batch. A step is a short pipeline (``execute_model``): apply the scheduler's
+diffs to the persistent batch -> prepare the flat inputs (``pagoda.worker.step_inputs``) -> forward (a
+captured graph or eager) -> on the last stage, the output head chosen at load (``pagoda.worker.output_heads``:
+logits at the rows that sample and the sampler's stages, or the pooler)."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
 from pagoda.worker.host_memory import zeros_lazy
 from pagoda.worker.input_batch import InputBatch
-from pagoda.worker.pipeline_stage import send_to_next_stage, stage_inputs, take_scheduled_tokens
 from pagoda.worker.output_heads import GenerateHead, OutputHead, PoolingHead
+from pagoda.worker.pipeline_stage import send_to_next_stage, stage_inputs, take_scheduled_tokens
 from pagoda.worker.step_inputs import StepInputs, prepare_step_inputs
 
 logger = logging.getLogger(__name__)

@@ -81,18 +81,18 @@ class GrammarMaskStage:
 
     def __call__(self, logits: torch.Tensor, rows: SampleRows, step: StepInputs, so: SchedulerOutput,
                  out: ModelRunnerOutput) -> tuple[torch.Tensor, SampleRows]:
-        ids = so.structured_output_request_ids
-        if not ids or so.grammar_bitmask is None:
+        grammar = so.grammar
+        if grammar is None:
             return logits, rows
-        mask_rows = [ids.get(rid, -1) for rid in rows.req_ids(step)]
+        mask_rows = [grammar.request_rows.get(rid, -1) for rid in rows.req_ids(step)]
         if max(mask_rows) < 0:
             return logits, rows
         if self._backend is None:
             self._backend = load_backend_class(self.backend_name)
         # a row per sampled request, all ones (everything allowed) for the unconstrained ones
-        bitmask = torch.full((len(mask_rows), so.grammar_bitmask.shape[1]), -1, dtype=torch.int32)
+        bitmask = torch.full((len(mask_rows), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
         constrained = [i for i, r in enumerate(mask_rows) if r >= 0]
-        bitmask[constrained] = so.grammar_bitmask[[mask_rows[i] for i in constrained]]
+        bitmask[constrained] = grammar.bitmask[[mask_rows[i] for i in constrained]]
         # float32 so a half-precision model's -inf fill and the sampler's in-place edits agree
         logits = logits.to(torch.float32)
         self._backend.apply_token_bitmask(logits, bitmask.to(logits.device))

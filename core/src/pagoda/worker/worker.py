@@ -99,10 +99,9 @@ class Worker:
 
     def _append_own_outputs(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
         rows = self.runner.batch.rows
-        cached = so.scheduled_cached_reqs
-        for rid, tokens in zip(cached.req_ids, cached.new_token_ids):
-            if tokens and rid in rows:
-                rows[rid].output_token_ids.extend(tokens)
+        for diff in so.scheduled_cached_reqs:
+            if diff.new_token_ids and diff.req_id in rows:
+                rows[diff.req_id].output_token_ids.extend(diff.new_token_ids)
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids):
             if tokens:
                 rows[rid].output_token_ids.extend(tokens)
