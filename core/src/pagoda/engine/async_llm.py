@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import EngineArgs, EngineConfig
-from pagoda.engine.core import prepare_engine_config
+from pagoda.engine.config_resolution import prepare_engine_config
 from pagoda.engine.core_client import EngineCoreOutputs
 from pagoda.engine.mp_client import make_async_client
 from pagoda.engine.output_processor import OutputProcessor
