@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 # MAJOR.MINOR. A plugin written for 1.x loads on any core 1.y with y >= x;
 # core adds hooks and hook arguments only additively within a major version.
 # 1.1: pagoda_register_model_fallbacks. 1.2: pagoda_register_structured_output_backends.
-# 1.3: pagoda_register_tool_parsers. 1.4: pagoda_register_reasoning_parsers.
-API_VERSION = "1.4"
+# 1.3: pagoda_register_tool_parsers. 1.4: pagoda_register_reasoning_parsers. 1.5: pagoda_add_env_vars
+# (and pagoda_startup became historic: a plugin registered late is called too).
+API_VERSION = "1.5"
 API_VERSION_ATTR = "PAGODA_PLUGIN_API_VERSION"
 PLUGINS_ENV = "PAGODA_PLUGINS"
 
@@ -181,6 +182,8 @@ class PluginManager:
     def __init__(self) -> None:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
+        # historic: every plugin this manager registers, now or later, declares its variables at once
+        self._pm.hook.pagoda_add_env_vars.call_historic(kwargs={"registry": envs.REGISTRY})
         self.infos: list[PluginInfo] = []
         self._specs: dict[str, list[Any]] | None = None
         self._objects: dict[str, Any] = {}
@@ -426,7 +429,8 @@ class PluginManager:
         ]
 
     def startup(self, config: Any = None) -> None:
-        self._pm.hook.pagoda_startup(config=config)
+        """Call ``pagoda_startup`` on every plugin, and on each one registered later (historic)."""
+        self._pm.hook.pagoda_startup.call_historic(kwargs={"config": config})
 
     @property
     def hook(self) -> Any:
