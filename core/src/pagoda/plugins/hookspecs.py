@@ -234,8 +234,12 @@ def pagoda_startup(config: Any) -> None:
     """An engine is starting (general plugins: patches, environment set-up, early builds).
 
     :param config: the ``pagoda.config.EngineConfig`` being resolved: plugins
-        and platform decided, model not yet resolved. It may be read, not
-        changed (``pagoda.engine.config_resolution`` decides every value).
+        and platform decided, the user's values in place, the platform's defaults
+        not yet applied (``pagoda.engine.config_resolution`` decides those after
+        this hook). A plugin that needs the model early may set
+        ``config.resolved_model = pagoda.config.resolve_model(...)``, which the
+        resolution then keeps (pagoda-attn-cpu does, to start its kernel build);
+        other fields are read, not changed.
     :return: nothing.
 
     Called by ``prepare_engine_config`` in the main process, once per engine
