@@ -84,15 +84,21 @@ class CpuPlatform(Platform):
         import torch
 
         if requested == "auto":
-            # bf16 only pays where the CPU computes it natively (AVX512-BF16 / AMX);
-            # on AVX2 it is emulated and slower than fp32, whatever the checkpoint holds.
-            dtype = torch.bfloat16 if has_native_bf16() else torch.float32
+            dtype = self._auto_dtype()
             logger.info(
                 "dtype=auto on CPU: %s (native bf16: %s; checkpoint dtype: %s)",
                 dtype, has_native_bf16(), checkpoint_dtype,
             )
             return dtype
         return super().resolve_dtype(requested, checkpoint_dtype)
+
+    @staticmethod
+    def _auto_dtype() -> torch.dtype:
+        import torch
+
+        # bf16 only pays where the CPU computes it natively (AVX512-BF16 / AMX);
+        # on AVX2 it is emulated and slower than fp32, whatever the checkpoint holds.
+        return torch.bfloat16 if has_native_bf16() else torch.float32
 
     def attention_backend_preference(self, spec: Any = None) -> list[str]:
         # cpu_paged reads the paged cache in place (a JIT-compiled C++ kernel with explicit
@@ -216,8 +222,9 @@ class CpuPlatform(Platform):
 
         if not (envs.PAGODA_CPU_PACKED_LINEAR and envs.PAGODA_CPU_GEMM and has_avx512f()):
             return DEFAULT_MAX_NUM_BATCHED_TOKENS
-        try:  # the dtype the model will get (resolved again with the checkpoint once the model is found)
-            dtype = self.resolve_dtype(config.model.dtype, None)
+        # the dtype the model will get (resolved, and logged, with the checkpoint once the model is found)
+        try:
+            dtype = self._auto_dtype() if config.model.dtype == "auto" else self.resolve_dtype(config.model.dtype, None)
         except ValueError:
             return DEFAULT_MAX_NUM_BATCHED_TOKENS
         from pagoda_platform_cpu.gemm import unavailable_reason

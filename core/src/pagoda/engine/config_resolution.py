@@ -169,19 +169,26 @@ def describe_engine_config(config: EngineConfig, platform: Platform, defaults: P
             key = f"{section}.{name}"
             if key in _STATED_RESOLVED:
                 continue
-            source = config.sources.get(key) or (USER if name in obj.model_fields_set else DEFAULT)
-            lines.append(f"  {key} = {getattr(obj, name)!r} ({source})")
+            value = getattr(obj, name)
+            lines.append(f"  {key} = {value!r} ({config.sources.get(key) or _given_or_default(obj, name, value)})")
     dtype_source = USER if config.model.dtype != "auto" else f"{PLATFORM} for the checkpoint's dtype (dtype=auto)"
     context_source = USER if config.model.max_model_len is not None else MODEL
     lines += [
         f"  resolved.dtype = {str(model.dtype).removeprefix('torch.')} ({dtype_source})",
         f"  resolved.max_model_len = {model.max_model_len} ({context_source})",
         f"  resolved.runner_type = {model.runner_type} ({USER if config.model.runner != 'auto' else MODEL})",
-        f"  resolved.quantization = {model.quant_config.describe() if model.quant_config is not None else None} "
+        f"  resolved.quantization = {model.quant_config.get_name() if model.quant_config is not None else None} "
         f"({USER if config.model.quantization is not None else MODEL})",
         f"  kv cache budget = {_kv_budget(config, defaults)}",
     ]
     return "\n".join(lines)
+
+
+def _given_or_default(obj: Any, name: str, value: Any) -> str:
+    # a value passed explicitly but equal to the field's default (LLM(model=None)) is the default
+    field_info = type(obj).model_fields[name]
+    default = field_info.get_default(call_default_factory=True)
+    return USER if name in obj.model_fields_set and value != default else DEFAULT
 
 
 def _kv_budget(config: EngineConfig, defaults: PlatformDefaults) -> str:
