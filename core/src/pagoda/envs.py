@@ -207,7 +207,10 @@ def all_variables() -> Mapping[str, EnvVar[Any]]:
     """Every variable: core's and those of each plugin this process loads (loaded first, if not yet)."""
     from pagoda.plugins import get_plugin_manager
 
-    get_plugin_manager()
+    pm = get_plugin_manager(load=False)
+    # a variable read while the plugins load (a plugin module reading one at import) must not load them again
+    if not pm.entry_points_loaded and not pm.loading_entry_points:
+        pm.load_entry_points()
     return ENVIRONMENT_VARIABLES
 
 

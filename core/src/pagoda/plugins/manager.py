@@ -188,6 +188,7 @@ class PluginManager:
         self._specs: dict[str, list[Any]] | None = None
         self._objects: dict[str, Any] = {}
         self.entry_points_loaded = False
+        self.loading_entry_points = False
 
     # -- registration -------------------------------------------------------
     def register(
@@ -249,6 +250,13 @@ class PluginManager:
         ``names``: ``"env"`` reads ``PAGODA_PLUGINS``; None loads all; a list
         loads exactly those (an unknown name is an error).
         """
+        self.loading_entry_points = True
+        try:
+            self._load_entry_points(names, kinds)
+        finally:
+            self.loading_entry_points = False
+
+    def _load_entry_points(self, names: list[str] | None | str, kinds: Iterable[str] | None) -> None:
         selected = requested_plugin_names() if names == "env" else names
         kinds = list(ENTRY_POINT_GROUPS) if kinds is None else list(kinds)
         candidates = _discover(kinds)
