@@ -200,7 +200,6 @@ def test_enforce_eager_captures_nothing(tiny_model_dir) -> None:
 
     path, _ = tiny_model_dir("llama")
     config = EngineArgs(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                        num_kv_blocks=64).create_engine_config()
-    config.extra = {**config.extra, "enforce_eager": True}
+                        num_kv_blocks=64, enforce_eager=True).create_engine_config()
     engine = LLMEngine(config)
     assert engine.engine_core.core.runner.graphs is None

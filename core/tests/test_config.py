@@ -123,17 +123,23 @@ def test_engine_config_survives_pickling_for_worker_processes() -> None:
 
 
 def test_every_engine_arg_belongs_to_exactly_one_section() -> None:
-    section_fields = [
-        name
-        for section in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig, LoadConfig)
-        for name in section.model_fields
-    ]
+    sections = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig, LoadConfig)
+    section_fields = [name for section in sections for name in section.model_fields]
     assert len(section_fields) == len(set(section_fields))
     # structured_outputs_config is a whole section (as in vLLM), passed as is; reasoning_parser (vLLM's flat
     # --reasoning-parser) lands in it
-    # CacheConfig.cache_dtype is EngineArgs.kv_cache_dtype (vLLM's names on both sides)
-    flat = {"kv_cache_dtype" if name == "cache_dtype" else name for name in section_fields}
-    assert flat | {"structured_outputs_config", "reasoning_parser"} == set(EngineArgs.model_fields)
+    assert set(section_fields) | {"structured_outputs_config", "reasoning_parser"} == set(EngineArgs.model_fields)
+    # inherited, not re-declared: each EngineArgs field is its section's (default, bounds, description)
+    for section in sections:
+        assert issubclass(EngineArgs, section)
+        for name, info in section.model_fields.items():
+            assert repr(EngineArgs.model_fields[name]) == repr(info), name
+
+
+def test_sections_know_which_fields_the_user_set() -> None:
+    config = EngineArgs(block_size=32, enable_chunked_prefill=True).create_engine_config()
+    assert config.cache_config.model_fields_set == {"block_size"}
+    assert config.scheduler_config.model_fields_set == {"enable_chunked_prefill"}
 
 
 def test_structured_outputs_config_from_args_and_cli_json() -> None:
@@ -233,5 +239,8 @@ def test_kv_cache_dtype_is_vllms_engine_arg_for_cache_dtype() -> None:
     config = EngineArgs(kv_cache_dtype="fp8_e5m2", calculate_kv_scales=True).create_engine_config()
     assert config.cache_config.cache_dtype == "fp8_e5m2" and config.cache_config.calculate_kv_scales
     assert EngineArgs(cache_dtype="fp8").kv_cache_dtype == "fp8"  # CacheConfig's name is taken too
+    args = EngineArgs()
+    args.kv_cache_dtype = "fp8_e4m3"
+    assert args.create_engine_config().cache_config.cache_dtype == "fp8_e4m3"
     with pytest.raises(ValidationError):
         EngineArgs(kv_cache_dtype="fp4")

@@ -1,14 +1,19 @@
-"""pagoda.envs: one list of every PAGODA_* variable, read when asked, kept complete by a scan of the repository."""
+"""pagoda.envs: one registry of every PAGODA_* variable (core's and the plugins'), read when asked, kept complete
+by a scan of the repository."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pagoda import envs
+from pagoda.plugins import API_VERSION, PluginManager, hookimpl
 
 REPO = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"PAGODA_[A-Z0-9_]+")
@@ -56,13 +61,13 @@ def test_every_name_the_sources_use_is_listed() -> None:
         for name in names_in_python(path.read_text()):
             used.setdefault(name, []).append(str(path.relative_to(REPO)))
     assert {"PAGODA_PLUGINS", "PAGODA_CPU_THREADS", "PAGODA_KERNELS_IMPL"} <= set(used)
-    missing = {n: files for n, files in used.items() if n not in envs.ENVIRONMENT_VARIABLES and n not in NOT_ENVIRONMENT}
-    assert missing == {}, f"add these to pagoda/envs.py (and docs/environment.md): {missing}"
+    missing = {n: files for n, files in used.items() if n not in envs.all_variables() and n not in NOT_ENVIRONMENT}
+    assert missing == {}, f"declare these in pagoda/envs.py or the plugin's pagoda_add_env_vars (and docs/environment.md): {missing}"
 
 
 def test_every_name_the_docs_mention_is_listed() -> None:
     docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-    known = set(envs.ENVIRONMENT_VARIABLES) | set(NOT_ENVIRONMENT) | _macro_names()
+    known = set(envs.all_variables()) | set(NOT_ENVIRONMENT) | _macro_names()
     unknown = {f"{p.relative_to(REPO)}: {n}" for p in docs for n in NAME.findall(p.read_text()) if n not in known}
     assert unknown == set()
 
@@ -70,8 +75,8 @@ def test_every_name_the_docs_mention_is_listed() -> None:
 def test_docs_list_every_variable_with_its_type() -> None:
     table = (REPO / "docs" / "environment.md").read_text()
     rows = {line.split("|")[1].strip().strip("`"): line for line in table.splitlines() if line.startswith("| `PAGODA_")}
-    assert set(rows) == set(envs.ENVIRONMENT_VARIABLES)
-    for name, var in envs.ENVIRONMENT_VARIABLES.items():
+    assert set(rows) == set(envs.all_variables())
+    for name, var in envs.all_variables().items():
         assert var.type in rows[name], name
     assert "docs/environment.md" in (REPO / "README.md").read_text()
 
@@ -125,9 +130,61 @@ def test_a_bad_value_is_an_error_naming_the_variable(monkeypatch: pytest.MonkeyP
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="PAGODA_NO_SUCH_VARIABLE"):
         envs.PAGODA_NO_SUCH_VARIABLE  # noqa: B018
+    envs.all_variables()
     assert "PAGODA_CPU_THREADS" in dir(envs)
 
 
+_PLUGIN_VAR = envs.EnvVar("PAGODA_TEST_PLUGIN_SWITCH", "bool", True, "A test plugin's switch.", "test-plugin",
+                          envs.parse_bool)
+
+
+@pytest.fixture
+def forget_plugin_var() -> Iterator[None]:
+    yield
+    envs.ENVIRONMENT_VARIABLES.pop(_PLUGIN_VAR.name, None)
+
+
+def test_a_plugin_declares_its_variables_with_a_hook(
+    isolated_plugin_manager: PluginManager, monkeypatch: pytest.MonkeyPatch, forget_plugin_var: None
+) -> None:
+    class WithVariables:
+        PAGODA_PLUGIN_API_VERSION = API_VERSION
+
+        @hookimpl
+        def pagoda_add_env_vars(self, registry: envs.EnvRegistry) -> None:
+            registry.add(_PLUGIN_VAR)
+
+    assert _PLUGIN_VAR.name not in envs.ENVIRONMENT_VARIABLES
+    assert isolated_plugin_manager.register(WithVariables(), name="with-vars").status == "loaded"
+    assert envs.all_variables()[_PLUGIN_VAR.name] is _PLUGIN_VAR
+    monkeypatch.setenv(_PLUGIN_VAR.name, "off")
+    assert envs.PAGODA_TEST_PLUGIN_SWITCH is False
+    # a second manager (a worker's) registering the same plugin declares the same variable: no conflict
+    assert PluginManager().register(WithVariables(), name="with-vars").status == "loaded"
+
+
+def test_a_name_declared_twice_differently_is_refused() -> None:
+    registry = envs.EnvRegistry([_PLUGIN_VAR])
+    registry.add(_PLUGIN_VAR)
+    with pytest.raises(ValueError, match="declared twice: by test-plugin and by other"):
+        registry.add(envs.EnvVar(_PLUGIN_VAR.name, "int", 1, "other", "other", envs.parse_positive_int))
+    with pytest.raises(ValueError, match="named PAGODA_"):
+        registry.add(envs.EnvVar("VLLM_X", "int", 1, "x", "other", envs.parse_positive_int))
+
+
+def test_a_process_that_loads_plugins_knows_their_variables() -> None:
+    # what a worker or engine-core process does (pagoda.worker.process.replay_main_process_decisions):
+    # load the main process's plugins, then read their variables through pagoda.envs
+    code = ("import os; os.environ['PAGODA_CPU_THREADS'] = '3'\n"
+            "from pagoda import envs\n"
+            "from pagoda.plugins import load_plugins\n"
+            "assert 'PAGODA_CPU_THREADS' not in envs.ENVIRONMENT_VARIABLES\n"
+            "load_plugins(['cpu'])\n"
+            "print(envs.ENVIRONMENT_VARIABLES['PAGODA_CPU_THREADS'].read_by, envs.PAGODA_CPU_THREADS)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["pagoda-platform-cpu", "3"]
+
+
 def test_every_variable_is_described() -> None:
-    for name, var in envs.ENVIRONMENT_VARIABLES.items():
+    for name, var in envs.all_variables().items():
         assert var.name == name and var.help and var.type and var.read_by

@@ -155,7 +155,11 @@ def test_capture_sizes_come_from_the_platform() -> None:
     class NoRule(Platform):
         supports_graphs = True
 
-    assert capture_sizes_for(NoRule(), None) == []  # type: ignore[arg-type]
+    from pagoda.config import EngineArgs
+
+    # the default rule: the sizes the config resolution decided (none decided: every step eager)
+    assert capture_sizes_for(NoRule(), EngineArgs().create_engine_config()) == []
+    assert capture_sizes_for(NoRule(), EngineArgs(cuda_graph_sizes=[4, 1]).create_engine_config()) == [1, 4]
 
 
 class _GraphBackend(AttentionBackend):

@@ -165,6 +165,45 @@ def test_startup_hook_receives_config(isolated_plugin_manager: PluginManager) ->
     assert seen == ["the-config"]
 
 
+def test_startup_is_historic_a_late_plugin_still_gets_it(isolated_plugin_manager: PluginManager) -> None:
+    seen: list[tuple[str, object]] = []
+
+    def general(label: str) -> object:
+        class General:
+            PAGODA_PLUGIN_API_VERSION = API_VERSION
+
+            @hookimpl
+            def pagoda_startup(self, config: object) -> None:
+                seen.append((label, config))
+
+        return General()
+
+    isolated_plugin_manager.register(general("early"), name="early")
+    isolated_plugin_manager.startup(config="engine-1")
+    assert seen == [("early", "engine-1")]
+    # registered after the engine started (a script's late register): called at registration
+    info = isolated_plugin_manager.register(general("late"), name="late")
+    assert info.status == "loaded"
+    assert seen == [("early", "engine-1"), ("late", "engine-1")]
+    isolated_plugin_manager.startup(config="engine-2")
+    assert sorted(seen[2:]) == [("early", "engine-2"), ("late", "engine-2")]  # pluggy calls the newest first
+
+
+def test_a_late_plugin_whose_startup_raises_is_reported_not_registered(isolated_plugin_manager: PluginManager) -> None:
+    class Failing:
+        PAGODA_PLUGIN_API_VERSION = API_VERSION
+
+        @hookimpl
+        def pagoda_startup(self, config: object) -> None:
+            raise RuntimeError("cannot start")
+
+    isolated_plugin_manager.startup(config="engine")
+    plugin = Failing()
+    info = isolated_plugin_manager.register(plugin, name="failing")
+    assert info.status == "error" and info.error is not None and "cannot start" in info.error
+    assert not isolated_plugin_manager._pm.is_registered(plugin)
+
+
 def test_same_platform_from_two_plugins_keeps_the_first(isolated_plugin_manager: PluginManager) -> None:
     def provider(cls_ref: str) -> types.SimpleNamespace:
         plugin = types.SimpleNamespace(

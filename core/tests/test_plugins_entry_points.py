@@ -13,6 +13,8 @@ from pagoda.plugins import PluginManager, PluginSelectionError, get_plugin_manag
 if TYPE_CHECKING:
     from pagoda.plugins import PluginInfo
 
+    from .conftest import PluginDistFactory
+
 
 def _info(pm: PluginManager, name: str) -> PluginInfo:
     matches = [i for i in pm.infos if i.name == name]
@@ -148,3 +150,38 @@ def test_worker_loads_exactly_the_names_decided_by_the_main_process(
     assert _info(pm, "goodplat").status == "loaded"
     assert _info(pm, "brokenattn").status == "disabled"
     assert pm.loaded_names() == ["goodplat"]
+
+
+ENV_VAR_PLUGIN = '''
+from pagoda import envs
+from pagoda.envs import EnvVar, parse_bool
+from pagoda.plugins import hookimpl
+
+PAGODA_PLUGIN_API_VERSION = "1.5"
+SWITCH = EnvVar("PAGODA_TEST_DIST_SWITCH", "bool", True, "A test distribution's switch.", "pagoda-test-envvars",
+                parse_bool)
+# read at import, while the manager is still loading plugins: must not start loading them again
+SEEN_AT_IMPORT = getattr(envs, "PAGODA_TEST_DIST_SWITCH", "undeclared")
+
+
+@hookimpl
+def pagoda_add_env_vars(registry):
+    registry.add(SWITCH)
+'''
+
+
+def test_an_installed_plugin_declares_its_variables_once_loaded(
+    fresh_plugin_manager: PluginManager, make_plugin_dist: PluginDistFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagoda import envs
+
+    make_plugin_dist("pagoda-test-envvars", "pagoda_test_envvars", ENV_VAR_PLUGIN, entry_point_name="envvars")
+    monkeypatch.setenv("PAGODA_PLUGINS", "envvars")
+    monkeypatch.setenv("PAGODA_TEST_DIST_SWITCH", "0")
+    try:
+        assert envs.PAGODA_TEST_DIST_SWITCH is False  # an unknown name loads the process's plugins first
+        assert _info(fresh_plugin_manager, "envvars").status == "loaded"  # loaded once, not again from inside
+        assert sys.modules["pagoda_test_envvars"].SEEN_AT_IMPORT == "undeclared"
+        assert envs.all_variables()["PAGODA_TEST_DIST_SWITCH"].read_by == "pagoda-test-envvars"
+    finally:
+        envs.ENVIRONMENT_VARIABLES.pop("PAGODA_TEST_DIST_SWITCH", None)

@@ -116,22 +116,17 @@ def test_platform_takes_the_step_budget_unless_the_user_set_one(monkeypatch: pyt
                         lambda dtype: GemmTuning(dtype="bfloat16", threads=1, max_num_batched_tokens=2048, measured=True))
     monkeypatch.setattr("pagoda_platform_cpu.platform.start_kernel_builds", lambda: None)
     config = EngineArgs(model="unused", dtype="bfloat16").create_engine_config()
-    CpuPlatform().check_and_update_config(config)
-    assert config.scheduler_config.max_num_batched_tokens == 2048
+    assert CpuPlatform().config_defaults(config).max_num_batched_tokens == 2048
     config = EngineArgs(model="unused", dtype="bfloat16", max_num_batched_tokens=300).create_engine_config()
-    CpuPlatform().check_and_update_config(config)
-    assert config.scheduler_config.max_num_batched_tokens == 300
-
-
-class _Resolved(Exception):
-    """Stops prepare_engine_config where the model would be resolved (the budget is decided before)."""
+    assert CpuPlatform().config_defaults(config).max_num_batched_tokens is None  # not measured: the user's wins
 
 
 @needs_bf16_kernel
 def test_each_dtype_takes_its_own_measured_budget_and_start_up_logs_it(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from pagoda.engine import core as engine_core
+    from pagoda.config import ResolvedModel
+    from pagoda.engine import config_resolution
 
     budgets = {torch.bfloat16: 1024, torch.float32: 2048}
     measured: list[torch.dtype] = []
@@ -140,26 +135,29 @@ def test_each_dtype_takes_its_own_measured_budget_and_start_up_logs_it(
         measured.append(dtype)
         return GemmTuning(dtype=str(dtype), threads=1, max_num_batched_tokens=budgets[dtype], measured=True)
 
-    def stop(*args: object, **kwargs: object) -> None:
-        raise _Resolved
+    def resolved(model: object, platform: CpuPlatform, download_dir: object) -> ResolvedModel:
+        return ResolvedModel(source=None, hf_config=None, text_config=None, dtype=torch.float32,
+                             max_model_len=256, vocab_size=0)
 
     monkeypatch.setattr(gemm_tuning, "measure", measure)
     monkeypatch.setattr("pagoda_platform_cpu.platform.start_kernel_builds", lambda: None)
-    monkeypatch.setattr(engine_core, "resolve_model", stop)
+    monkeypatch.setattr(config_resolution, "resolve_model", resolved)
     for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
         config = EngineArgs(model="unused", dtype=name, device="cpu").create_engine_config()
         caplog.clear()
-        with caplog.at_level("INFO", logger="pagoda.engine.core"), pytest.raises(_Resolved):
-            engine_core.prepare_engine_config(config)
+        with caplog.at_level("INFO", logger="pagoda.engine.config_resolution"):
+            config_resolution.prepare_engine_config(config)
         assert config.scheduler_config.max_num_batched_tokens == budgets[dtype]
-        assert f"max_num_batched_tokens={budgets[dtype]} (the cpu platform's default" in caplog.text
+        assert (f"scheduler_config.max_num_batched_tokens = {budgets[dtype]} (platform default: this CPU's "
+                "measured matmul curve") in caplog.text
     assert measured == [torch.bfloat16, torch.float32]
-    # the user's value is not the platform's: nothing to announce
+    # the user's value is not the platform's: the log says whose it is
     config = EngineArgs(model="unused", dtype="bfloat16", device="cpu", max_num_batched_tokens=300).create_engine_config()
     caplog.clear()
-    with caplog.at_level("INFO", logger="pagoda.engine.core"), pytest.raises(_Resolved):
-        engine_core.prepare_engine_config(config)
-    assert config.scheduler_config.max_num_batched_tokens == 300 and "platform's default" not in caplog.text
+    with caplog.at_level("INFO", logger="pagoda.engine.config_resolution"):
+        config_resolution.prepare_engine_config(config)
+    assert config.scheduler_config.max_num_batched_tokens == 300
+    assert "scheduler_config.max_num_batched_tokens = 300 (user)" in caplog.text
 
 
 @needs_bf16_kernel

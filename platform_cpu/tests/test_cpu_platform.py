@@ -135,16 +135,21 @@ def test_unknown_dtype_names_the_choices(platform: CpuPlatform) -> None:
         platform.resolve_dtype("fp8", None)
 
 
-def test_config_gets_the_platform_block_size(platform: CpuPlatform) -> None:
-    config = _config()
-    platform.check_and_update_config(config)
-    assert config.cache_config.block_size == CpuPlatform.default_block_size
-
-
-def test_config_keeps_a_user_block_size(platform: CpuPlatform) -> None:
-    config = _config(block_size=64)
-    platform.check_and_update_config(config)
-    assert config.cache_config.block_size == 64
+def test_config_defaults_are_returned_not_written(platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pagoda_platform_cpu.platform.start_kernel_builds", lambda: None)
+    monkeypatch.delenv("PAGODA_CPU_KERNEL_GRAPHS", raising=False)
+    config = _config(max_num_seqs=12, max_num_batched_tokens=300)
+    before = config.model_dump()
+    defaults = platform.config_defaults(config)
+    assert config.model_dump() == before
+    assert defaults.block_size == 16 and defaults.graphs is True
+    assert defaults.graph_sizes == (1, 2, 4, 8, 12)  # max_num_seqs pads into a graph of its own
+    assert defaults.max_num_batched_tokens is None  # the user set one: nothing measured
+    assert f"{DEFAULT_KVCACHE_GIB} GiB" in defaults.kv_cache_budget_rule
+    assert platform.config_defaults(_config(max_num_seqs=256)).graph_sizes == (1, 2, 4, 8, 16, 24, 32)
+    monkeypatch.setenv("PAGODA_CPU_KERNEL_GRAPHS", "0")
+    off = platform.config_defaults(config)
+    assert off.graphs is False and "PAGODA_CPU_KERNEL_GRAPHS" in off.graphs_off_reason
 
 
 def test_device_is_cpu(platform: CpuPlatform) -> None:
@@ -164,7 +169,7 @@ def test_device_is_cpu(platform: CpuPlatform) -> None:
 def test_config_starts_the_kernel_builds_the_platform_will_need(
     platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], started: set[str]
 ) -> None:
-    """Compiles run while the weights load: check_and_update_config starts them, as the switches choose."""
+    """Compiles run while the weights load: config_defaults starts them, as the switches choose."""
     from pagoda_platform_cpu import gemm, gemv, layer_ops
     from pagoda_platform_cpu import platform as platform_module
 
@@ -176,5 +181,5 @@ def test_config_starts_the_kernel_builds_the_platform_will_need(
     calls: set[str] = set()
     for label, module in (("gemm", gemm), ("gemv", gemv), ("layer_ops", layer_ops)):
         monkeypatch.setattr(module.EXTENSION, "start", lambda label=label: calls.add(label))
-    platform.check_and_update_config(_config())
+    platform.config_defaults(_config(max_num_batched_tokens=512))
     assert calls == started

@@ -5,12 +5,7 @@ import torch
 
 from pagoda.config import EngineArgs
 from pagoda_platform_cuda import plugin
-from pagoda_platform_cuda.gpu_config import (
-    CAPTURE_SIZES_KEY,
-    default_capture_sizes,
-    kv_budget_from_memory,
-    resolve_capture_sizes,
-)
+from pagoda_platform_cuda.gpu_config import default_capture_sizes, kv_budget_from_memory
 from pagoda_platform_cuda.platform import CudaPlatform
 
 GiB = 1 << 30
@@ -33,33 +28,18 @@ def test_plugin_spec_points_at_the_class() -> None:
 
 def test_config_defaults() -> None:
     config = EngineArgs(max_num_seqs=20).create_engine_config()
-    CudaPlatform().check_and_update_config(config)
-    assert config.cache_config.block_size == 16
-    assert config.scheduler_config.max_num_batched_tokens == 8192
-    assert config.extra[CAPTURE_SIZES_KEY] == [1, 2, 4, 8, 16, 20]
+    defaults = CudaPlatform().config_defaults(config)
+    assert defaults.block_size == 16
+    assert defaults.max_num_batched_tokens == 8192
+    assert defaults.graphs is True and defaults.graph_sizes == (1, 2, 4, 8, 16, 20)
+    assert "gpu_memory_utilization=0.9" in defaults.kv_cache_budget_rule
     assert CudaPlatform().is_pin_memory_available(config) is True
 
 
-def test_user_choices_survive() -> None:
-    config = EngineArgs(block_size=32, max_num_batched_tokens=1024).create_engine_config()
-    config.extra = {CAPTURE_SIZES_KEY: [64, 1, 8, 1000], "pin_memory": False}
-    platform = CudaPlatform()
-    platform.check_and_update_config(config)
-    assert config.cache_config.block_size == 32
-    assert config.scheduler_config.max_num_batched_tokens == 1024
-    # Sorted, deduplicated, and capped at max_num_seqs (256): a 1000-row graph is never replayed.
-    assert platform.cuda_graph_capture_sizes(config) == [1, 8, 64]
-    assert platform.is_pin_memory_available(config) is False
-
-
-def test_enforce_eager_disables_graphs() -> None:
-    assert resolve_capture_sizes({"enforce_eager": True, CAPTURE_SIZES_KEY: [1, 2]}, 256) == []
-
-
-@pytest.mark.parametrize("bad", [[0, 8], "1,2,4", [1.5]])
-def test_bad_capture_sizes_are_named(bad: object) -> None:
-    with pytest.raises(ValueError, match=CAPTURE_SIZES_KEY):
-        resolve_capture_sizes({CAPTURE_SIZES_KEY: bad}, 256)
+def test_bad_capture_sizes_are_named() -> None:
+    for bad in ([0, 8], "1,2,4", [1.5]):
+        with pytest.raises(ValueError, match="cuda_graph_sizes"):
+            EngineArgs(cuda_graph_sizes=bad)
 
 
 def test_default_capture_sizes_cap_at_512() -> None:

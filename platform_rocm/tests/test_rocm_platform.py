@@ -24,10 +24,9 @@ def test_plugin_spec_is_marked_unverified() -> None:
 
 
 def test_config_defaults_match_the_gpu_path() -> None:
-    config = EngineArgs(max_num_seqs=4).create_engine_config()
-    RocmPlatform().check_and_update_config(config)
-    assert config.cache_config.block_size == 16
-    assert config.extra["cuda_graph_sizes"] == [1, 2, 4]
+    defaults = RocmPlatform().config_defaults(EngineArgs(max_num_seqs=4).create_engine_config())
+    assert defaults.block_size == 16
+    assert defaults.graph_sizes == (1, 2, 4)
 
 
 def test_prefers_triton_attention_on_hip() -> None:

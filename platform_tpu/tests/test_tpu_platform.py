@@ -7,7 +7,7 @@ import pytest
 import torch
 from pagoda.config import EngineArgs
 from pagoda_platform_tpu import plugin
-from pagoda_platform_tpu.platform import TOKEN_BUCKETS_KEY, TpuPlatform, token_buckets
+from pagoda_platform_tpu.platform import TpuPlatform, token_buckets
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here")
@@ -25,12 +25,20 @@ def test_plugin_spec_is_marked_unverified() -> None:
 
 
 def test_config_defaults() -> None:
+    from pagoda.config import ResolvedModel
+    from pagoda.engine.config_resolution import apply_defaults
+
     config = EngineArgs(enable_chunked_prefill=False).create_engine_config()
-    TpuPlatform().check_and_update_config(config)
-    assert config.cache_config.block_size == 16
+    config.resolved_model = ResolvedModel(source=None, hf_config=None, text_config=None, dtype=torch.bfloat16,
+                                          max_model_len=4096, vocab_size=0)
+    platform = TpuPlatform()
+    defaults = platform.config_defaults(config)
+    assert defaults.block_size == 16 and defaults.requires_chunked_prefill is True
+    apply_defaults(config, platform, defaults)
     assert config.scheduler_config.enable_chunked_prefill is True
+    assert config.sources["scheduler_config.enable_chunked_prefill"] == "platform default: required by tpu"
     assert config.scheduler_config.max_num_batched_tokens == 2048
-    assert config.extra[TOKEN_BUCKETS_KEY] == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert token_buckets(config.max_num_batched_tokens) == [16, 32, 64, 128, 256, 512, 1024, 2048]
 
 
 def test_token_buckets_cover_the_budget() -> None:

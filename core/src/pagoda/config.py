@@ -1,7 +1,10 @@
 """Engine configuration as pydantic models.
 
-Every engine argument is declared once, on ``EngineArgs``; the CLI, ``LLM(...)``
-and the server all build their engine from it. Names follow vLLM's.
+Every engine argument is declared once, on the section it belongs to
+(``ModelConfig``, ``CacheConfig``, ...); ``EngineArgs`` is the flat union of the
+sections (it inherits their fields), and the CLI, ``LLM(...)`` and the server all
+build their engine from it. Names follow vLLM's. What the user leaves open is
+decided in one place, ``pagoda.engine.config_resolution.prepare_engine_config``.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from pagoda.pooling.config import ConvertOption, PoolerConfig, RunnerOption
 
@@ -18,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # populate_by_name: a field with a vLLM alias (cache_dtype / kv_cache_dtype) takes both names
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), populate_by_name=True)
 
 
 DTypeName = Literal["auto", "float32", "float", "bfloat16", "float16", "half"]
@@ -63,7 +67,8 @@ class CacheConfig(_Config):
     num_kv_blocks: int | None = Field(None, gt=0, description="Override of the computed number of KV cache blocks (vLLM: num_gpu_blocks_override).")
     kv_cache_memory_bytes: int | None = Field(None, gt=0, description="Absolute KV cache budget in bytes.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of GPU memory the engine may use (GPU platforms).")
-    cache_dtype: KVCacheDType = Field("auto", description="KV cache dtype (vLLM's --kv-cache-dtype): auto = the model dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store 1 byte per value (twice the tokens of a 16-bit cache in the same budget), scaled by per-layer k_scale / v_scale (1.0 unless calculate_kv_scales).")
+    # vLLM's CacheConfig.cache_dtype is its EngineArgs.kv_cache_dtype (the CLI's --kv-cache-dtype): the alias
+    cache_dtype: KVCacheDType = Field("auto", validation_alias=AliasChoices("kv_cache_dtype", "cache_dtype"), alias="kv_cache_dtype", description="KV cache dtype (vLLM's --kv-cache-dtype): auto = the model dtype; fp8 (= fp8_e4m3) and fp8_e5m2 store 1 byte per value (twice the tokens of a 16-bit cache in the same budget), scaled by per-layer k_scale / v_scale (1.0 unless calculate_kv_scales).")
     calculate_kv_scales: bool = Field(False, description="fp8 KV cache: derive each layer's k_scale / v_scale from the first step's keys and values (max|k| / 200, max|v| / 100, as vLLM) instead of 1.0.")
 
 
@@ -72,7 +77,7 @@ class SchedulerConfig(_Config):
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget of one step; None = a platform default.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of waiting requests.")
-    cuda_graph_sizes: list[int] | None = Field(None, description="Decode batch sizes to capture graphs for; None = the platform's default (GPU: 1, 2, 4, then every 8 up to max_num_seqs, at most 512; CPU: 1, 2, 4, 8, 16, 24, 32 up to max_num_seqs).")
+    cuda_graph_sizes: list[PositiveInt] | None = Field(None, description="Decode batch sizes to capture graphs for; None = the platform's default (GPU: 1, 2, 4, then every 8 up to max_num_seqs, at most 512; CPU: 1, 2, 4, 8, 16, 24, 32 up to max_num_seqs).")
 
 
 class ParallelConfig(_Config):
@@ -184,7 +189,11 @@ def _default_structured_outputs_config() -> StructuredOutputsConfig:
 
 
 class EngineConfig(_Config):
-    """Everything an engine (and each of its worker processes) needs; picklable."""
+    """Everything an engine (and each of its worker processes) needs; picklable.
+
+    Built by ``EngineArgs.create_engine_config`` with what the user gave (None = not given),
+    then resolved in place, once, by ``pagoda.engine.config_resolution.prepare_engine_config``.
+    """
 
     model_config_: ModelConfig = Field(alias="model_config")
     cache_config: CacheConfig
@@ -196,8 +205,9 @@ class EngineConfig(_Config):
     # Decided once in the main process and replayed in workers.
     plugins: list[str] | None = None
     registered_models: dict[str, str] = Field(default_factory=dict)
-    extra: dict[str, Any] = Field(default_factory=dict)
-    # Set by pagoda.engine.core.prepare_engine_config once the platform is known.
+    # Set by prepare_engine_config: where each value it decided came from ("section.field" -> source).
+    sources: dict[str, str] = Field(default_factory=dict)
+    # Set by prepare_engine_config once the platform is known.
     resolved_model: ResolvedModel | None = Field(None, exclude=True)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), populate_by_name=True)
@@ -212,6 +222,21 @@ class EngineConfig(_Config):
             raise RuntimeError("the model is not resolved yet: build the engine config with prepare_engine_config")
         return self.resolved_model
 
+    @property
+    def block_size(self) -> int:
+        """The KV cache block size the engine runs with (the user's or the platform's)."""
+        return self._resolved_value(self.cache_config.block_size, "block_size")
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The step budget the engine runs with (the user's, the platform's or the engine's rule)."""
+        return self._resolved_value(self.scheduler_config.max_num_batched_tokens, "max_num_batched_tokens")
+
+    def _resolved_value(self, value: int | None, name: str) -> int:
+        if value is None:
+            raise RuntimeError(f"{name} is not resolved yet: build the engine config with prepare_engine_config")
+        return value
+
 
 _SECTIONS: dict[str, type[_Config]] = {
     "model_config": ModelConfig,
@@ -223,76 +248,15 @@ _SECTIONS: dict[str, type[_Config]] = {
 }
 
 
-# Section fields whose EngineArgs name differs (vLLM's names on both sides).
-_ENGINE_ARG_NAMES: dict[str, str] = {"cache_dtype": "kv_cache_dtype"}
+# Bases in reverse so that pydantic, which takes the fields of the last base first, lists them
+# in section order (model, cache, scheduler, parallel, device, load): the CLI's --help order.
+class EngineArgs(LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, CacheConfig, ModelConfig):
+    """The flat list of engine arguments (what ``LLM(...)`` and the CLI take).
 
+    Every section field is inherited, never re-declared: a field added to a section is an
+    engine argument, a CLI option and an ``LLM(...)`` keyword at once.
+    """
 
-def _engine_arg_fields() -> dict[str, Any]:
-    fields: dict[str, Any] = {}
-    for section in _SECTIONS.values():
-        for name, info in section.model_fields.items():
-            fields[_ENGINE_ARG_NAMES.get(name, name)] = (info.annotation, info)
-    return fields
-
-
-def _field_of(section: type[_Config], name: str) -> Any:
-    # Typed Any so each EngineArgs line reads as a plain default to type checkers;
-    # at runtime pydantic takes the section's FieldInfo (default, bounds, description).
-    return section.model_fields[name]
-
-
-class EngineArgs(_Config):
-    """The flat list of engine arguments (what ``LLM(...)`` and the CLI take)."""
-
-    model: str | None = _field_of(ModelConfig, "model")
-    tokenizer: str | None = _field_of(ModelConfig, "tokenizer")
-    revision: str | None = _field_of(ModelConfig, "revision")
-    tokenizer_revision: str | None = _field_of(ModelConfig, "tokenizer_revision")
-    generation_config: str = _field_of(ModelConfig, "generation_config")
-    override_generation_config: dict[str, Any] | None = _field_of(ModelConfig, "override_generation_config")
-    dtype: DTypeName = _field_of(ModelConfig, "dtype")
-    quantization: str | None = _field_of(ModelConfig, "quantization")
-    seed: int = _field_of(ModelConfig, "seed")
-    max_model_len: int | None = _field_of(ModelConfig, "max_model_len")
-    hf_overrides: dict[str, Any] | None = _field_of(ModelConfig, "hf_overrides")
-    skip_tokenizer_init: bool = _field_of(ModelConfig, "skip_tokenizer_init")
-    trust_remote_code: bool = _field_of(ModelConfig, "trust_remote_code")
-    model_impl: Literal["auto", "pagoda", "transformers"] = _field_of(ModelConfig, "model_impl")
-    served_model_name: str | None = _field_of(ModelConfig, "served_model_name")
-    max_logprobs: int = _field_of(ModelConfig, "max_logprobs")
-    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = _field_of(ModelConfig, "logprobs_mode")
-    enforce_eager: bool = _field_of(ModelConfig, "enforce_eager")
-    io_processor_plugin: str | None = _field_of(ModelConfig, "io_processor_plugin")
-    runner: RunnerOption = _field_of(ModelConfig, "runner")
-    convert: ConvertOption = _field_of(ModelConfig, "convert")
-    pooler_config: PoolerConfig | dict[str, Any] | None = _field_of(ModelConfig, "pooler_config")
-
-    @field_validator("pooler_config", mode="after")
-    @classmethod
-    def _pooler_config_object(cls, value: Any) -> PoolerConfig | None:
-        # checked where the argument is given (LLM(...), the CLI), not only when the engine is built
-        return PoolerConfig(**value) if isinstance(value, dict) else value
-    block_size: int | None = _field_of(CacheConfig, "block_size")
-    enable_prefix_caching: bool = _field_of(CacheConfig, "enable_prefix_caching")
-    num_kv_blocks: int | None = _field_of(CacheConfig, "num_kv_blocks")
-    kv_cache_memory_bytes: int | None = _field_of(CacheConfig, "kv_cache_memory_bytes")
-    gpu_memory_utilization: float = _field_of(CacheConfig, "gpu_memory_utilization")
-    # vLLM's EngineArgs name for CacheConfig.cache_dtype (the CLI's --kv-cache-dtype)
-    kv_cache_dtype: KVCacheDType = _field_of(CacheConfig, "cache_dtype")
-    calculate_kv_scales: bool = _field_of(CacheConfig, "calculate_kv_scales")
-    max_num_seqs: int = _field_of(SchedulerConfig, "max_num_seqs")
-    max_num_batched_tokens: int | None = _field_of(SchedulerConfig, "max_num_batched_tokens")
-    enable_chunked_prefill: bool = _field_of(SchedulerConfig, "enable_chunked_prefill")
-    scheduling_policy: Literal["fcfs", "priority"] = _field_of(SchedulerConfig, "scheduling_policy")
-    cuda_graph_sizes: list[int] | None = _field_of(SchedulerConfig, "cuda_graph_sizes")
-    tensor_parallel_size: int = _field_of(ParallelConfig, "tensor_parallel_size")
-    pipeline_parallel_size: int = _field_of(ParallelConfig, "pipeline_parallel_size")
-    distributed_executor_backend: Literal["uni", "mp", "ray", "external_launcher"] | None = _field_of(ParallelConfig, "distributed_executor_backend")
-    data_parallel_size: int = _field_of(ParallelConfig, "data_parallel_size")
-    device: str = _field_of(DeviceConfig, "device")
-    attention_backend: str | None = _field_of(DeviceConfig, "attention_backend")
-    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = _field_of(LoadConfig, "load_format")
-    download_dir: str | None = _field_of(LoadConfig, "download_dir")
     # vLLM's flat --reasoning-parser; lands in structured_outputs_config.reasoning_parser.
     reasoning_parser: str = Field("", description=StructuredOutputsConfig.model_fields["reasoning_parser"].description)
     # A whole section (as in vLLM), not flattened: --structured-outputs-config takes JSON.
@@ -306,6 +270,15 @@ class EngineArgs(_Config):
             return _default_structured_outputs_config()
         return StructuredOutputsConfig(**value) if isinstance(value, dict) else value
 
+    @property
+    def kv_cache_dtype(self) -> KVCacheDType:
+        """vLLM's EngineArgs name for ``cache_dtype`` (the CLI's --kv-cache-dtype)."""
+        return self.cache_dtype
+
+    @kv_cache_dtype.setter
+    def kv_cache_dtype(self, value: KVCacheDType) -> None:
+        self.cache_dtype = value
+
     @model_validator(mode="before")
     @classmethod
     def _vllm_aliases(cls, data: Any) -> Any:
@@ -314,16 +287,13 @@ class EngineArgs(_Config):
             data = dict(data)
             value = data.pop("num_gpu_blocks_override")
             data.setdefault("num_kv_blocks", value)
-        if isinstance(data, dict) and "cache_dtype" in data:
-            # CacheConfig's field name, also taken here
-            data = dict(data)
-            data.setdefault("kv_cache_dtype", data.pop("cache_dtype"))
         return data
 
     def create_engine_config(self) -> EngineConfig:
-        values = self.model_dump()
+        """The sections, each given exactly the fields the user set (so each knows what was given)."""
+        given = self.model_fields_set
         sections: dict[str, Any] = {
-            key: section(**{k: values[_ENGINE_ARG_NAMES.get(k, k)] for k in section.model_fields})
+            key: section(**{name: getattr(self, name) for name in section.model_fields if name in given})
             for key, section in _SECTIONS.items()
         }
         structured = self._structured_outputs_config_object(self.structured_outputs_config)
@@ -333,9 +303,6 @@ class EngineArgs(_Config):
                                  f"reasoning_parser={structured.reasoning_parser!r} disagree; set one")
             structured = structured.model_copy(update={"reasoning_parser": self.reasoning_parser})
         return EngineConfig(**sections, structured_outputs_config=structured)
-
-
-assert set(EngineArgs.model_fields) - {"structured_outputs_config", "reasoning_parser"} == set(_engine_arg_fields()), "EngineArgs drifted from the config sections"
 
 
 class AsyncEngineArgs(EngineArgs):

@@ -8,7 +8,7 @@ from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
 from pagoda import envs
-from pagoda.platforms import Platform
+from pagoda.platforms import Platform, PlatformDefaults
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +31,7 @@ GEMM_ENV = "PAGODA_CPU_GEMM"
 LAYER_OPS_ENV = "PAGODA_CPU_LAYER_OPS"
 DEFAULT_KVCACHE_GIB = 4.0
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
-# Decode batch sizes with a kernel graph when cuda_graph_sizes is not given (see cuda_graph_capture_sizes).
+# Decode batch sizes with a kernel graph when cuda_graph_sizes is not given (see default_graph_sizes).
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32)
 GiB = 1 << 30
 
@@ -62,7 +62,6 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     verified_on_hardware = True
     package = "pagoda-platform-cpu"
-    default_block_size = 16
     # quantization methods with CPU kernels (each method is a plugin; see docs/quantization.md)
     supported_quantization = ["gguf", "compressed-tensors", "gptq", "awq"]
     # kernel graphs (pagoda.cpp_extension.graph) for pure-decode steps
@@ -85,15 +84,21 @@ class CpuPlatform(Platform):
         import torch
 
         if requested == "auto":
-            # bf16 only pays where the CPU computes it natively (AVX512-BF16 / AMX);
-            # on AVX2 it is emulated and slower than fp32, whatever the checkpoint holds.
-            dtype = torch.bfloat16 if has_native_bf16() else torch.float32
+            dtype = self._auto_dtype()
             logger.info(
                 "dtype=auto on CPU: %s (native bf16: %s; checkpoint dtype: %s)",
                 dtype, has_native_bf16(), checkpoint_dtype,
             )
             return dtype
         return super().resolve_dtype(requested, checkpoint_dtype)
+
+    @staticmethod
+    def _auto_dtype() -> torch.dtype:
+        import torch
+
+        # bf16 only pays where the CPU computes it natively (AVX512-BF16 / AMX);
+        # on AVX2 it is emulated and slower than fp32, whatever the checkpoint holds.
+        return torch.bfloat16 if has_native_bf16() else torch.float32
 
     def attention_backend_preference(self, spec: Any = None) -> list[str]:
         # cpu_paged reads the paged cache in place (a JIT-compiled C++ kernel with explicit
@@ -156,22 +161,6 @@ class CpuPlatform(Platform):
             logger.warning("fused CPU layer ops unavailable, using torch ops: %s", exc)
             return None
 
-    def cuda_graph_capture_sizes(self, config: EngineConfig) -> list[int]:
-        """Decode batch sizes to capture kernel graphs for (pagoda.cpp_extension.graph); [] runs eagerly.
-
-        ``enforce_eager`` and PAGODA_CPU_KERNEL_GRAPHS=0 turn them off; ``cuda_graph_sizes`` (vLLM's
-        name) picks the sizes. By default 1-32: a graph keeps its activations, and above ~32 rows a
-        decode step's matmuls outweigh the per-call Python a graph saves.
-        """
-        if config.model.enforce_eager or not envs.PAGODA_CPU_KERNEL_GRAPHS:
-            return []
-        max_num_seqs = config.scheduler_config.max_num_seqs
-        given = config.scheduler_config.cuda_graph_sizes
-        sizes = given if given is not None else [s for s in DEFAULT_GRAPH_SIZES if s <= max_num_seqs]
-        if given is None and max_num_seqs < DEFAULT_GRAPH_SIZES[-1] and max_num_seqs not in sizes:
-            sizes.append(max_num_seqs)  # the largest decode batch pads into a graph too
-        return sorted({s for s in sizes if 0 < s <= max_num_seqs})
-
     def num_threads(self) -> int:
         n: int | None = envs.PAGODA_CPU_THREADS  # a positive int, or a ValueError naming the variable
         if n is not None:
@@ -203,18 +192,28 @@ class CpuPlatform(Platform):
             return int(gib * GiB)
         return int(DEFAULT_KVCACHE_GIB * GiB)
 
-    def check_and_update_config(self, config: EngineConfig) -> None:
-        if config.cache_config.block_size is None:
-            config.cache_config.block_size = self.default_block_size
-        sc = config.scheduler_config
+    def config_defaults(self, config: EngineConfig) -> PlatformDefaults:
         # first: the other libraries compile while the budget below waits for the matmul's
         start_kernel_builds()
-        if sc.max_num_batched_tokens is None and sc.enable_chunked_prefill:
+        budget: int | None = None
+        if config.scheduler_config.max_num_batched_tokens is None and config.scheduler_config.enable_chunked_prefill:
             # The smallest step at which this CPU's matmul is near its best rate (gemm_tuning):
             # 512 where it is there already (a bigger step only stalls the running decodes longer),
             # more where the curve still climbs (full-512-bit AVX-512 cores). Cached after the
             # first start; on a fresh cache it waits for the matmul's build (~2 s) and measures.
-            sc.max_num_batched_tokens = self._step_budget(config)
+            budget = self._step_budget(config)
+        gib = envs.PAGODA_CPU_KVCACHE_SPACE
+        return PlatformDefaults(
+            max_num_batched_tokens=budget,
+            max_num_batched_tokens_source="this CPU's measured matmul curve (pagoda_platform_cpu.gemm_tuning)",
+            # Kernel graphs (pagoda.cpp_extension.graph) for decode batches of 1-32: a graph keeps its
+            # activations, and above ~32 rows a decode step's matmuls outweigh the per-call Python it saves.
+            graphs=envs.PAGODA_CPU_KERNEL_GRAPHS,
+            graph_sizes=default_graph_sizes(config.scheduler_config.max_num_seqs),
+            graphs_off_reason="PAGODA_CPU_KERNEL_GRAPHS=0",
+            kv_cache_budget_rule=(f"{gib} GiB (PAGODA_CPU_KVCACHE_SPACE)" if gib is not None
+                                  else f"{DEFAULT_KVCACHE_GIB} GiB (PAGODA_CPU_KVCACHE_SPACE unset)"),
+        )
 
     def _step_budget(self, config: EngineConfig) -> int:
         import torch
@@ -223,8 +222,9 @@ class CpuPlatform(Platform):
 
         if not (envs.PAGODA_CPU_PACKED_LINEAR and envs.PAGODA_CPU_GEMM and has_avx512f()):
             return DEFAULT_MAX_NUM_BATCHED_TOKENS
-        try:  # the dtype the model will get (resolved again with the checkpoint once the model is found)
-            dtype = self.resolve_dtype(config.model.dtype, None)
+        # the dtype the model will get (resolved, and logged, with the checkpoint once the model is found)
+        try:
+            dtype = self._auto_dtype() if config.model.dtype == "auto" else self.resolve_dtype(config.model.dtype, None)
         except ValueError:
             return DEFAULT_MAX_NUM_BATCHED_TOKENS
         from pagoda_platform_cpu.gemm import unavailable_reason
@@ -257,6 +257,15 @@ class CpuPlatform(Platform):
         from pagoda_platform_cpu.huge_pages import HugePageArena
 
         return HugePageArena()
+
+
+def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Decode batch sizes with a kernel graph when cuda_graph_sizes is not given: 1-32, and
+    max_num_seqs itself below 32 (the largest decode batch pads into a graph too)."""
+    sizes = [s for s in DEFAULT_GRAPH_SIZES if s <= max_num_seqs]
+    if max_num_seqs < DEFAULT_GRAPH_SIZES[-1] and max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return tuple(sizes)
 
 
 def start_kernel_builds() -> None:

@@ -1,8 +1,10 @@
 """Entry point of the CPU platform plugin: only specs, nothing heavy."""
 
+from pagoda.envs import EnvRegistry
 from pagoda.plugins import PlatformSpec, hookimpl
 
-PAGODA_PLUGIN_API_VERSION = "1.0"
+# 1.5: pagoda_add_env_vars
+PAGODA_PLUGIN_API_VERSION = "1.5"
 
 
 @hookimpl
@@ -16,3 +18,10 @@ def pagoda_register_platforms() -> list[PlatformSpec]:
             priority=0,
         )
     ]
+
+
+@hookimpl
+def pagoda_add_env_vars(registry: EnvRegistry) -> None:
+    from pagoda_platform_cpu.env_vars import VARIABLES
+
+    registry.add(*VARIABLES)

@@ -5,15 +5,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pagoda.platforms import Platform
-from pagoda_platform_cuda.gpu_config import (
-    CAPTURE_SIZES_KEY,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    ENFORCE_EAGER_KEY,
-    PIN_MEMORY_KEY,
-    kv_budget_from_memory,
-    resolve_capture_sizes,
-)
+from pagoda.platforms import Platform, PlatformDefaults
+from pagoda_platform_cuda.gpu_config import DEFAULT_MAX_NUM_BATCHED_TOKENS, default_capture_sizes, kv_budget_from_memory
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +23,6 @@ class CudaPlatform(Platform):
     # once the GPU checks in docs/benchmarks.md have run on a real device.
     verified_on_hardware = False
     package = "pagoda-platform-cuda"
-    default_block_size = 16
     supports_graphs = True
     # quantization methods with GPU kernels (Triton: pagoda-quant-gptq-awq's dequantize-matmul, pagoda-quant-gguf's
     # on the GGUF blocks, pagoda-quant-compressed-tensors' int8 W8A8 / W8A16; tested under the Triton
@@ -78,31 +70,14 @@ class CudaPlatform(Platform):
         free, total = torch.cuda.mem_get_info()
         return kv_budget_from_memory(total, free, config.cache_config.gpu_memory_utilization, activation_bytes)
 
-    def check_and_update_config(self, config: EngineConfig) -> None:
-        if config.cache_config.block_size is None:
-            config.cache_config.block_size = self.default_block_size
-        if config.scheduler_config.max_num_batched_tokens is None:
-            config.scheduler_config.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        extra = dict(config.extra)
-        # The typed engine arguments (vLLM's names) win over the same keys given in `extra`.
-        if config.model.enforce_eager:
-            extra[ENFORCE_EAGER_KEY] = True
-        if config.scheduler_config.cuda_graph_sizes is not None:
-            extra[CAPTURE_SIZES_KEY] = list(config.scheduler_config.cuda_graph_sizes)
-        extra[CAPTURE_SIZES_KEY] = resolve_capture_sizes(extra, config.scheduler_config.max_num_seqs)
-        extra.setdefault(PIN_MEMORY_KEY, True)
-        config.extra = extra
-
-    def cuda_graph_capture_sizes(self, config: EngineConfig) -> list[int]:
-        """Decode batch sizes the model runner captures graphs for ([] = eager)."""
-        if config.extra.get(ENFORCE_EAGER_KEY, False):
-            return []
-        sizes = config.extra.get(CAPTURE_SIZES_KEY)
-        return list(sizes) if sizes is not None else resolve_capture_sizes(config.extra, config.scheduler_config.max_num_seqs)
-
-    def is_pin_memory_available(self, config: EngineConfig | None = None) -> bool:
-        """Pinned host buffers make host-to-device copies asynchronous; on unless the config turns them off."""
-        return bool(config.extra.get(PIN_MEMORY_KEY, True)) if config is not None else True
+    def config_defaults(self, config: EngineConfig) -> PlatformDefaults:
+        return PlatformDefaults(
+            max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            graphs=True,
+            graph_sizes=tuple(default_capture_sizes(config.scheduler_config.max_num_seqs)),
+            kv_cache_budget_rule=(f"gpu_memory_utilization={config.cache_config.gpu_memory_utilization} of the "
+                                  "device's memory, less what is in use and the activation peak"),
+        )
 
     def init_worker(self, config: EngineConfig) -> None:
         import os

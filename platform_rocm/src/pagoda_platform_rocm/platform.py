@@ -15,7 +15,6 @@ class RocmPlatform(CudaPlatform):
     device_type = "cuda"
     verified_on_hardware = False
     package = "pagoda-platform-rocm"
-    default_block_size = 16
     supports_graphs = True
 
     @classmethod

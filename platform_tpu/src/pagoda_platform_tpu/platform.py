@@ -6,7 +6,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any
 
-from pagoda.platforms import Platform
+from pagoda.platforms import Platform, PlatformDefaults
 
 if TYPE_CHECKING:
     import torch
@@ -14,9 +14,7 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
 
 
-TOKEN_BUCKETS_KEY = "tpu_num_tokens_buckets"
 MIN_TOKEN_BUCKET = 16
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -38,7 +36,6 @@ class TpuPlatform(Platform):
     device_type = "xla"
     verified_on_hardware = False
     package = "pagoda-platform-tpu"
-    default_block_size = 16
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
@@ -76,17 +73,14 @@ class TpuPlatform(Platform):
         used = int(mem.get("bytes_used", 0))
         return max(int(total * config.cache_config.gpu_memory_utilization) - used - activation_bytes, 0)
 
-    def check_and_update_config(self, config: EngineConfig) -> None:
-        if config.cache_config.block_size is None:
-            config.cache_config.block_size = self.default_block_size
-        # XLA recompiles per shape; chunked prefill keeps step shapes bounded.
-        config.scheduler_config.enable_chunked_prefill = True
-        if config.scheduler_config.max_num_batched_tokens is None:
-            config.scheduler_config.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        config.extra = {
-            **config.extra,
-            TOKEN_BUCKETS_KEY: token_buckets(config.scheduler_config.max_num_batched_tokens),
-        }
+    def config_defaults(self, config: EngineConfig) -> PlatformDefaults:
+        # XLA recompiles per shape: chunked prefill keeps step shapes bounded (the step budget is the
+        # engine's default, and token_buckets pads each step up to one of a few sizes).
+        return PlatformDefaults(
+            requires_chunked_prefill=True,
+            kv_cache_budget_rule=(f"gpu_memory_utilization={config.cache_config.gpu_memory_utilization} of the "
+                                  "TPU's memory, less what is in use and the activation peak"),
+        )
 
     def device(self) -> torch.device:
         import torch_xla.core.xla_model as xm  # type: ignore[import-not-found]

@@ -13,8 +13,9 @@ collectors, metrics. The two sides meet in two places only:
 * ``loop.call_soon_threadsafe`` that hands each step's ``EngineCoreOutputs`` back.
 
 So a step never waits on HTTP, JSON or the tokenizer, and the event loop never
-waits on a step (torch releases the GIL inside its kernels). Why a thread and
-not a process on CPU is measured in docs/architecture.md.
+waits on a step (torch releases the GIL inside its kernels). When the core runs
+in a thread and when in its own process, and the measurements behind it:
+docs/benchmarks.md, "The engine core in its own process: the decision".
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import EngineArgs, EngineConfig
-from pagoda.engine.core import prepare_engine_config
+from pagoda.engine.config_resolution import prepare_engine_config
 from pagoda.engine.messages import EngineCoreOutputs
 from pagoda.engine.mp_client import make_async_client
 from pagoda.engine.output_processor import OutputProcessor

@@ -14,90 +14,22 @@ from concurrent.futures import Future
 from typing import Any
 
 from pagoda.beam_search.group import BeamGroup
-from pagoda.config import EngineConfig, resolve_model
+from pagoda.config import EngineConfig
+from pagoda.engine.config_resolution import prepare_engine_config  # noqa: F401 - where callers have imported it from
+from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.executor import Executor
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.model_loader import load_tokenizer
-from pagoda.models.registry import ModelRegistry
-from pagoda.platforms import Platform, resolve_platform, set_current_platform
-from pagoda.plugins import get_plugin_manager, load_plugins
-from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.platforms import Platform
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.structured_output.manager import StructuredOutputManager
 from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker.process import replay_main_process_decisions
 
 logger = logging.getLogger(__name__)
-
-# Token budget of one step when the user sets none. On CPU a bigger chunk buys
-# nothing (compute-bound) and delays decodes; it must still hold a whole prompt
-# when chunked prefill is off.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# A pooling model's step budget when the user sets none (the platform's is sized for decodes beside
-# prefill chunks: 512 on CPU). all-MiniLM-L6-v2, 128 x 64-token sentences, 1 thread: 2048 -> 4.3 s,
-# 8192 -> 5.2 s (the CPU GEMM is at its best up to ~2K rows; larger steps only add cache misses).
-POOLING_MAX_NUM_BATCHED_TOKENS = 2048
-
-
-def prepare_engine_config(config: EngineConfig) -> Platform:
-    """Finish building the engine's config, once, in the main process.
-
-    Decides the plugins, the in-script models and the platform, then resolves
-    what depends on the platform: the model (path, HF config, dtype, context
-    length) and the KV block size.
-    """
-    pm = get_plugin_manager()
-    config.plugins = pm.loaded_names()
-    config.registered_models = ModelRegistry.registered_in_script()
-    platform = resolve_platform(config.device_config.device)
-    set_current_platform(platform)
-    user_budget = config.scheduler_config.max_num_batched_tokens
-    platform.check_and_update_config(config)
-    platform_budget = config.scheduler_config.max_num_batched_tokens
-    if user_budget is None and platform_budget is not None:
-        # the CPU platform's comes from its measured matmul curve (per CPU and dtype): worth seeing at start-up
-        logger.info("step budget: max_num_batched_tokens=%d (the %s platform's default; "
-                    "--max-num-batched-tokens overrides it)", platform_budget, platform.name)
-    pm.startup(config)
-    if config.resolved_model is None:
-        config.resolved_model = resolve_model(config.model, platform, config.load_config.download_dir)
-    if config.resolved_model.runner_type == "pooling":
-        _pooling_schedule(config, user_budget)
-    if config.cache_config.block_size is None:
-        config.cache_config.block_size = platform.default_block_size
-    return platform
-
-
-def _pooling_schedule(config: EngineConfig, user_budget: int | None) -> None:
-    """vLLM's rule for pooling models: no chunked prefill, no prefix caching (logged, not silent).
-
-    A prompt is pooled whole in one step: bidirectional attention needs all of it, the poolers read
-    every position's hidden state, and a cached prefix would leave its hidden states uncomputed.
-    The platform's step budget (sized for decodes beside chunked prefills) is dropped unless the
-    user set it: pooling steps are all prefill, and a bigger step means fewer calls per token.
-    """
-    sc, cc = config.scheduler_config, config.cache_config
-    if sc.enable_chunked_prefill or cc.enable_prefix_caching:
-        logger.info("pooling model: chunked prefill and prefix caching are off (a prompt is pooled whole in one step)")
-    sc.enable_chunked_prefill = False
-    cc.enable_prefix_caching = False
-    if user_budget is None:
-        sc.max_num_batched_tokens = max(POOLING_MAX_NUM_BATCHED_TOKENS, config.resolved.max_model_len)
-
-
-def replay_main_process_decisions(config: EngineConfig) -> None:
-    """In a process built from the (pickled) engine config: the main process's plugins and in-script models.
-
-    A no-op in the main process itself; a worker or engine-core process loads
-    exactly ``config.plugins`` and re-registers ``config.registered_models``, so
-    a ``ModelRegistry.register_model`` made in a user's script reaches it (vLLM
-    loses those in its workers).
-    """
-    load_plugins(config.plugins)
-    known = ModelRegistry.registered_in_script()
-    ModelRegistry.replay({arch: ref for arch, ref in config.registered_models.items() if known.get(arch) != ref})
 
 
 class EngineCore:
@@ -111,15 +43,7 @@ class EngineCore:
         if config.resolved.runner_type == "pooling" and (sc.enable_chunked_prefill or enable_caching):
             # prepare_engine_config turned both off; a config built another way must not bring them back
             raise ValueError("a pooling model runs without chunked prefill and prefix caching")
-        if sc.max_num_batched_tokens is not None:
-            budget = sc.max_num_batched_tokens
-        else:
-            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if sc.enable_chunked_prefill else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
-        if not sc.enable_chunked_prefill and budget < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={budget} is smaller than max_model_len={self.max_model_len}: "
-                "without chunked prefill a whole prompt must fit in one step"
-            )
+        budget = config.max_num_batched_tokens  # decided by prepare_engine_config
         self.max_num_batched_tokens = budget
         # the workers (this process's, or one process per rank) load their model slices here
         self.model_executor = Executor.get_class(config)(config, platform)

@@ -13,7 +13,7 @@ from typing import Any
 
 from pagoda.beam_search.group import EarlyStopping
 from pagoda.config import EngineArgs, EngineConfig
-from pagoda.engine.core import prepare_engine_config
+from pagoda.engine.config_resolution import prepare_engine_config
 from pagoda.engine.core_client import InprocClient
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor

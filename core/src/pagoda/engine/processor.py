@@ -53,7 +53,7 @@ class Processor:
         self.vocab_size = model.vocab_size or (len(self.tokenizer) if self.tokenizer is not None else 0)
         self.eos_token_id, self.extra_stop_ids = eos_and_stop_ids(self.tokenizer, model.hf_config, model.generation)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
-        self.block_size: int = config.cache_config.block_size  # type: ignore[assignment]  # resolved with the config
+        self.block_size = config.block_size
         self.beam_searches = BeamSearchFrontend(self.tokenizer, self.max_model_len)
         self.runner_type: str = model.runner_type
         # pagoda.pooling.PoolingModelInfo of a pooling model (what PoolingParams.verify reads)

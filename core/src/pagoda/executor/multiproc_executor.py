@@ -212,14 +212,11 @@ def _worker_main(config: EngineConfig, platform_name: str, rank: int, init_metho
                  conn: Connection, death_r: Connection) -> None:
     threading.Thread(target=_watch_parent, args=(death_r,), name="pagoda-parent-watch", daemon=True).start()
     try:
-        from pagoda.engine.core import replay_main_process_decisions
-        from pagoda.platforms import resolve_platform, set_current_platform
+        from pagoda.worker.process import init_worker_process
         from pagoda.worker.worker import Worker
 
         # the engine's decisions, not this process's: its plugins, in-script models and platform
-        replay_main_process_decisions(config)
-        platform = resolve_platform(platform_name)
-        set_current_platform(platform)
+        platform = init_worker_process(config, platform_name)
         worker = Worker(config, platform, rank, init_method, in_engine_process=False)
         worker.init_device()
         worker.load_model()

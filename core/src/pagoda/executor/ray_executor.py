@@ -62,8 +62,7 @@ class RayWorkerWrapper:
 
     def init_worker(self, config: EngineConfig, platform_name: str, rank: int, init_method: str,
                     env: dict[str, str]) -> None:
-        from pagoda.engine.core import replay_main_process_decisions
-        from pagoda.platforms import resolve_platform, set_current_platform
+        from pagoda.worker.process import init_worker_process
         from pagoda.worker.worker import Worker
 
         os.environ.update(env)
@@ -71,9 +70,7 @@ class RayWorkerWrapper:
             # gloo picks its interface from the host name otherwise (may be unroutable in a sandbox)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # the engine's decisions, not this process's: its plugins, in-script models and platform
-        replay_main_process_decisions(config)
-        platform = resolve_platform(platform_name)
-        set_current_platform(platform)
+        platform = init_worker_process(config, platform_name)
         worker = Worker(config, platform, rank, init_method, in_engine_process=False)
         worker.init_device()
         worker.load_model()

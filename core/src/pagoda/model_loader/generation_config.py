@@ -32,7 +32,7 @@ SAMPLING_FIELDS: dict[str, str] = {
 }
 # SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9". Its GGUF
 # carries no generation config; at pagoda's 1.0 a reply now and then wanders
-# off and never samples <|im_end|> (see docs/architecture.md, "Generation defaults").
+# off and never samples <|im_end|> (measured: docs/benchmarks.md, "The default model's sampling defaults").
 DEFAULT_MODEL_SAMPLING: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9}
 
 

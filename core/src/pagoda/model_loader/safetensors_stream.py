@@ -15,7 +15,7 @@ does not fit either direction of the cache:
   touches stay in the process's RSS while the file is open, which the start-up
   activation profile on CPU counts against the KV budget. Plain ``readinto`` calls
   into each tensor's own fresh memory hold one tensor at a time, as when converting.
-  Measured on the default model in docs/architecture.md ("Loading a model").
+  Measured on the default model in docs/benchmarks.md ("The GGUF convert cache").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from pagoda import envs
-from pagoda.platforms.interface import Platform
+from pagoda.platforms.interface import Platform, PlatformDefaults
 from pagoda.plugins import PlatformSpec, PluginError, get_plugin_manager
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ def set_current_platform(platform: Platform | None) -> None:
 __all__ = [
     "DEVICE_ENV",
     "Platform",
+    "PlatformDefaults",
     "PlatformError",
     "current_platform",
     "probe_platforms",

@@ -8,6 +8,7 @@ name core calls on a platform is declared here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -15,6 +16,33 @@ if TYPE_CHECKING:
 
     from pagoda.config import EngineConfig
     from pagoda.layers import LayerOps, LinearKernel
+
+
+@dataclass(frozen=True)
+class PlatformDefaults:
+    """What a platform chooses where the user chose nothing (``Platform.config_defaults``).
+
+    The platform never writes the engine config: ``pagoda.engine.config_resolution``
+    applies these where the user gave no value, and logs each one with its source.
+    """
+
+    # tokens per KV cache block
+    block_size: int = 16
+    # the step budget (max_num_batched_tokens); None: the engine's own rule (2048 tokens, or the
+    # context length when chunked prefill is off)
+    max_num_batched_tokens: int | None = None
+    # where that budget comes from, for the start-up log (e.g. "this CPU's measured matmul curve")
+    max_num_batched_tokens_source: str = ""
+    # decode graphs at all (False: every step runs eagerly, whatever cuda_graph_sizes says), and the
+    # batch sizes captured when the user names none
+    graphs: bool = False
+    graph_sizes: tuple[int, ...] = ()
+    # why graphs are off, when they are (for the start-up log)
+    graphs_off_reason: str = ""
+    # True: chunked prefill is on whatever the user asked (XLA compiles one graph per step shape)
+    requires_chunked_prefill: bool = False
+    # how the KV cache budget is chosen when kv_cache_memory_bytes is not given (for the start-up log)
+    kv_cache_budget_rule: str = ""
 
 
 class Platform:
@@ -34,8 +62,6 @@ class Platform:
     verified_on_hardware: ClassVar[bool] = True
     # Distribution that provides this platform (for install hints).
     package: ClassVar[str] = "pagoda-core"
-    # KV-cache block size (tokens) when the user gives none.
-    default_block_size: ClassVar[int] = 16
     # True where decode steps can be captured as device graphs (then
     # ``cuda_graph_capture_sizes`` is asked for the sizes).
     supports_graphs: ClassVar[bool] = False
@@ -49,8 +75,13 @@ class Platform:
         raise NotImplementedError
 
     # -- configuration ------------------------------------------------------
-    def check_and_update_config(self, config: EngineConfig) -> None:
-        """Fill platform defaults (block size, dtype, KV budget) and reject what it cannot run."""
+    def config_defaults(self, config: EngineConfig) -> PlatformDefaults:
+        """This platform's defaults for ``config`` (read, never written); raise for what it cannot run.
+
+        Called once, in the main process, by ``pagoda.engine.config_resolution.prepare_engine_config``
+        before the model is resolved; the user's values win over every field returned.
+        """
+        return PlatformDefaults()
 
     def supported_dtypes(self) -> list[torch.dtype]:
         """Model dtypes this platform runs; ``resolve_dtype`` refuses the others."""
@@ -104,9 +135,11 @@ class Platform:
     def cuda_graph_capture_sizes(self, config: EngineConfig) -> list[int]:
         """Decode batch sizes the model runner captures graphs for; [] runs every step eagerly.
 
-        Only asked when ``supports_graphs``.
+        Only asked when ``supports_graphs``. The default returns the sizes the config resolution
+        decided (the user's ``cuda_graph_sizes``, else ``config_defaults().graph_sizes``, [] with
+        ``enforce_eager``).
         """
-        return []
+        return list(config.scheduler_config.cuda_graph_sizes or [])
 
     def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
         """Absolute KV cache budget in bytes when the user gave none.

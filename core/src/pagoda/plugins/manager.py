@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 # MAJOR.MINOR. A plugin written for 1.x loads on any core 1.y with y >= x;
 # core adds hooks and hook arguments only additively within a major version.
 # 1.1: pagoda_register_model_fallbacks. 1.2: pagoda_register_structured_output_backends.
-# 1.3: pagoda_register_tool_parsers. 1.4: pagoda_register_reasoning_parsers.
-API_VERSION = "1.4"
+# 1.3: pagoda_register_tool_parsers. 1.4: pagoda_register_reasoning_parsers. 1.5: pagoda_add_env_vars
+# (and pagoda_startup became historic: a plugin registered late is called too).
+API_VERSION = "1.5"
 API_VERSION_ATTR = "PAGODA_PLUGIN_API_VERSION"
 PLUGINS_ENV = "PAGODA_PLUGINS"
 
@@ -181,10 +182,13 @@ class PluginManager:
     def __init__(self) -> None:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
+        # historic: every plugin this manager registers, now or later, declares its variables at once
+        self._pm.hook.pagoda_add_env_vars.call_historic(kwargs={"registry": envs.REGISTRY})
         self.infos: list[PluginInfo] = []
         self._specs: dict[str, list[Any]] | None = None
         self._objects: dict[str, Any] = {}
         self.entry_points_loaded = False
+        self.loading_entry_points = False
 
     # -- registration -------------------------------------------------------
     def register(
@@ -246,6 +250,13 @@ class PluginManager:
         ``names``: ``"env"`` reads ``PAGODA_PLUGINS``; None loads all; a list
         loads exactly those (an unknown name is an error).
         """
+        self.loading_entry_points = True
+        try:
+            self._load_entry_points(names, kinds)
+        finally:
+            self.loading_entry_points = False
+
+    def _load_entry_points(self, names: list[str] | None | str, kinds: Iterable[str] | None) -> None:
         selected = requested_plugin_names() if names == "env" else names
         kinds = list(ENTRY_POINT_GROUPS) if kinds is None else list(kinds)
         candidates = _discover(kinds)
@@ -426,7 +437,8 @@ class PluginManager:
         ]
 
     def startup(self, config: Any = None) -> None:
-        self._pm.hook.pagoda_startup(config=config)
+        """Call ``pagoda_startup`` on every plugin, and on each one registered later (historic)."""
+        self._pm.hook.pagoda_startup.call_historic(kwargs={"config": config})
 
     @property
     def hook(self) -> Any:

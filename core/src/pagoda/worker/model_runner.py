@@ -71,13 +71,13 @@ class ModelRunner:
         self.config = config
         self.platform = platform
         self.device = platform.device()
-        # resolved with the config (pagoda.engine.core.prepare_engine_config)
+        # resolved with the config (pagoda.engine.config_resolution.prepare_engine_config)
         model = config.resolved
         self.source = model.source
         self.hf_config = model.hf_config
         self.text_config = model.text_config
         self.dtype = model.dtype
-        self.block_size: int = config.cache_config.block_size or platform.default_block_size
+        self.block_size: int = config.block_size
         self.max_model_len: int = model.max_model_len
         # "generate" (logits -> sampler) or "pooling" (hidden states -> the model's pooler)
         self.runner_type: str = model.runner_type

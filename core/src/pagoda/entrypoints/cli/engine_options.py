@@ -34,9 +34,14 @@ def _option_for(name: str, info: Any) -> tuple[Any, Any]:
     return str | None, typer.Option(None, flag, help=f"{help_text} (JSON)")  # type: ignore[return-value]
 
 
+def _cli_fields() -> dict[str, Any]:
+    """EngineArgs' fields by their CLI name: vLLM's EngineArgs name where a section's differs (the alias)."""
+    return {info.alias or name: info for name, info in EngineArgs.model_fields.items()}
+
+
 def engine_args_from_cli(values: dict[str, Any]) -> EngineArgs:
     cleaned: dict[str, Any] = {}
-    for name, info in EngineArgs.model_fields.items():
+    for name, info in _cli_fields().items():
         if name not in values:
             continue
         value = values[name]
@@ -66,7 +71,7 @@ def with_engine_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable[...
             if p.name != "engine_args"
         ]
         extra: list[inspect.Parameter] = []
-        for name, info in EngineArgs.model_fields.items():
+        for name, info in _cli_fields().items():
             if name in exclude or name in sig.parameters:
                 continue
             annotation, default = _option_for(name, info)

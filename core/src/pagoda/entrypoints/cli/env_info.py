@@ -75,9 +75,9 @@ def mask_secret(name: str, value: str) -> str:
 
 def _pagoda_var_note(name: str, raw: str) -> str:
     """Why a PAGODA_* value would not do what its owner thinks: unknown name, or a value that does not parse."""
-    from pagoda.envs import ENVIRONMENT_VARIABLES
+    from pagoda.envs import all_variables
 
-    var = ENVIRONMENT_VARIABLES.get(name)
+    var = all_variables().get(name)  # core's and every loaded plugin's (pagoda_add_env_vars)
     if var is None:
         return "  (not a pagoda variable: a typo?)"
     if var.is_set({name: raw}):
