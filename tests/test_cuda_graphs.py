@@ -18,7 +18,7 @@ import torch
 
 import pagoda.worker.model_runner as model_runner_module
 from pagoda import LLM, SamplingParams
-from pagoda.attention import AttentionBackend, AttentionMetadata
+from pagoda.attention import AttentionBackend, AttentionLayerParams, AttentionMetadata
 from pagoda.worker import graphs
 from pagoda.worker.graphs import CudaGraphCapture, EagerReplay
 from pagoda_kernels import paged_decode_attention_torch, paged_prefill_attention_torch, reshape_and_cache_torch
@@ -27,7 +27,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 CPU_SIZES = [1, 2, 4, 8]
 
 
-class ReferenceGraphBackend(AttentionBackend):
+class ReferenceGraphBackend(AttentionBackend[AttentionMetadata]):
     """The torch reference kernels with no per-step planning: what a graph-safe backend looks like to the runner.
 
     (Its kernels sync with the host, so it could not really be captured; EagerReplay never captures.)
@@ -37,14 +37,14 @@ class ReferenceGraphBackend(AttentionBackend):
     supports_cuda_graphs: ClassVar[bool] = True
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                logits_soft_cap: float | None = None) -> torch.Tensor:
+                metadata: AttentionMetadata, params: AttentionLayerParams) -> torch.Tensor:
         reshape_and_cache_torch(key, value, kv_cache, metadata.slot_mapping)
+        scale, window, cap = params.scale, params.sliding_window, params.logits_soft_cap
         if metadata.is_all_decode:
             return paged_decode_attention_torch(query, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
-                                                sliding_window, logits_soft_cap)
+                                                window, cap)
         return paged_prefill_attention_torch(query, kv_cache, metadata.block_tables, metadata.query_start_loc,
-                                             metadata.seq_lens, scale, sliding_window, logits_soft_cap)
+                                             metadata.seq_lens, scale, window, cap)
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -36,8 +38,8 @@ def test_cases_cover_the_contract() -> None:
 class IgnoresTheWindow(DenseTestBackend):
     name = "ignores-window"
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None):  # type: ignore[no-untyped-def]
-        return super().forward(query, key, value, kv_cache, metadata, scale, None, logits_soft_cap)
+    def forward(self, query, key, value, kv_cache, metadata, params):  # type: ignore[no-untyped-def]
+        return super().forward(query, key, value, kv_cache, metadata, replace(params, sliding_window=None))
 
 
 class WritesSkippedSlots(DenseTestBackend):
@@ -45,16 +47,16 @@ class WritesSkippedSlots(DenseTestBackend):
 
     name = "writes-skipped-slots"
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None):  # type: ignore[no-untyped-def]
+    def forward(self, query, key, value, kv_cache, metadata, params):  # type: ignore[no-untyped-def]
         kv_cache[0].view(-1, key.shape[1], key.shape[2])[metadata.slot_mapping] = key
-        return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+        return super().forward(query, key, value, kv_cache, metadata, params)
 
 
 class GarbagePadding(DenseTestBackend):
     name = "garbage-padding"
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None):  # type: ignore[no-untyped-def]
-        out = super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+    def forward(self, query, key, value, kv_cache, metadata, params):  # type: ignore[no-untyped-def]
+        out = super().forward(query, key, value, kv_cache, metadata, params)
         out[int(metadata.query_start_loc[-1]) :] = 1.0
         return out
 
@@ -62,9 +64,8 @@ class GarbagePadding(DenseTestBackend):
 class IgnoresAlibi(DenseTestBackend):
     name = "ignores-alibi"
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None,  # type: ignore[no-untyped-def]
-                alibi_slopes=None):
-        return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+    def forward(self, query, key, value, kv_cache, metadata, params):  # type: ignore[no-untyped-def]
+        return super().forward(query, key, value, kv_cache, metadata, replace(params, alibi_slopes=None))
 
 
 class AlibiSignFlipped(DenseTestBackend):
@@ -72,10 +73,10 @@ class AlibiSignFlipped(DenseTestBackend):
 
     name = "alibi-sign-flipped"
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None,  # type: ignore[no-untyped-def]
-                alibi_slopes=None):
-        return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap,
-                               None if alibi_slopes is None else -alibi_slopes)
+    def forward(self, query, key, value, kv_cache, metadata, params):  # type: ignore[no-untyped-def]
+        slopes = params.alibi_slopes
+        flipped = replace(params, alibi_slopes=None if slopes is None else -slopes)
+        return super().forward(query, key, value, kv_cache, metadata, flipped)
 
 
 class AlibiPerKvHead(DenseTestBackend):
@@ -83,13 +84,12 @@ class AlibiPerKvHead(DenseTestBackend):
 
     name = "alibi-per-kv-head"
 
-    def forward(self, query, key, value, kv_cache, metadata, scale, sliding_window=None, logits_soft_cap=None,  # type: ignore[no-untyped-def]
-                alibi_slopes=None):
-        if alibi_slopes is not None:
+    def forward(self, query, key, value, kv_cache, metadata, params):  # type: ignore[no-untyped-def]
+        slopes = params.alibi_slopes
+        if slopes is not None:
             group = query.shape[1] // key.shape[1]
-            alibi_slopes = alibi_slopes[::group].repeat_interleave(group)
-        return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap,
-                               alibi_slopes)
+            params = replace(params, alibi_slopes=slopes[::group].repeat_interleave(group))
+        return super().forward(query, key, value, kv_cache, metadata, params)
 
 
 class NoHalfPrecision(DenseTestBackend):

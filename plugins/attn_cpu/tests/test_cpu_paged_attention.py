@@ -21,6 +21,7 @@ from pagoda.testing.attention import (
     UnsupportedCaseError,
     check_cache,
     make_batch,
+    params_for,
     reference_attention,
     run_case,
     spec_for,
@@ -141,7 +142,8 @@ def test_slot_minus_one_inside_a_sequence_is_not_written() -> None:
     slot = int(batch.metadata.slot_mapping[0])  # the decode of sequence 0
     batch.metadata.slot_mapping[0] = -1
     backend = make_backend(shape)
-    backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, backend.prepare(batch.metadata), 0.25)
+    backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, backend.prepare(batch.metadata),
+                    params_for(shape, 0.25))
     block, offset = divmod(slot, shape.block_size)
     assert torch.equal(batch.kv_cache[:, block, offset], batch.initial_cache[:, block, offset])
     written = batch.metadata.slot_mapping[1:]
@@ -166,7 +168,8 @@ def test_layers_share_one_prepare() -> None:
     metadata = backend.prepare(layers[0].metadata)
     scale = shape.head_dim**-0.5
     for batch, window in zip(layers, [None, 6, None], strict=True):
-        out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, scale, window)
+        out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata,
+                              params_for(shape, scale, window))
         row = 0
         for seq in batch.sequences:
             expected = reference_attention(seq, scale, window)
@@ -180,11 +183,11 @@ def test_bad_input_is_refused_with_a_clear_error() -> None:
     backend = make_backend(shape)
     batch = make_batch([(10, 1)], shape, seed=14)
     with pytest.raises(RuntimeError, match="not prepared"):
-        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, 0.25)
+        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, params_for(shape, 0.25))
     metadata = backend.prepare(batch.metadata)
     too_small = batch.kv_cache[:, :1].contiguous()
     with pytest.raises(ValueError, match="past the cache"):
-        backend.forward(batch.query, batch.key, batch.value, too_small, metadata, 0.25)
+        backend.forward(batch.query, batch.key, batch.value, too_small, metadata, params_for(shape, 0.25))
     batch.metadata.seq_lens_cpu = torch.tensor([0], dtype=torch.int32)
     with pytest.raises(ValueError, match="seq_lens"):
         backend.prepare(batch.metadata)
@@ -196,14 +199,14 @@ def test_the_kernel_checks_every_block_it_reads_before_writing() -> None:
     backend = make_backend(shape)
     batch = make_batch([(10, 1), (20, 1)], shape, seed=16)
     metadata = backend.prepare(batch.metadata)
-    tables = metadata.extra["cpu_paged"].block_tables  # what the kernel reads
+    tables = metadata.step.block_tables  # what the kernel reads
     last_column = len(batch.sequences[1].blocks) - 1
     tables[1, last_column] = batch.kv_cache.shape[1]
     with pytest.raises(ValueError, match="past the cache"):
-        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, 0.25)
+        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, params_for(shape, 0.25))
     tables[1, last_column] = -1
     with pytest.raises(ValueError, match="negative block id"):
-        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, 0.25)
+        backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, params_for(shape, 0.25))
     assert torch.equal(batch.kv_cache, batch.initial_cache)
 
 
@@ -223,7 +226,7 @@ def test_long_fresh_prefill_beside_decodes(dtype: torch.dtype, window: int | Non
     shape = Shape(num_heads=9, num_kv_heads=3, head_dim=64)
     lens = [(40, 1), (0, SDPA_PREFILL_MIN_TOKENS + 3), (70, 1), (30, SDPA_PREFILL_MIN_TOKENS)]
     batch = make_batch(lens, shape, dtype=dtype, seed=15, padding_rows=2)
-    step = make_backend(shape, dtype).prepare(batch.metadata).extra["cpu_paged"]
+    step = make_backend(shape, dtype).prepare(batch.metadata).step
     assert [s.row_start for s in step.sdpa_prefills] == [1]  # the cached-prefix chunk stays with the kernel
     run_and_check(batch, shape, dtype, sliding_window=window)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.testing.attention import CHUNKED, DECODE, PREFILL, Shape, spec_for
+from pagoda.testing.attention import CHUNKED, DECODE, PREFILL, Shape, params_for, spec_for
 from pagoda.testing.attention.fp8 import make_fp8_batch, run_fp8_and_check
 from pagoda_attn_cpu.backend import CpuPagedAttentionBackend
 
@@ -51,7 +51,7 @@ def test_fp8_cache_without_scales_is_refused() -> None:
     attention = backend(shape, torch.float32, torch.float8_e4m3fn)
     metadata = attention.prepare(batch.metadata)
     with pytest.raises(ValueError, match="k_scale"):
-        attention.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, 0.125)
+        attention.forward(batch.query, batch.key, batch.value, batch.kv_cache, metadata, params_for(shape, 0.125))
 
 
 def test_avx2_build_matches() -> None:

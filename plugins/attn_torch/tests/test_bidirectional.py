@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagoda.testing.attention import DenseTestBackend
-from pagoda.testing.attention.batch import Shape, make_batch, spec_for
+from pagoda.testing.attention.batch import Shape, make_batch, params_for, spec_for
 from pagoda_attn_torch.backend import TorchPagedAttentionBackend
 
 SHAPE = Shape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
@@ -37,7 +37,7 @@ def test_bidirectional_matches_reference(backend_cls: type, case: str, padding_r
     backend = backend_cls(spec_for(SHAPE, causal=False))
     md = backend.prepare(batch.metadata)
     scale = SHAPE.head_dim**-0.5
-    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, md, scale)
+    out = backend.forward(batch.query, batch.key, batch.value, batch.kv_cache, md, params_for(SHAPE, scale))
     starts = batch.metadata.query_start_loc.tolist()
     for i, seq in enumerate(batch.sequences):
         got = out[starts[i] : starts[i + 1]]
@@ -48,7 +48,7 @@ def test_bidirectional_matches_reference(backend_cls: type, case: str, padding_r
     causal = backend_cls(spec_for(SHAPE))
     md = causal.prepare(make_batch(CASES[case], SHAPE, padding_rows=padding_rows).metadata)
     again = make_batch(CASES[case], SHAPE, padding_rows=padding_rows)
-    causal_out = causal.forward(again.query, again.key, again.value, again.kv_cache, md, scale)
+    causal_out = causal.forward(again.query, again.key, again.value, again.kv_cache, md, params_for(SHAPE, scale))
     assert not torch.allclose(causal_out[: starts[-1]], out[: starts[-1]], atol=1e-3)
 
 

@@ -12,6 +12,7 @@ from pagoda.testing.attention import (
     ConformanceCase,
     Shape,
     make_batch,
+    params_for,
     run_case,
     spec_for,
 )
@@ -32,7 +33,7 @@ def test_decodes_of_very_different_lengths_split_into_buckets() -> None:
     shape = Shape(block_size=8)
     lens = [(c, 1) for c in (300, 5, 150, 7, 290, 60, 2, 140)]
     batch = make_batch(lens, shape, seed=30)
-    plan = make_backend(shape).prepare(batch.metadata).extra["torch_paged"]
+    plan = make_backend(shape).prepare(batch.metadata).plan
     assert len(plan.batched) > 1
     longest_first = [g.padded_kv_len for g in plan.batched]
     assert longest_first == sorted(longest_first, reverse=True) and longest_first[-1] <= 64
@@ -42,7 +43,7 @@ def test_decodes_of_very_different_lengths_split_into_buckets() -> None:
 def test_uniform_decode_batch_is_one_in_order_group() -> None:
     shape = Shape()
     batch = make_batch([(c, 1) for c in (200, 230, 255, 180)], shape, seed=31)
-    plan = make_backend(shape).prepare(batch.metadata).extra["torch_paged"]
+    plan = make_backend(shape).prepare(batch.metadata).plan
     (group,) = plan.batched
     assert group.query_rows is None and group.result_index is None and not plan.looped
     check_backend(make_backend(shape), batch, shape)
@@ -52,7 +53,8 @@ def test_forward_without_prepare_is_refused() -> None:
     shape = Shape()
     batch = make_batch(DECODE, shape)
     with pytest.raises(RuntimeError, match="prepare"):
-        make_backend(shape).forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata, 0.25)
+        make_backend(shape).forward(batch.query, batch.key, batch.value, batch.kv_cache, batch.metadata,
+                                    params_for(shape, 0.25))
 
 
 def test_cache_of_wrong_shape_is_refused() -> None:
@@ -62,7 +64,7 @@ def test_cache_of_wrong_shape_is_refused() -> None:
     metadata = backend.prepare(batch.metadata)
     wrong = batch.kv_cache.transpose(3, 4).contiguous()
     with pytest.raises(ValueError, match="kv_cache shape"):
-        backend.forward(batch.query, batch.key, batch.value, wrong, metadata, 0.25)
+        backend.forward(batch.query, batch.key, batch.value, wrong, metadata, params_for(shape, 0.25))
 
 
 def test_reasons_unsupported() -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pagoda.attention import AttentionMetadata, AttentionSpec
+from pagoda.attention import AttentionLayerParams, AttentionMetadata, AttentionSpec
 from pagoda.testing.attention import CONFORMANCE_CASES, ConformanceCase, UnsupportedCaseError, run_case
 from pagoda_attn_triton import plugin
 from pagoda_attn_triton.backend import TritonPagedAttentionBackend
@@ -117,7 +117,7 @@ def _run_step(seq_lens: list[int], query_lens: list[int], window: int | None, ca
     metadata = backend.prepare(metadata)
     scale = 1 / math.sqrt(HEAD_DIM)
     out = backend.forward(query.to(DEVICE), new_k.to(DEVICE), new_v.to(DEVICE), batch.kv_cache.to(DEVICE),
-                          metadata, scale, window, cap).cpu()
+                          metadata, AttentionLayerParams(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale, window, cap)).cpu()
     want = torch.cat([
         _dense(q, k, v, torch.arange(s - q.shape[0], s), scale, window, cap)
         for q, k, v, s in zip(full_q, full_k, full_v, seq_lens, strict=True)

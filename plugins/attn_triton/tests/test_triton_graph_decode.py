@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from pagoda.attention import AttentionMetadata, AttentionSpec
-from pagoda_attn_triton.backend import NUM_SPLITS_KEY, TritonPagedAttentionBackend
+from pagoda.attention import AttentionLayerParams, AttentionMetadata, AttentionSpec
+from pagoda_attn_triton.backend import TritonPagedAttentionBackend
 from pagoda_kernels.dispatch import interpret_mode
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 16, 4
@@ -76,8 +76,9 @@ def test_padded_static_decode_matches_eager(seq_lens: list[int]) -> None:
         )
         md = backend.prepare(md)
         out = backend.forward(query[:md_size].to(DEVICE), key[:md_size].to(DEVICE), value[:md_size].to(DEVICE),
-                              kv, md, scale)
-        return out.cpu(), kv.cpu(), md.extra[NUM_SPLITS_KEY]  # type: ignore[index]
+                              kv, md, AttentionLayerParams(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, scale))
+        assert md.num_splits is not None  # an all-decode step decides its fan-out in prepare
+        return out.cpu(), kv.cpu(), md.num_splits
 
     graph_out, graph_kv, graph_splits = run(size, MAX_MODEL_LEN)
     eager_out, eager_kv, eager_splits = run(n, max(seq_lens))

@@ -1,4 +1,4 @@
-from pagoda.attention.interface import AttentionBackend, AttentionMetadata, AttentionSpec
+from pagoda.attention.interface import AttentionBackend, AttentionLayerParams, AttentionMetadata, AttentionSpec
 from pagoda.attention.layer import Attention
 
-__all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "AttentionSpec"]
+__all__ = ["Attention", "AttentionBackend", "AttentionLayerParams", "AttentionMetadata", "AttentionSpec"]

@@ -14,8 +14,8 @@ token; a prefill (or a chunk of one) may sit on top of already cached tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -50,12 +50,51 @@ class AttentionSpec:
         return self.kv_cache_dtype if self.kv_cache_dtype is not None else self.dtype
 
 
+@dataclass(frozen=True, eq=False, slots=True)
+class AttentionLayerParams:
+    """One attention layer's constants, built once per layer (``Attention.bind``) and passed to every
+    ``forward``: the layer's half of the contract, as ``AttentionMetadata`` is the step's.
+
+    Checked here, so a backend's per-call path reads them without checking again.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    # (Causal or bidirectional is the backend's ``spec.causal``: its ``prepare`` plans the step by it.)
+    # ALiBi: [num_heads] float32 on the model's device (``spec.alibi_slopes`` set); else None
+    alibi_slopes: torch.Tensor | None = None
+    # An fp8 cache's per-layer scales (pagoda.attention.kv_quant): 0-d float32 tensors on the
+    # cache's device whose values a step may change in place (calculate_kv_scales); else None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"attention layer: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim} must be positive with num_heads a multiple of num_kv_heads"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window={self.sliding_window} must be positive")
+        if self.logits_soft_cap is not None and self.logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap={self.logits_soft_cap} must be positive")
+        if self.alibi_slopes is not None and self.alibi_slopes.shape != (self.num_heads,):
+            raise ValueError(f"ALiBi needs one slope per head: {tuple(self.alibi_slopes.shape)} for {self.num_heads} heads")
+        if (self.k_scale is None) != (self.v_scale is None):
+            raise ValueError("an fp8 KV cache needs both k_scale and v_scale")
+
+
 @dataclass
 class AttentionMetadata:
     """The flat batch layout, the same for every layer of one step.
 
-    All tensors live on the model's device. ``extra`` is filled by the
-    backend's ``prepare`` with whatever it precomputes once per step.
+    All tensors live on the model's device. A backend's ``prepare`` returns it
+    with what it precomputes once per step: an instance of the backend's own
+    subclass (``from_common``), whose extra fields every layer's ``forward`` reads.
     """
 
     num_seqs: int
@@ -75,7 +114,16 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor | None = None
     # True when every sequence has exactly one new token.
     is_all_decode: bool = False
-    extra: dict[str, Any] | None = None
+
+    @classmethod
+    def from_common(cls: type[M], common: AttentionMetadata, **prepared: Any) -> M:
+        """``common``'s batch layout as an instance of ``cls`` (a backend's subclass) with its ``prepared`` fields.
+
+        Runs once per step: from the runner's plain metadata it copies the instance dict (~0.8 us
+        where naming the fields costs twice that); from an already prepared one, the common fields only.
+        """
+        values = common.__dict__ if type(common) is AttentionMetadata else {n: getattr(common, n) for n in _COMMON_FIELDS}
+        return cls(**values, **prepared)
 
     @property
     def query_lens(self) -> torch.Tensor:
@@ -87,8 +135,15 @@ class AttentionMetadata:
         return self.seq_lens - self.query_lens
 
 
-class AttentionBackend:
-    """One attention implementation. Instances are created once per engine."""
+M = TypeVar("M", bound=AttentionMetadata)
+_COMMON_FIELDS = tuple(f.name for f in fields(AttentionMetadata))
+
+
+class AttentionBackend(Generic[M]):
+    """One attention implementation, generic over the metadata its ``prepare`` builds.
+
+    Instances are created once per engine.
+    """
 
     name: ClassVar[str] = "base"
     # True when an all-decode step can be captured in a CUDA graph and replayed
@@ -122,9 +177,14 @@ class AttentionBackend:
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
-        """Precompute per-step data (once per step, shared by all layers)."""
-        return metadata
+    def prepare(self, metadata: AttentionMetadata) -> M:
+        """The step's metadata with what every layer reuses, precomputed once per step.
+
+        A backend that precomputes nothing returns ``metadata`` itself (the default); one that
+        does returns its own ``AttentionMetadata`` subclass (``SubClass.from_common(metadata, ...)``),
+        which its ``forward`` then takes.
+        """
+        return metadata  # type: ignore[return-value]  # M is AttentionMetadata for a backend without its own
 
     def forward(
         self,
@@ -132,29 +192,24 @@ class AttentionBackend:
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        alibi_slopes: torch.Tensor | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        metadata: M,
+        params: AttentionLayerParams,
     ) -> torch.Tensor:
         """Write the new K/V into ``kv_cache`` at ``slot_mapping``, then attend.
 
+        ``metadata``: what ``prepare`` returned for this step; ``params``: the calling layer's constants.
         Returns [num_tokens, num_heads, head_dim]. Causal: a new token at
         absolute position p (= context_len + its index among the new tokens)
         attends to cached and new tokens at positions <= p (and > p - window
-        with a sliding window). With ``spec.causal`` False every token attends
+        with ``params.sliding_window``). With ``spec.causal`` False every token attends
         to all ``seq_len`` tokens of its sequence.
 
-        ``alibi_slopes`` ([num_heads] float32, passed only when ``spec.alibi_slopes`` is set):
+        ``params.alibi_slopes`` ([num_heads] float32, set only when ``spec.alibi_slopes`` is):
         head h's logit of a query at position p for a key at position j gets
         ``alibi_slopes[h] * (j - p)`` added after the scale and any soft cap.
 
-        ``k_scale`` / ``v_scale`` (0-d float32 tensors on the cache's device, passed only when the
-        cache is fp8): the cache stores saturate(k / k_scale) and reads back fp8 * k_scale
-        (``pagoda.attention.kv_quant``); a backend whose ``reasons_unsupported`` accepts an fp8
-        ``spec.kv_cache_dtype`` takes them.
+        ``params.k_scale`` / ``v_scale`` (set only when the cache is fp8): the cache stores
+        saturate(k / k_scale) and reads back fp8 * k_scale (``pagoda.attention.kv_quant``); a
+        backend whose ``reasons_unsupported`` accepts an fp8 ``spec.kv_cache_dtype`` reads them.
         """
         raise NotImplementedError

@@ -64,3 +64,17 @@ def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | flo
     if not is_fp8(x.dtype):
         return x.to(dtype)
     return (x.float() * scale).to(dtype)
+
+
+def byte_view(x: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8, for the copies torch has no fp8 kernel for (index_copy_, index_select on CPU)."""
+    return x.view(torch.uint8) if is_fp8(x.dtype) else x
+
+
+def read_cached(cached: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Rows gathered from a cache as attention reads them: fp8 dequantized to ``dtype``; others as they are."""
+    if not is_fp8(cached.dtype):
+        return cached
+    if scale is None:
+        raise ValueError(f"an fp8 KV cache ({cached.dtype}) needs the layer's k_scale and v_scale")
+    return dequantize_kv(cached, dtype, scale)

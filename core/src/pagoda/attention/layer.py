@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from pagoda.attention.interface import AttentionBackend, AttentionMetadata
+from pagoda.attention.interface import AttentionBackend, AttentionLayerParams, AttentionMetadata
 from pagoda.attention.kv_quant import K_SCALE_CONSTANT, V_SCALE_CONSTANT, is_fp8
 
 
@@ -34,7 +35,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
-        self.scale = scale
+        self._scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
@@ -63,6 +64,33 @@ class Attention(nn.Module):
         self._k_scale_float = 1.0
         self._v_scale_float = 1.0
         self.kv_scales_from_checkpoint = False
+        # what every backend call gets; bind() rebuilds it once the slopes and scales are on the cache's device
+        self.params = self._layer_params()
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        # the transformers fallback sets its module's own scale on every call: rebuild only on a change
+        if value != self._scale:
+            self._scale = float(value)
+            self.params = dataclasses.replace(self.params, scale=self._scale)
+
+    def _layer_params(self) -> AttentionLayerParams:
+        fp8 = self.kv_cache is not None and is_fp8(self.kv_cache.dtype)
+        return AttentionLayerParams(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+            alibi_slopes=self.alibi_slopes,
+            k_scale=self._k_scale if fp8 else None,
+            v_scale=self._v_scale if fp8 else None,
+        )
 
     def alibi_slopes_tuple(self) -> tuple[float, ...] | None:
         """The slopes as ``AttentionSpec.alibi_slopes`` carries them."""
@@ -76,6 +104,7 @@ class Attention(nn.Module):
             with torch.inference_mode(False):
                 self._k_scale = torch.tensor(self._k_scale_float, dtype=torch.float32, device=kv_cache.device)
                 self._v_scale = torch.tensor(self._v_scale_float, dtype=torch.float32, device=kv_cache.device)
+        self.params = self._layer_params()
 
     def load_kv_scale(self, which: str, value: float) -> None:
         """A checkpoint's per-layer ``k_scale`` (``which="k"``) or ``v_scale`` (pagoda.model_loader.kv_scales)."""
@@ -110,23 +139,16 @@ class Attention(nn.Module):
         if self.backend is None or self.kv_cache is None:
             raise RuntimeError(f"attention layer {self.layer_idx} has no KV cache bound; the model runner binds it")
         t = query.shape[0]
-        # passed only when set, so a backend written before ALiBi keeps its signature
-        extra: dict[str, torch.Tensor] = {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes}
-        if self._k_scale is not None and self._v_scale is not None and is_fp8(self.kv_cache.dtype):
-            if self.calculate_kv_scales:
-                self.calc_kv_scales(key, value)
-            # passed only for an fp8 cache, like alibi_slopes
-            extra["k_scale"] = self._k_scale
-            extra["v_scale"] = self._v_scale
+        params = self.params
+        if self.calculate_kv_scales and params.k_scale is not None:
+            self.calc_kv_scales(key, value)  # in place: params holds the same scale tensors
+        heads, kv_heads, head_dim = params.num_heads, params.num_kv_heads, params.head_dim
         out = self.backend.forward(
-            query.view(t, self.num_heads, self.head_dim),
-            key.view(t, self.num_kv_heads, self.head_dim),
-            value.view(t, self.num_kv_heads, self.head_dim),
+            query.view(t, heads, head_dim),
+            key.view(t, kv_heads, head_dim),
+            value.view(t, kv_heads, head_dim),
             self.kv_cache,
             metadata,
-            self.scale,
-            self.sliding_window,
-            self.logits_soft_cap,
-            **extra,
+            params,
         )
-        return out.reshape(t, self.num_heads * self.head_dim)
+        return out.reshape(t, heads * head_dim)

@@ -1,4 +1,4 @@
-"""The CPU paged-attention backend: the torch_paged contract, served by one C++ kernel call per layer."""
+"""The CPU paged-attention backend: one C++ kernel call per layer (long fresh prefills: torch's causal SDPA)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,23 @@ from typing import ClassVar
 
 import torch
 
-from pagoda.attention.interface import AttentionBackend, AttentionMetadata, AttentionSpec
+from pagoda.attention.checks import check_kv_cache, layout_reasons
+from pagoda.attention.interface import AttentionBackend, AttentionLayerParams, AttentionMetadata, AttentionSpec
 from pagoda.attention.kv_quant import is_fp8
-from pagoda_attn_cpu.kernel import PagedAttentionKernel, StepMetadata, build_failure, extension, kernel, step_metadata
-from pagoda_attn_torch.backend import TorchPagedAttentionBackend
-from pagoda_attn_torch.compute import attend_looped
-from pagoda_attn_torch.plan import LoopedSequence, StepPlan
+from pagoda.attention.prefill import PrefillSequence, prefill_attention
+from pagoda.attention.workspace import Workspace
+from pagoda_attn_cpu.kernel import (
+    SUPPORTED_DTYPES,
+    PagedAttentionKernel,
+    StepMetadata,
+    build_failure,
+    extension,
+    kernel,
+    step_metadata,
+)
 
 logger = logging.getLogger(__name__)
 
-PLAN_KEY = "cpu_paged"
 # Query tokens per work item: a long prefill splits into tiles so both cores get work
 # and a tile's K/V stays in cache while all its query rows pass over it.
 TILE_TOKENS = 32
@@ -42,15 +49,22 @@ class CpuStep:
     all_seqs: torch.Tensor
     kernel_seqs: torch.Tensor
     # Long fresh prefills for torch's causal SDPA (when the layer has no window or soft cap),
-    # with the per-step workspace that path needs.
-    sdpa_prefills: list[LoopedSequence]
-    sdpa_plan: StepPlan | None
+    # with the per-step workspace that path needs (None without them).
+    sdpa_prefills: list[PrefillSequence]
+    sdpa_workspace: Workspace | None
     # The tensors above as the kernel reads them (checked once per step, reused by every layer).
     all_seqs_args: StepMetadata
     kernel_seqs_args: StepMetadata
 
 
-class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
+@dataclass(kw_only=True)
+class CpuPagedMetadata(AttentionMetadata):
+    """The step's layout with its kernel-side form, checked once for every layer."""
+
+    step: CpuStep
+
+
+class CpuPagedAttentionBackend(AttentionBackend[CpuPagedMetadata]):
     """Every sequence of the step (decodes, chunks, prefills) in one OpenMP-parallel kernel call.
 
     Work items are (sequence, tile of up to TILE_TOKENS query tokens), each reading its blocks
@@ -70,7 +84,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         reasons = self.reasons_unsupported(spec)
         if reasons:
             raise ValueError(f"cpu_paged attention cannot serve {spec}: " + "; ".join(reasons))
-        AttentionBackend.__init__(self, spec)
+        super().__init__(spec)
         self._fp8 = spec.cache_dtype if is_fp8(spec.cache_dtype) else None
         self._kernel = kernel(spec.dtype, spec.head_dim, self._fp8)
         logger.info("cpu_paged attention: C++ kernel %s (%s, head_dim %d, cache %s)",
@@ -78,7 +92,10 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
 
     @classmethod
     def reasons_unsupported(cls, spec: AttentionSpec) -> list[str]:
-        reasons = [r for r in super().reasons_unsupported(spec) if not r.startswith("device type")]
+        reasons = []
+        if spec.dtype not in SUPPORTED_DTYPES:
+            reasons.append(f"dtype {spec.dtype} is not one of {', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+        reasons += layout_reasons(spec)
         if spec.device_type != "cpu":
             reasons.append(f"device type {spec.device_type!r} is not 'cpu'")
         if not spec.causal:
@@ -94,10 +111,12 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
                 reasons.append(failure)
         return reasons
 
-    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
-        step = build_step(metadata, self.spec.block_size)
-        metadata.extra = {**(metadata.extra or {}), PLAN_KEY: step}
-        return metadata
+    @classmethod
+    def preferred_block_sizes(cls) -> tuple[int, ...]:
+        return (16, 32, 64)
+
+    def prepare(self, metadata: AttentionMetadata) -> CpuPagedMetadata:
+        return CpuPagedMetadata.from_common(metadata, step=build_step(metadata, self.spec.block_size))
 
     def forward(
         self,
@@ -105,32 +124,25 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        metadata: CpuPagedMetadata,
+        params: AttentionLayerParams,
     ) -> torch.Tensor:
-        step = metadata.extra.get(PLAN_KEY) if metadata.extra else None
-        if step is None:
+        if not isinstance(metadata, CpuPagedMetadata):
             raise RuntimeError(
                 "cpu_paged attention: metadata was not prepared; call backend.prepare(metadata) once per step"
             )
+        step = metadata.step
         # Per layer only what can differ between layers, cheaply: the kernel checks the cache's
         # contiguity and head layout against key, and every block id it reads against the cache.
+        # (The params' window and soft cap were checked when the layer built them.)
         cache_shape = kv_cache.shape
         if len(cache_shape) != 5 or cache_shape[0] != 2 or cache_shape[2] != self.spec.block_size:
-            self._check_cache(kv_cache, key)
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window={sliding_window} must be positive")
-        if logits_soft_cap is not None and logits_soft_cap <= 0:
-            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be positive")
+            check_kv_cache(kv_cache, self.spec.block_size, key)
+        sliding_window, logits_soft_cap = params.sliding_window, params.logits_soft_cap
         cache_dtype = kv_cache.dtype
         use_sdpa = bool(step.sdpa_prefills) and sliding_window is None and logits_soft_cap is None
         if self._fp8 is not None and cache_dtype == self._fp8:
-            return self._forward_fp8(query, key, value, kv_cache, step, scale, sliding_window, logits_soft_cap,
-                                     use_sdpa, k_scale, v_scale)
+            return self._forward_fp8(query, key, value, kv_cache, step, params, use_sdpa)
         # The model's activations are normally in the cache dtype already: no casts then.
         q = query if query.dtype == cache_dtype else query.to(cache_dtype)
         if q.stride(-1) != 1:
@@ -142,24 +154,24 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             value if value.dtype == cache_dtype else value.to(cache_dtype),
             kv_cache,
             step.kernel_seqs_args if use_sdpa else step.all_seqs_args,
-            float(scale),
+            float(params.scale),
             int(sliding_window or 0),
             float(logits_soft_cap or 0.0),
             TILE_TOKENS,
         )
         if use_sdpa:
-            assert step.sdpa_plan is not None
+            assert step.sdpa_workspace is not None
             # The kernel has written every new K/V; these read theirs straight from key/value.
             for index, seq in enumerate(step.sdpa_prefills):
-                out[seq.row_start : seq.row_end] = attend_looped(
-                    q, key, value, kv_cache, seq, index, step.sdpa_plan, scale, None, None
+                out[seq.row_start : seq.row_end] = prefill_attention(
+                    q, key, value, kv_cache, seq, index, params, step.sdpa_workspace
                 )
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def _forward_fp8(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                     step: CpuStep, scale: float, sliding_window: int | None, logits_soft_cap: float | None,
-                     use_sdpa: bool, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+                     step: CpuStep, params: AttentionLayerParams, use_sdpa: bool) -> torch.Tensor:
         """An fp8 cache: queries, keys and values stay in the model dtype; the kernel quantizes and dequantizes."""
+        k_scale, v_scale = params.k_scale, params.v_scale
         if k_scale is None or v_scale is None:
             raise ValueError(f"an fp8 KV cache ({kv_cache.dtype}) needs the layer's k_scale and v_scale")
         q = query if query.stride(-1) == 1 else query.contiguous()
@@ -170,23 +182,21 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             value if value.dtype == dtype else value.to(dtype),
             kv_cache,
             step.kernel_seqs_args if use_sdpa else step.all_seqs_args,
-            float(scale),
-            int(sliding_window or 0),
-            float(logits_soft_cap or 0.0),
+            float(params.scale),
+            int(params.sliding_window or 0),
+            float(params.logits_soft_cap or 0.0),
             TILE_TOKENS,
             _scale_value(k_scale),
             _scale_value(v_scale),
         )
         if use_sdpa:
-            assert step.sdpa_plan is not None
+            assert step.sdpa_workspace is not None
             # read back from the cache (dequantized), as every other token's attention sees it
             for index, seq in enumerate(step.sdpa_prefills):
-                out[seq.row_start : seq.row_end] = attend_looped(
-                    q, key, value, kv_cache, seq, index, step.sdpa_plan, scale, None, None, k_scale=k_scale,
-                    v_scale=v_scale,
+                out[seq.row_start : seq.row_end] = prefill_attention(
+                    q, key, value, kv_cache, seq, index, params, step.sdpa_workspace
                 )
         return out if out.dtype == query.dtype else out.to(query.dtype)
-
 
     def _kernel_for(self, cache_dtype: torch.dtype) -> PagedAttentionKernel:
         """A cache in another dtype than the model's (cache_dtype set): that dtype's kernel, built on first use."""
@@ -250,7 +260,7 @@ def build_step(metadata: AttentionMetadata, block_size: int) -> CpuStep:
     if not sdpa_ids:
         return CpuStep(query_start, seq_lens, block_tables, slot_mapping, all_seqs, all_seqs, [], None, all_args, all_args)
     sdpa_prefills = [
-        LoopedSequence(
+        PrefillSequence(
             row_start=starts[i],
             row_end=starts[i + 1],
             context_len=0,
@@ -259,19 +269,12 @@ def build_step(metadata: AttentionMetadata, block_size: int) -> CpuStep:
         )
         for i in sdpa_ids
     ]
-    sdpa_plan = StepPlan(
-        num_tokens=metadata.num_tokens,
-        num_real_tokens=starts[-1],
-        write_rows=None,
-        write_slots=slot_mapping,
-        batched=[],
-        looped=sdpa_prefills,
-    )
     sdpa = set(sdpa_ids)
     kernel_seqs = torch.tensor([i for i in range(num_seqs) if i not in sdpa], dtype=torch.int32)
     kernel_args = step_metadata(slot_mapping, query_start, seq_lens, block_tables, kernel_seqs)
     return CpuStep(
-        query_start, seq_lens, block_tables, slot_mapping, all_seqs, kernel_seqs, sdpa_prefills, sdpa_plan, all_args, kernel_args
+        query_start, seq_lens, block_tables, slot_mapping, all_seqs, kernel_seqs, sdpa_prefills, Workspace(), all_args,
+        kernel_args,
     )
 
 

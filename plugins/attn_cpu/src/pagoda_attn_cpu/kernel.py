@@ -19,6 +19,8 @@ from pagoda.cpp_extension import CppExtension
 from pagoda.cpp_extension.build import DEFAULT_CFLAGS
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The model dtypes the kernel is built for.
+SUPPORTED_DTYPES = tuple(_DTYPE_CODES)
 _DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _FP8_CODES = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}

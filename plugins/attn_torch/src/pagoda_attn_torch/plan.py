@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.attention.interface import AttentionMetadata
+from pagoda.attention.prefill import PrefillSequence
+from pagoda.attention.sdpa import additive_mask
+from pagoda.attention.workspace import Workspace
 
 # Sequences with at most this many new tokens go into the batched group; longer
 # ones are attended one by one (their own matmuls are big enough to be efficient).
@@ -60,7 +63,7 @@ class BatchedGroup:
         key = (sliding_window, dtype)
         cached = self.masks.get(key)
         if cached is None:
-            built = _additive_mask(self.positions, self.padded_kv_len, sliding_window)
+            built = additive_mask(self.positions, self.padded_kv_len, sliding_window)
             cached = built.unsqueeze(1).to(dtype)
             self.masks[key] = cached
         return cached
@@ -71,48 +74,6 @@ class BatchedGroup:
             keys = torch.arange(self.padded_kv_len, device=self.positions.device)
             self._relative = (keys - self.positions.unsqueeze(-1)).unsqueeze(1).float()
         return self._relative
-
-
-@dataclass
-class LoopedSequence:
-    """One long prefill (or chunk) attended on its own."""
-
-    row_start: int
-    row_end: int
-    context_len: int
-    seq_len: int
-    # [ceil(seq_len / block_size)] int64 cache blocks holding the sequence.
-    block_ids: torch.Tensor
-    masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
-    # False: every new token sees all seq_len tokens (bidirectional attention)
-    causal: bool = True
-    _relative: torch.Tensor | None = field(default=None, init=False, repr=False)
-
-    def relative_positions(self) -> torch.Tensor:
-        """[1, 1, new tokens, seq_len] float32 key_pos - query_pos (ALiBi), built once per step."""
-        if self._relative is None:
-            device = self.block_ids.device
-            queries = torch.arange(self.context_len, self.seq_len, device=device)
-            keys = torch.arange(self.seq_len, device=device)
-            self._relative = (keys - queries.unsqueeze(-1)).float()[None, None]
-        return self._relative
-
-    def is_plain_causal(self, sliding_window: int | None) -> bool:
-        """True when the new tokens attend only to each other, causally, with no window."""
-        return self.causal and self.context_len == 0 and sliding_window is None
-
-    def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Additive [new tokens, seq_len] mask."""
-        key = (sliding_window, dtype)
-        cached = self.masks.get(key)
-        if cached is None:
-            positions = torch.arange(self.context_len, self.seq_len, device=self.block_ids.device)
-            if not self.causal:
-                # every query "stands at" the last position: all keys of the sequence are visible
-                positions = torch.full_like(positions, self.seq_len - 1)
-            cached = _additive_mask(positions, self.seq_len, sliding_window).to(dtype)
-            self.masks[key] = cached
-        return cached
 
 
 @dataclass
@@ -138,31 +99,13 @@ class StepPlan:
     write_rows: torch.Tensor | None
     write_slots: torch.Tensor
     batched: list[BatchedGroup]
-    looped: list[LoopedSequence]
+    looped: list[PrefillSequence]
     # bidirectional steps only: whole sequences attended without reading the cache
     dense: list[DenseRun] = field(default_factory=list)
     # bidirectional: a key is visible to every query of its sequence (masks built from seq_len)
     causal: bool = True
     # Per-step scratch reused by every layer (fresh large buffers cost page faults on CPU).
-    workspace: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = self.workspace.get(name)
-        if buf is None or buf.shape != shape or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            self.workspace[name] = buf
-        return buf
-
-
-def _additive_mask(positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
-    """[..., q] absolute query positions -> [..., q, kv_len] float32 mask (0 allowed, -inf not)."""
-    keys = torch.arange(kv_len, device=positions.device)
-    pos = positions.unsqueeze(-1)
-    allowed = keys <= pos
-    if sliding_window is not None:
-        allowed &= keys > pos - sliding_window
-    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=positions.device)
-    return mask.masked_fill_(~allowed, float("-inf"))
+    workspace: Workspace = field(default_factory=Workspace)
 
 
 def _host(tensor: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
@@ -217,7 +160,7 @@ def build_plan(metadata: AttentionMetadata, block_size: int, causal: bool = True
         for bucket in buckets
     ]
     looped = [
-        LoopedSequence(
+        PrefillSequence(
             row_start=int(query_start[i]),
             row_end=int(query_start[i + 1]),
             context_len=int(context_lens[i]),
@@ -249,7 +192,7 @@ def _plan_bidirectional(
 ) -> StepPlan:
     """Whole sequences go into dense runs; a sequence on top of cached tokens is looped under a full mask."""
     dense: list[DenseRun] = []
-    looped: list[LoopedSequence] = []
+    looped: list[PrefillSequence] = []
     for i, (q_len, ctx) in enumerate(zip(query_lens.tolist(), context_lens.tolist())):
         if q_len == 0:
             continue
@@ -260,7 +203,7 @@ def _plan_bidirectional(
             else:
                 dense.append(DenseRun(int(query_start[i]), 1, q_len))
             continue
-        looped.append(LoopedSequence(
+        looped.append(PrefillSequence(
             row_start=int(query_start[i]),
             row_end=int(query_start[i + 1]),
             context_len=ctx,

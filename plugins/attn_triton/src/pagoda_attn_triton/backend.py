@@ -14,19 +14,27 @@ the device, and splits past it do no work and weigh zero in the reduce.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pagoda.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from pagoda.attention import AttentionBackend, AttentionLayerParams, AttentionMetadata, AttentionSpec
 from pagoda.triton_utils import triton_available
 from pagoda_kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Per-program tiles hold head_dim columns in registers; beyond this they spill.
 MAX_HEAD_DIM = 256
-NUM_SPLITS_KEY = "triton_decode_num_splits"
 
 
-class TritonPagedAttentionBackend(AttentionBackend):
+@dataclass(kw_only=True)
+class TritonPagedMetadata(AttentionMetadata):
+    """The step's layout with the decode kernel's split-K fan-out (None: the step has a prefill)."""
+
+    num_splits: int | None
+
+
+class TritonPagedAttentionBackend(AttentionBackend[TritonPagedMetadata]):
     name = "triton_paged"
     supports_cuda_graphs = True
     # fp8 caches: quantized by the write kernel, dequantized (times k_scale / v_scale) as tiles load
@@ -57,17 +65,17 @@ class TritonPagedAttentionBackend(AttentionBackend):
     def preferred_block_sizes(cls) -> tuple[int, ...]:
         return (16, 32)
 
-    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+    def prepare(self, metadata: AttentionMetadata) -> TritonPagedMetadata:
         # Decide the decode split-K fan-out once per step, from host ints (no device sync).
         # Graph capture calls this once per batch size with max_seq_len = max_model_len.
+        splits = None
         if metadata.is_all_decode:
             from pagoda_kernels.triton_impl.decode import choose_num_splits
 
             splits = choose_num_splits(
                 metadata.num_seqs, self.spec.num_kv_heads, metadata.max_seq_len, metadata.seq_lens.device
             )
-            metadata.extra = {**(metadata.extra or {}), NUM_SPLITS_KEY: splits}
-        return metadata
+        return TritonPagedMetadata.from_common(metadata, num_splits=splits)
 
     def forward(
         self,
@@ -75,28 +83,29 @@ class TritonPagedAttentionBackend(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        metadata: TritonPagedMetadata,
+        params: AttentionLayerParams,
     ) -> torch.Tensor:
+        if not isinstance(metadata, TritonPagedMetadata):
+            raise RuntimeError(
+                "triton_paged attention: metadata was not prepared; call backend.prepare(metadata) once per step"
+            )
         n = metadata.num_tokens
-        scales = {"k_scale": k_scale, "v_scale": v_scale}
+        scales = {"k_scale": params.k_scale, "v_scale": params.v_scale}
         # Rows past num_tokens are padding. (Graph replays pass num_tokens = the padded
         # size instead: their padding rows have slot -1, so nothing is written for them.)
         reshape_and_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], impl="triton", **scales)
         if metadata.is_all_decode:
-            splits = (metadata.extra or {}).get(NUM_SPLITS_KEY)
             out = paged_decode_attention(
-                query[:n], kv_cache, metadata.block_tables, metadata.seq_lens, scale,
-                sliding_window, logits_soft_cap, metadata.max_seq_len, splits, impl="triton", **scales,
+                query[:n], kv_cache, metadata.block_tables, metadata.seq_lens, params.scale,
+                params.sliding_window, params.logits_soft_cap, metadata.max_seq_len, metadata.num_splits,
+                impl="triton", **scales,
             )
         else:
             out = paged_prefill_attention(
-                query[:n], kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, scale,
-                sliding_window, logits_soft_cap, metadata.max_query_len, impl="triton", **scales,
+                query[:n], kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
+                params.scale, params.sliding_window, params.logits_soft_cap, metadata.max_query_len, impl="triton",
+                **scales,
             )
         if query.shape[0] == n:
             return out

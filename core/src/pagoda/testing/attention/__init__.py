@@ -17,6 +17,7 @@ from pagoda.testing.attention.batch import (
     Sequence,
     Shape,
     make_batch,
+    params_for,
     spec_for,
 )
 from pagoda.testing.attention.conformance import (
@@ -54,6 +55,7 @@ __all__ = [
     "check_output",
     "make_batch",
     "metadata_to",
+    "params_for",
     "reference_attention",
     "run_and_check",
     "run_case",

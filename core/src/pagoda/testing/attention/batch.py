@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pagoda.attention.interface import AttentionMetadata, AttentionSpec
+from pagoda.attention.interface import AttentionLayerParams, AttentionMetadata, AttentionSpec
 
 # (cached tokens, new tokens) per sequence
 PREFILL = [(0, n) for n in (1, 5, 16, 17, 33, 70)]
@@ -147,4 +147,24 @@ def spec_for(
         device_type=device_type,
         block_size=shape.block_size,
         **spec_fields,
+    )
+
+
+def params_for(
+    shape: Shape,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    **param_fields: Any,
+) -> AttentionLayerParams:
+    """The ``AttentionLayerParams`` a layer of ``shape`` passes to ``forward`` (``scale``: head_dim**-0.5
+    unless given; ``param_fields``: alibi_slopes, k_scale, v_scale)."""
+    return AttentionLayerParams(
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        scale=shape.head_dim**-0.5 if scale is None else scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        **param_fields,
     )

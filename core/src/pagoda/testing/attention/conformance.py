@@ -24,7 +24,17 @@ import torch
 
 from pagoda.attention.interface import AttentionBackend, AttentionMetadata
 from pagoda.layers.alibi import get_alibi_slopes
-from pagoda.testing.attention.batch import CHUNKED, DECODE, MIXED, PREFILL, Batch, Shape, make_batch, spec_for
+from pagoda.testing.attention.batch import (
+    CHUNKED,
+    DECODE,
+    MIXED,
+    PREFILL,
+    Batch,
+    Shape,
+    make_batch,
+    params_for,
+    spec_for,
+)
 from pagoda.testing.attention.reference import (
     assert_within_tolerance,
     check_cache,
@@ -187,7 +197,8 @@ def _run_slot_skipped(case: ConformanceCase, backend: AttentionBackend, device: 
     batch.metadata.slot_mapping[0] = -1
     cache = batch.kv_cache.to(device)
     metadata = backend.prepare(metadata_to(batch.metadata, device))
-    backend.forward(batch.query.to(device), batch.key.to(device), batch.value.to(device), cache, metadata, 0.25)
+    backend.forward(batch.query.to(device), batch.key.to(device), batch.value.to(device), cache, metadata,
+                    params_for(case.shape, 0.25))
     cache = cache.cpu()
     block, offset = divmod(slot, case.shape.block_size)
     assert torch.equal(cache[:, block, offset], batch.initial_cache[:, block, offset]), "a slot of -1 was written"
@@ -208,7 +219,8 @@ def _run_layers_share_prepare(case: ConformanceCase, backend: AttentionBackend, 
     for batch, window in zip(layers, [None, 6, None], strict=True):
         batch.kv_cache = batch.kv_cache.to(device)
         out = backend.forward(
-            batch.query.to(device), batch.key.to(device), batch.value.to(device), batch.kv_cache, metadata, scale, window
+            batch.query.to(device), batch.key.to(device), batch.value.to(device), batch.kv_cache, metadata,
+            params_for(case.shape, scale, window),
         ).cpu()
         row = 0
         for seq in batch.sequences:
@@ -239,7 +251,8 @@ def _run_padding_only(case: ConformanceCase, backend: AttentionBackend, device: 
     q = torch.randn(2, shape.num_heads, shape.head_dim, generator=gen).to(case.dtype)
     k = torch.randn(2, shape.num_kv_heads, shape.head_dim, generator=gen).to(case.dtype)
     cache = cache.to(device)
-    out = backend.forward(q.to(device), k.to(device), k.clone().to(device), cache, backend.prepare(metadata_to(metadata, device)), 0.25)
+    out = backend.forward(q.to(device), k.to(device), k.clone().to(device), cache,
+                          backend.prepare(metadata_to(metadata, device)), params_for(shape, 0.25))
     assert torch.equal(out.cpu(), torch.zeros_like(q)), "padding rows must come out as zeros"
     assert torch.equal(cache.cpu(), before), "a step of only padding rows wrote to the cache"
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.attention import AttentionBackend, AttentionMetadata
+from pagoda.attention import AttentionBackend, AttentionLayerParams, AttentionMetadata
 
 
-class DenseTestBackend(AttentionBackend):
+class DenseTestBackend(AttentionBackend[AttentionMetadata]):
     name = "dense-test"
 
     def forward(
@@ -23,14 +23,11 @@ class DenseTestBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-        alibi_slopes: torch.Tensor | None = None,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        params: AttentionLayerParams,
     ) -> torch.Tensor:
-        if k_scale is not None or v_scale is not None:
+        scale, sliding_window, logits_soft_cap = params.scale, params.sliding_window, params.logits_soft_cap
+        alibi_slopes = params.alibi_slopes
+        if params.k_scale is not None:
             raise ValueError("the dense test backend has no fp8 KV cache (supports_fp8_kv_cache is False)")
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         block_size = kv_cache.shape[2]

@@ -14,7 +14,7 @@ import torch
 
 from pagoda.attention.interface import AttentionBackend
 from pagoda.attention.kv_quant import dequantize_kv, quantize_kv
-from pagoda.testing.attention.batch import Batch, Shape, make_batch
+from pagoda.testing.attention.batch import Batch, Shape, make_batch, params_for
 from pagoda.testing.attention.reference import assert_within_tolerance, metadata_to, reference_attention
 
 
@@ -52,13 +52,14 @@ def run_fp8_and_check(
     cache_dtype = batch.kv_cache.dtype
     metadata = backend.prepare(metadata_to(batch.metadata, device))
     batch.kv_cache = batch.kv_cache.to(device)
-    scales = {
-        "k_scale": torch.tensor(k_scale, dtype=torch.float32, device=device),
-        "v_scale": torch.tensor(v_scale, dtype=torch.float32, device=device),
-    }
-    scale = shape.head_dim**-0.5
+    params = params_for(
+        shape, None, sliding_window,
+        k_scale=torch.tensor(k_scale, dtype=torch.float32, device=device),
+        v_scale=torch.tensor(v_scale, dtype=torch.float32, device=device),
+    )
+    scale = params.scale
     out = backend.forward(batch.query.to(device), batch.key.to(device), batch.value.to(device), batch.kv_cache,
-                          metadata, scale, sliding_window, None, **scales)
+                          metadata, params)
     assert out.dtype == dtype and out.shape == batch.query.shape
     out = out.cpu()
     row = 0

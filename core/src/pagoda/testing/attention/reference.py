@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.attention.interface import AttentionBackend, AttentionMetadata
-from pagoda.testing.attention.batch import Batch, Sequence, Shape
+from pagoda.testing.attention.batch import Batch, Sequence, Shape, params_for
 
 # Against a float64 reference. The half-precision bounds allow for inputs and
 # outputs rounded to the dtype (a backend may accumulate in float32 or better).
@@ -58,7 +58,8 @@ def assert_within_tolerance(got: torch.Tensor, expected: torch.Tensor, dtype: to
 
 
 def metadata_to(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    """A copy of ``metadata`` with its device tensors on ``device`` (host copies stay on the host)."""
+    """A copy of ``metadata``'s layout with its device tensors on ``device`` (host copies stay on the host);
+    a backend prepares it for the step."""
     return AttentionMetadata(
         num_seqs=metadata.num_seqs,
         num_tokens=metadata.num_tokens,
@@ -71,7 +72,6 @@ def metadata_to(metadata: AttentionMetadata, device: torch.device) -> AttentionM
         query_start_loc_cpu=metadata.query_start_loc_cpu,
         seq_lens_cpu=metadata.seq_lens_cpu,
         is_all_decode=metadata.is_all_decode,
-        extra=None if metadata.extra is None else dict(metadata.extra),
     )
 
 
@@ -121,7 +121,7 @@ def run_and_check(
     """One step through ``backend``: every sequence's output against the dense reference,
     padding rows zero, and the new K/V at their slots with nothing else in the cache touched.
 
-    ``alibi_slopes``: [num_heads] float32 ALiBi slopes, passed to ``forward`` only when set.
+    ``alibi_slopes``: [num_heads] float32 ALiBi slopes (the layer params' ``alibi_slopes``).
     ``device``: where the step's tensors go (default: stay on the host). The batch's
     cache is replaced by the one the backend wrote, so later checks see it.
     """
@@ -133,10 +133,9 @@ def run_and_check(
         query, key, value = query.to(device), key.to(device), value.to(device)  # no copy when already there
         batch.kv_cache = batch.kv_cache.to(device)
     metadata = backend.prepare(metadata)
-    scale = shape.head_dim**-0.5
-    # only when set: a backend written before ALiBi keeps its forward signature
-    extra = {} if alibi_slopes is None else {"alibi_slopes": alibi_slopes.to(query.device)}
-    out = backend.forward(query, key, value, batch.kv_cache, metadata, scale, sliding_window, logits_soft_cap, **extra)
-    check_output(out, batch, scale, dtype, sliding_window, logits_soft_cap, alibi_slopes)
+    slopes = None if alibi_slopes is None else alibi_slopes.to(query.device)
+    params = params_for(shape, None, sliding_window, logits_soft_cap, alibi_slopes=slopes)
+    out = backend.forward(query, key, value, batch.kv_cache, metadata, params)
+    check_output(out, batch, params.scale, dtype, sliding_window, logits_soft_cap, alibi_slopes)
     check_cache(batch, shape)
     return out
