@@ -20,7 +20,7 @@ each), the vocabulary split in the embedding and the LM head.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from pagoda.layers import (
     VocabParallelEmbedding,
     gated_activation,
 )
-from pagoda.models.interface import config_for
+from pagoda.models.interface import SupportsQuant, config_for
 from pagoda_models_gemma.arch import GemmaOptions, gemma2_options, gemma3_options, gemma_options, head_dim
 from pagoda_models_gemma.norm import GemmaRMSNorm
 from pagoda_models_gemma.weights import FUSED_PROJECTIONS, load_gemma_weights
@@ -163,13 +163,14 @@ class GemmaModel(nn.Module):
         return hidden
 
 
-class GemmaForCausalLM(nn.Module):
-    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``)."""
+class GemmaForCausalLM(nn.Module, SupportsQuant):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``).
+
+    SupportsQuant: every projection is a core Linear filled through its weight_loader.
+    """
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
-    packed_modules_mapping: dict[str, list[str]] = FUSED_PROJECTIONS
-    # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
-    supports_quant: bool = True
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = FUSED_PROJECTIONS
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()

@@ -27,7 +27,7 @@ checkpoint's names reach them through its ``checkpoint_renames`` table
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ from pagoda.layers import (
     rope_config_from_hf,
 )
 from pagoda.model_loader.auto_weights_loader import substitute
-from pagoda.models.interface import config_for
+from pagoda.models.interface import SupportsQuant, config_for
 from pagoda_models_gpt.arch import GPTOptions, falcon_options, gpt2_options, opt_options
 from pagoda_models_gpt.weights import (
     FALCON_RENAMES,
@@ -179,15 +179,16 @@ class GPTModel(nn.Module):
         return hidden
 
 
-class GPTFamilyForCausalLM(nn.Module):
-    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``); subclasses name the architecture."""
+class GPTFamilyForCausalLM(nn.Module, SupportsQuant):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``); subclasses name the architecture.
+
+    SupportsQuant: every projection is a core Linear filled through its weight_loader (GPT-2 says why not).
+    """
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
-    packed_modules_mapping: dict[str, list[str]] = {}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
     # (checkpoint part, model part) from checkpoint names to this model's parameter names (pagoda.model_loader.auto_weights_loader.substitute)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
-    # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
-    supports_quant: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -250,7 +251,6 @@ class GPT2LMHeadModel(GPTFamilyForCausalLM):
     # Quantizers target nn.Linear (compressed-tensors' "Linear", GPTQ, AWQ): GPT-2's Conv1D projections are
     # none, so no quantized GPT-2 layout is in use to be read; the [in, out] transpose below would also
     # have to know each method's packing. Refused by name rather than guessed.
-    supports_quant = False
     quant_unsupported_reason = (
         "GPT-2's projections are transformers Conv1D layers ([in, out] weights), not nn.Linear: quantized "
         "checkpoints have no layout for them that pagoda reads"

@@ -12,7 +12,7 @@ QKV output, so q, k and v reach the attention layer as strided views of it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from pagoda.layers import (
     VocabParallelEmbedding,
     rope_config_from_hf,
 )
-from pagoda.models.interface import config_for
+from pagoda.models.interface import NoCudaGraphs, SupportsOutputRows, SupportsPP, SupportsQuant, config_for
 from pagoda_models_llama.arch import (
     DecoderOptions,
     llama_options,
@@ -205,21 +205,17 @@ def _with_lm_head_from_embedding(weights: Iterable[tuple[str, torch.Tensor]]) ->
             yield "lm_head.weight", tensor
 
 
-class LlamaForCausalLM(nn.Module):
-    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``)."""
+class LlamaForCausalLM(nn.Module, SupportsPP, SupportsQuant, SupportsOutputRows):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``).
+
+    SupportsPP: make_layers, PPMissingLayer, IntermediateTensors. SupportsQuant: load_weights calls a
+    quantization method's weight_loader. SupportsOutputRows: forward(output_rows=...) returns only those rows.
+    """
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
-    packed_modules_mapping: dict[str, list[str]] = FUSED_PROJECTIONS
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = FUSED_PROJECTIONS
     # (regex, replacement) applied to checkpoint names before they are matched to parameters
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
-    # FusedMoE reads per-expert token counts on the host, which a CUDA graph cannot capture
-    supports_cuda_graphs: bool = True
-    # pipeline parallelism (vLLM's SupportsPP): make_layers, PPMissingLayer, IntermediateTensors
-    supports_pp: bool = True
-    # load_weights calls a quantization method's weight_loader (pagoda.quantization.model)
-    supports_quant: bool = True
-    # forward(output_rows=...) returns only those rows' hidden states (pagoda.models.interface)
-    supports_output_rows: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -294,33 +290,28 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     # The checkpoint stores qkv_proj and gate_up_proj already fused, as the model does.
-    packed_modules_mapping: dict[str, list[str]] = {}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
 
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return phi3_options(cfg)
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
+class MixtralForCausalLM(LlamaForCausalLM, NoCudaGraphs):  # FusedMoE reads its expert counts on the host
     checkpoint_renames = MIXTRAL_RENAMES
-    supports_cuda_graphs = False
 
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return mixtral_options(cfg)
 
 
-class Qwen2MoeForCausalLM(LlamaForCausalLM):
-    supports_cuda_graphs = False
-
+class Qwen2MoeForCausalLM(LlamaForCausalLM, NoCudaGraphs):  # FusedMoE reads its expert counts on the host
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return qwen2_moe_options(cfg)
 
 
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    supports_cuda_graphs = False
-
+class Qwen3MoeForCausalLM(LlamaForCausalLM, NoCudaGraphs):  # FusedMoE reads its expert counts on the host
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return qwen3_moe_options(cfg)

@@ -24,7 +24,7 @@ reach them through its ``checkpoint_renames`` table (``weights.py``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ from pagoda.layers import (
     rope_config_from_hf,
 )
 from pagoda.model_loader.auto_weights_loader import substitute
-from pagoda.models.interface import config_for
+from pagoda.models.interface import SupportsQuant, config_for
 from pagoda_models_neox.arch import NeoXOptions, gpt_neox_options, phi_options, stablelm_options
 from pagoda_models_neox.weights import (
     GATE_UP_PROJ,
@@ -185,15 +185,16 @@ class NeoXModel(nn.Module):
         return self.norm(hidden)
 
 
-class NeoXFamilyForCausalLM(nn.Module):
-    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``); subclasses name the architecture."""
+class NeoXFamilyForCausalLM(nn.Module, SupportsQuant):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``); subclasses name the architecture.
+
+    SupportsQuant: every projection is a core Linear filled through its weight_loader.
+    """
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
-    packed_modules_mapping: dict[str, list[str]] = {}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
     # (checkpoint part, model part) from checkpoint names to this model's parameter names (pagoda.model_loader.auto_weights_loader.substitute)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
-    # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
-    supports_quant: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
