@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from pagoda import LLM, SamplingParams
 from pagoda.attention.kv_quant import K_SCALE_CONSTANT, V_SCALE_CONSTANT
 from pagoda.model_loader import iter_weights, load_tokenizer, resolve_model_path
-from pagoda.model_loader.gguf_config import load_gguf_config
+from pagoda.model_loader.gguf.config import load_gguf_config
 
 from .test_fp8_kv_cache import PROMPTS, _agreed_prefixes
 

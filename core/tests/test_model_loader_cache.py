@@ -16,9 +16,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
 from pagoda.disk_cache import CACHE_ROOT_ENV, DISABLE_ENV, cache_root
-from pagoda.model_loader import gguf_weights as gguf_weights_module
 from pagoda.model_loader import iter_weights, load_hf_config, load_model_config, load_tokenizer, resolve_model_path
 from pagoda.model_loader.convert_cache import FORMAT_VERSION, ConvertCache
+from pagoda.model_loader.gguf import weights as gguf_weights_module
 from pagoda.model_loader.hf_config import CachedHFConfig
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 96

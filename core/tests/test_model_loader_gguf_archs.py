@@ -15,7 +15,7 @@ import transformers as tf
 from gguf import GGMLQuantizationType as Q
 
 from pagoda.model_loader import iter_weights, load_hf_config, load_tokenizer, resolve_model_path
-from pagoda.model_loader.gguf_config import gguf_config_dict
+from pagoda.model_loader.gguf.config import gguf_config_dict
 from pagoda.testing.gguf_writer import GGUFTokenizer, bpe_tokenizer, spm_tokenizer, write_gguf
 from pagoda.testing.model_parity import build_tiny_model
 
@@ -273,7 +273,7 @@ def test_name_table_spells_what_gguf_tensor_mapping_knows(arch: str) -> None:
     import gguf
     from gguf.constants import TENSOR_NAMES
 
-    from pagoda.model_loader.gguf_names import ARCHITECTURES
+    from pagoda.model_loader.gguf.names import ARCHITECTURES
 
     table = ARCHITECTURES[arch]
     name_map = gguf.get_tensor_name_map(table.arch, 2)

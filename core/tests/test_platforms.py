@@ -279,6 +279,49 @@ def test_everything_core_calls_on_a_platform_is_declared_on_the_interface() -> N
     assert probes == [], f"core probes a platform with getattr/hasattr instead of the interface: {probes}"
 
 
+def _model_probes_in_core() -> list[str]:
+    """``getattr``/``hasattr`` calls in core's sources that probe a model for a capability.
+
+    A probe is one whose object is spelled ``model`` or ``<anything>.model``, or whose attribute
+    name is a capability's (a member of a ``pagoda.models.interface`` capability class, or one of the
+    flags that declared capabilities before those classes did), on any object.
+    """
+    import ast
+    from pathlib import Path
+
+    import pagoda
+    from pagoda.models import interface
+
+    capabilities = (interface.PoolingModel, interface.SupportsPP, interface.SupportsQuant,
+                    interface.SupportsOutputRows, interface.SupportsTokenTypeIds, interface.NoCudaGraphs)
+    names = {name for cap in capabilities for name in vars(cap) if not name.startswith("_")}
+    names |= {"supports_pp", "supports_quant", "supports_output_rows", "uses_token_type_ids", "is_pooling_model",
+              "supports_cuda_graphs", "pooler", "make_empty_intermediate_tensors"}
+    assert {"packed_modules_mapping", "quant_unsupported_reason", "map_checkpoint_name"} <= names  # the scan sees members
+
+    def is_model(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "model") or (
+            isinstance(node, ast.Attribute) and node.attr == "model")
+
+    probes: list[str] = []
+    for path in sorted(Path(pagoda.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2):
+                continue
+            target, attr = node.args[0], node.args[1]
+            named = isinstance(attr, ast.Constant) and attr.value in names
+            if is_model(target) or named:
+                probes.append(f"{path.relative_to(Path(pagoda.__file__).parent)}:{node.lineno}")
+    return probes
+
+
+def test_core_reads_model_capabilities_through_the_interface() -> None:
+    probes = _model_probes_in_core()
+    assert probes == [], (f"core probes a model with getattr/hasattr instead of pagoda.models.interface's "
+                          f"capability helpers (supports_pp, supports_quant, ...): {probes}")
+
+
 def test_interface_defaults() -> None:
     import torch
 

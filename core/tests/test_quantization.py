@@ -13,6 +13,7 @@ from torch import nn
 
 from pagoda.layers import Embedding, Linear
 from pagoda.model_loader.source import ModelSource
+from pagoda.models.interface import SupportsQuant
 from pagoda.plugins import PluginManager, QuantizationSpec, hookimpl
 from pagoda.quantization import (
     LinearMethodBase,
@@ -79,8 +80,7 @@ class QuantPlugin:
         return [QuantizationSpec(name="int8-row", cls=f"{__name__}:Int8RowConfig")]
 
 
-class TinyModel(nn.Module):
-    supports_quant = True
+class TinyModel(nn.Module, SupportsQuant):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 
     def __init__(self) -> None:
@@ -179,8 +179,17 @@ class Plain(nn.Module):
 
 
 def test_family_without_quant_support_is_refused() -> None:
-    with pytest.raises(ValueError, match="Plain does not load quantized weights"):
+    with pytest.raises(ValueError, match="Plain does not load quantized weights .*does not declare SupportsQuant"):
         quantize_model(Plain(), Int8RowConfig(ignore=[]))
+
+
+class Declined(TinyModel):
+    quant_unsupported_reason = "its projections are no Linear layers"
+
+
+def test_architecture_that_declines_quant_is_refused_with_its_reason() -> None:
+    with pytest.raises(ValueError, match="Declined does not load quantized weights .its projections are no Linear"):
+        quantize_model(Declined(), Int8RowConfig(ignore=[]))
 
 
 def test_family_without_quant_support_loads_dequantized_when_the_method_was_only_detected() -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, FalconConfig, GPT2Config, OPTConfig
 
+from pagoda.attention import Attention
 from pagoda.layers import get_alibi_slopes
 from pagoda.testing import family_checks as fc
 from pagoda.testing.model_parity import randomize_weights
@@ -155,7 +156,7 @@ def test_alibi_slopes_reach_the_attention_layers() -> None:
     slopes = falcon_alibi_slopes(6, 8)
     expected = get_alibi_slopes(6).to(torch.bfloat16).float() * 8**-0.5
     assert torch.equal(torch.tensor(slopes), expected)
-    layers = [m for m in p.model.modules() if isinstance(m, gpt.Attention)]
+    layers = [m for m in p.model.modules() if isinstance(m, Attention)]
     assert len(layers) == 2 and all(layer.alibi_slopes_tuple() == slopes for layer in layers)
     assert p.model.model.rotary_emb is None
     # without the bias the model is another model

@@ -9,7 +9,6 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from pagoda.testing import family_checks as fc
-from pagoda.testing.paged_kv import PagedKVHarness
 from pagoda_models_llama import llama
 
 SMALL = dict(
@@ -166,27 +165,8 @@ def test_the_shared_checks_fail_on_a_wrong_model() -> None:
 
 @pytest.mark.parametrize("case", ["llama", "qwen2-window8-from-layer1"])
 def test_output_rows_returns_those_rows_of_the_full_forward(case: str) -> None:
-    """forward(output_rows=...) skips the last layer's other rows past its attention: the rows it returns
-    are the full forward's, and the K/V it writes serve the next step as the full forward's do."""
-    pair = _pair(case)
-    first, second = pair.tokens(13, seed=2), pair.tokens(20, seed=3)
-    logits = {}
-    for pruned in (False, True):
-        harness = PagedKVHarness(pair.model)
-        a, b = harness.new_sequence(14), harness.new_sequence(20)
-        positions, metadata = harness.step([(a, 13), (b, 20)])
-        rows = torch.tensor([12, 32])  # each sequence's last token
-        with torch.inference_mode():
-            hidden = pair.model(torch.cat([first, second]), positions, metadata, output_rows=rows if pruned else None)
-            prefill = pair.model.compute_logits(hidden if pruned else hidden.index_select(0, rows))
-            positions, metadata = harness.step([(a, 1)])  # a decode reads the last layer's K/V of every row
-            decode = pair.model.compute_logits(pair.model(torch.tensor([7]), positions, metadata))
-        assert prefill.shape == (2, 256)
-        logits[pruned] = (prefill, decode)
-    torch.testing.assert_close(logits[True][0], logits[False][0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-6, rtol=0)
-    reference = pair.reference_logits(torch.cat([first, torch.tensor([7])]))
-    torch.testing.assert_close(logits[True][1][0], reference[13], atol=fc.ATOL, rtol=0)
+    """forward(output_rows=...) skips the last layer's other rows past its attention (pagoda.testing's check)."""
+    fc.check_output_rows(_pair(case))
 
 
 def test_output_rows_refused_on_a_stage_without_the_last_layer() -> None:

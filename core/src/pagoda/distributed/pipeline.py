@@ -1,6 +1,6 @@
 """Pipeline-parallel pieces model code uses (vLLM's names): which layers a stage holds, what passes between stages.
 
-A family supports pipeline parallelism (``supports_pp = True`` on the model class, vLLM's ``SupportsPP``)
+A family supports pipeline parallelism (``pagoda.models.interface.SupportsPP`` on the model class, vLLM's name)
 by building its decoder layers with ``make_layers``, its embedding only on the first stage and its final
 norm and LM head only on the last (``PPMissingLayer`` elsewhere), taking ``intermediate_tensors`` in
 ``forward`` on every stage but the first and returning ``IntermediateTensors`` on every stage but the last.

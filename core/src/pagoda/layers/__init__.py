@@ -2,6 +2,7 @@
 
 from pagoda.layers.activation import Activation, GeluAndMul, SiluAndMul, gated_activation
 from pagoda.layers.alibi import get_alibi_slopes
+from pagoda.layers.attention_block import HeadNormFactory, RotaryAttention
 from pagoda.layers.embedding import Embedding
 from pagoda.layers.head_norm import PerHeadLayerNorm
 from pagoda.layers.linear import Linear, LinearKernel, SiluAndMulLinearKernel, prepare_linear_layers
@@ -28,6 +29,7 @@ __all__ = [
     "FusedMoE",
     "GatedMLP",
     "GeluAndMul",
+    "HeadNormFactory",
     "LayerNorm",
     "LayerOps",
     "LayerOpsModule",
@@ -41,6 +43,7 @@ __all__ = [
     "RMSNorm",
     "ReplicatedLinear",
     "RopeConfig",
+    "RotaryAttention",
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.model_loader.convert_cache import ConvertCache
 from pagoda.model_loader.errors import ModelLoadError
-from pagoda.model_loader.gguf_config import load_gguf_config
+from pagoda.model_loader.gguf.config import load_gguf_config
 from pagoda.model_loader.source import ModelSource
 
 if TYPE_CHECKING:

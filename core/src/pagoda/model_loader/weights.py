@@ -9,7 +9,7 @@ from typing import Literal, get_args
 import torch
 
 from pagoda.model_loader.errors import ModelLoadError
-from pagoda.model_loader.gguf_weights import gguf_dtype, iter_gguf
+from pagoda.model_loader.gguf.weights import gguf_dtype, iter_gguf
 from pagoda.model_loader.hf_weights import iter_pt, iter_safetensors, pt_files, safetensors_files
 from pagoda.model_loader.source import ModelSource
 

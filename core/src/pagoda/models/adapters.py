@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagoda.layers import ReplicatedLinear
-from pagoda.models.interface import config_for
+from pagoda.models.interface import PoolingModel, config_for, is_pooling_model
 from pagoda.pooling.config import PoolerConfig
 from pagoda.pooling.pooler import DispatchPooler, Pooler, classification_pooler, embedding_pooler
 
@@ -48,7 +48,7 @@ def as_pooling_model(cls: type, convert: str) -> type:
     """``cls`` (a generative family class) as a pooling model of kind ``convert``."""
     if convert not in CONVERT_TYPES:
         raise ValueError(f"convert={convert!r} is not one of {', '.join(CONVERT_TYPES)}")
-    if getattr(cls, "is_pooling_model", False):
+    if is_pooling_model(cls):
         raise ValueError(f"{cls.__name__} is already a pooling model; convert applies to generative models")
 
     def __init__(self: Any, hf_config: Any, dtype: torch.dtype, pooler_config: PoolerConfig | None = None,
@@ -92,14 +92,12 @@ def as_pooling_model(cls: type, convert: str) -> type:
         if name.endswith(generate_suffix):
             name = name[: -len(generate_suffix)]
             break
-    return type(name + suffix, (cls,), {
+    # PoolingModel: the runner pools instead of sampling, and captures no decode graphs (pooling steps are prefills)
+    return type(name + suffix, (cls, PoolingModel), {
         "__init__": __init__,
         "__module__": cls.__module__,
         "__doc__": f"{cls.__name__} converted to a pooling model ({convert}) by pagoda.models.adapters.",
-        "is_pooling_model": True,
         "convert_type": convert,
-        # pooling steps are prefills: no decode graphs
-        "supports_cuda_graphs": False,
         "compute_logits": compute_logits,
         "load_weights": load_weights,
     })

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from pagoda.models.interface import check_declarations
 from pagoda.plugins import ModelFallbackSpec, ModelSpec, get_plugin_manager, import_object
 
 # vLLM's model_impl: "auto" = a family's own implementation, else the transformers fallback.
@@ -46,7 +47,9 @@ class ModelChoice:
     init_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def load(self) -> Any:
-        return import_object(self.cls)
+        cls = import_object(self.cls)
+        check_declarations(cls)
+        return cls
 
     def describe(self) -> str:
         if self.implementation == "pagoda":

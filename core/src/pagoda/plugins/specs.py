@@ -46,8 +46,8 @@ class ModelSpec:
 
     architecture: str
     cls: str
-    # "generate": a decoder whose logits are sampled; "pooling": a model whose class sets
-    # ``is_pooling_model`` and carries a ``pooler`` (pagoda.pooling), e.g. an encoder. Read by
+    # "generate": a decoder whose logits are sampled; "pooling": a model whose class inherits
+    # ``pagoda.models.interface.PoolingModel`` and carries a ``pooler`` (pagoda.pooling), e.g. an encoder. Read by
     # pagoda.pooling.resolve to pick the runner (vLLM's runner="auto").
     runner: str = "generate"
 

@@ -6,10 +6,11 @@ by its name in the model (vLLM's ``prefix``) and lets the method replace the flo
 its own parameters before any weight is read. The float weights were ``torch.empty``: their pages
 were never touched, so dropping them costs no memory.
 
-A family opts in with ``supports_quant = True`` on its model class: its ``load_weights`` calls a
-parameter's ``weight_loader(param, loaded_weight, shard_id)`` where the parameter has one
-(``shard_id``: the index of the checkpoint tensor within a fused layer, None for a whole one).
-A model that cannot may name why in ``quant_unsupported_reason``; the refusal quotes it.
+A family opts in by declaring ``pagoda.models.interface.SupportsQuant`` on its model class: its
+``load_weights`` calls a parameter's ``weight_loader(param, loaded_weight, shard_id)`` where the
+parameter has one (``shard_id``: the index of the checkpoint tensor within a fused layer, None for a
+whole one). An architecture of such a family that cannot names why in ``quant_unsupported_reason``;
+the refusal quotes it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from pagoda.distributed import get_tensor_model_parallel_world_size
 from pagoda.layers.embedding import Embedding
 from pagoda.layers.linear import Linear
+from pagoda.models.interface import quant_unsupported_reason, supports_quant
 from pagoda.quantization.base_config import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig
 
 logger = logging.getLogger(__name__)
@@ -50,9 +52,8 @@ def quantize_model(model: nn.Module, quant_config: QuantizationConfig) -> set[st
 
     ValueError when the model's family does not load quantized weights.
     """
-    if not getattr(model, "supports_quant", False):
-        # a family may say why one of its architectures cannot (``quant_unsupported_reason``)
-        reason = getattr(model, "quant_unsupported_reason", None) or "its model family does not declare supports_quant"
+    if not supports_quant(model):
+        reason = quant_unsupported_reason(model)
         if quant_config.dequantize_unsupported:
             logger.warning("%s does not hold quantized layers (%s): the %s weights are dequantized at load",
                            type(model).__name__, reason, quant_config.get_name())
@@ -66,7 +67,7 @@ def quantize_model(model: nn.Module, quant_config: QuantizationConfig) -> set[st
     if tp_size > 1 and not quant_config.supports_tensor_parallel:
         raise ValueError(f"{quant_config.get_name()!r} quantization runs with tensor_parallel_size=1 only "
                          f"({quant_config.tensor_parallel_unsupported_reason}); tensor_parallel_size={tp_size} asked")
-    quant_config.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    quant_config.packed_modules_mapping = dict(model.packed_modules_mapping)
     embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, Embedding) and m.weight is not None}
     quantized: set[str] = set()
     tied: list[tuple[str, Linear, Embedding]] = []
@@ -141,9 +142,10 @@ def checkpoint_module_filter(model: nn.Module, quantized: set[str]) -> Callable[
     """
     if not quantized:
         return None
-    fused_of = {part: fused for fused, parts in (getattr(model, "packed_modules_mapping", {}) or {}).items()
-                for part in parts}
-    rename: Callable[[str], str] = getattr(model, "map_checkpoint_name", None) or (lambda name: name)
+    # only a SupportsQuant model gets quantized layers (quantize_model)
+    assert supports_quant(model)
+    fused_of = {part: fused for fused, parts in model.packed_modules_mapping.items() for part in parts}
+    rename: Callable[[str], str] = model.map_checkpoint_name
 
     def keep(name: str) -> bool:
         module = rename(name).rsplit(".", 1)[0]

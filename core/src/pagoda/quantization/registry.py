@@ -49,7 +49,7 @@ def get_quantization_config(name: str) -> type[QuantizationConfig]:
 def checkpoint_quantization(source: Any, hf_config: Any) -> tuple[str | None, dict[str, Any]]:
     """(the method the checkpoint is stored in, its ``quantization_config``): (None, {}) for float weights."""
     if source.kind == "gguf":
-        from pagoda.model_loader.gguf_weights import gguf_dtype
+        from pagoda.model_loader.gguf.weights import gguf_dtype
 
         return (None, {}) if gguf_dtype(source.gguf_path) is not None else ("gguf", {})
     config = getattr(hf_config, "quantization_config", None)

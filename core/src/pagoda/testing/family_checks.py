@@ -24,7 +24,8 @@ Typical use in a plugin's tests::
 
 The scenarios every configuration runs: ``check_loads_every_checkpoint_tensor``,
 ``check_single_prefill``, ``check_two_sequences_in_one_flat_batch`` and
-``check_decode_beside_chunked_prefill``. For a family's own cases (a checkpoint
+``check_decode_beside_chunked_prefill``, and ``check_output_rows`` where the model declares
+``SupportsOutputRows``. For a family's own cases (a checkpoint
 saved under other names, a model built another way): ``check_saved_checkpoint_loads``,
 ``check_prefill_matches_reference`` and its negative control
 ``check_prefill_differs_from_reference``. ``tokens``, ``run_step`` and
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from pagoda.attention import AttentionMetadata
+from pagoda.models.interface import check_declarations, supports_output_rows
 from pagoda.testing.model_parity import randomize_weights
 from pagoda.testing.paged_kv import PagedKVHarness
 
@@ -127,10 +129,12 @@ class ModelPair:
 def check_loads_every_checkpoint_tensor(pair: ModelPair) -> None:
     """``load_weights`` reports every tensor of transformers' state dict consumed (a tied LM head excepted).
 
-    The model ties its LM head exactly when the config does, so an untied checkpoint's head is never skipped.
+    The model ties its LM head exactly when the config does (one parameter under two module names), so an
+    untied checkpoint's head is never skipped.
     """
     expected = set(pair.state_names)
-    tied = bool(getattr(pair.model, "tie_word_embeddings", False))
+    shared = len(list(pair.model.named_parameters(remove_duplicate=False))) - len(list(pair.model.parameters()))
+    tied = shared > 0
     assert tied == bool(getattr(pair.hf_config, "tie_word_embeddings", False))
     if tied:
         expected.discard("lm_head.weight")
@@ -212,8 +216,37 @@ def check_decode_beside_chunked_prefill(pair: ModelPair, atol: float = ATOL) -> 
     assert b_done == 22 and a.num_cached == 18
 
 
+def check_output_rows(pair: ModelPair, atol: float = ATOL) -> None:
+    """A ``SupportsOutputRows`` model's ``forward(output_rows=...)``: the rows it returns are the full forward's,
+    and the K/V it writes past them (every row's, in the last layer too) serve the next decode as the full
+    forward's do."""
+    assert supports_output_rows(pair.model), f"{pair.cls.__name__} does not declare SupportsOutputRows"
+    model: Any = pair.model
+    first, second = pair.tokens(13, seed=2), pair.tokens(20, seed=3)
+    logits = {}
+    for pruned in (False, True):
+        harness = PagedKVHarness(model)
+        a, b = harness.new_sequence(14), harness.new_sequence(20)
+        positions, metadata = harness.step([(a, 13), (b, 20)])
+        rows = torch.tensor([12, 32])  # each sequence's last token
+        with torch.inference_mode():
+            hidden = model(torch.cat([first, second]), positions, metadata, output_rows=rows if pruned else None)
+            prefill = model.compute_logits(hidden if pruned else hidden.index_select(0, rows))
+            positions, metadata = harness.step([(a, 1)])  # a decode reads the last layer's K/V of every row
+            decode = model.compute_logits(model(torch.tensor([7]), positions, metadata))
+        assert prefill.shape == (2, pair.vocab_size)
+        logits[pruned] = (prefill, decode)
+    torch.testing.assert_close(logits[True][0], logits[False][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-6, rtol=0)
+    reference = pair.reference_logits(torch.cat([first, torch.tensor([7])]))
+    torch.testing.assert_close(logits[True][1][0], reference[13], atol=atol, rtol=0)
+
+
 class PagedKVScenarios:
     """The four scenarios as pytest tests, every one on every configuration of the module's ``pair`` fixture.
+
+    Beside them: the model class's capability declarations load (``check_declarations``), and a model that
+    declares ``SupportsOutputRows`` runs ``check_output_rows``.
 
     In a family's test module that defines a (parametrized) ``pair`` fixture returning a ``ModelPair``::
 
@@ -234,3 +267,8 @@ class PagedKVScenarios:
 
     def test_decode_steps_beside_a_chunked_prefill(self, pair: ModelPair) -> None:
         check_decode_beside_chunked_prefill(pair)
+
+    def test_capability_declarations(self, pair: ModelPair) -> None:
+        check_declarations(pair.cls)
+        if supports_output_rows(pair.model):
+            check_output_rows(pair)

@@ -41,6 +41,7 @@ import torch
 
 from pagoda.attention import AttentionMetadata
 from pagoda.distributed import get_tensor_model_parallel_world_size
+from pagoda.models.interface import supports_cuda_graphs
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
@@ -363,9 +364,9 @@ def create_decode_graphs(runner: ModelRunner) -> DecodeGraphRunner | None:
         if runner.platform.supports_graphs:
             logger.info("%s off (enforce_eager or no capture sizes): every step runs eagerly", kind)
         return None
-    # Optional on a model class (default True): pagoda.layers.FusedMoE reads its per-expert token
-    # counts on the host, which a graph cannot capture.
-    if not getattr(runner.model, "supports_cuda_graphs", True):
+    # A model class opts out with pagoda.models.interface.NoCudaGraphs: pagoda.layers.FusedMoE reads its
+    # per-expert token counts on the host, which a graph cannot capture.
+    if not supports_cuda_graphs(runner.model):
         logger.info("%s off: model %s does not support them", kind, type(runner.model).__name__)
         return None
     backend = runner.attn_backend

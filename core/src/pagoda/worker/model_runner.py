@@ -23,6 +23,7 @@ from pagoda.layers import bind_layer_ops, check_tensor_parallel_support, prepare
 from pagoda.model_loader import iter_weights
 from pagoda.model_loader.kv_scales import CheckpointKVScales
 from pagoda.models.adapters import as_pooling_model
+from pagoda.models.interface import is_pooling_model, supports_output_rows, supports_pp, supports_token_type_ids
 from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
 from pagoda.quantization.model import checkpoint_module_filter, process_weights_after_loading, quantize_model
@@ -123,9 +124,9 @@ class ModelRunner:
         if info is not None:
             if info.convert_type != "none":
                 cls = as_pooling_model(cls, info.convert_type)
-            elif not getattr(cls, "is_pooling_model", False):
+            elif not is_pooling_model(cls):
                 raise ValueError(f"{choice.cls} is registered with runner 'pooling' but is no pooling model "
-                                 "(is_pooling_model is not set)")
+                                 "(its class does not inherit pagoda.models.interface.PoolingModel)")
             init_kwargs["pooler_config"] = info.pooler_config
         return cls, init_kwargs, archs[0]
 
@@ -140,9 +141,9 @@ class ModelRunner:
             torch.set_default_dtype(prev)
 
     def _check_parallelism(self, model: Any, arch: str) -> None:
-        if self.pp.world_size > 1 and (not getattr(model, "supports_pp", False) or self.runner_type != "generate"):
-            raise ValueError(f"{arch} does not support pipeline parallelism (its model class does not set "
-                             "supports_pp; pooling models never do); run it with pipeline_parallel_size=1")
+        if self.pp.world_size > 1 and (not supports_pp(model) or self.runner_type != "generate"):
+            raise ValueError(f"{arch} does not support pipeline parallelism (its model class does not declare "
+                             "SupportsPP; pooling models never do); run it with pipeline_parallel_size=1")
         if self.config.parallel_config.tensor_parallel_size > 1:
             check_tensor_parallel_support(model, arch)
 
@@ -361,7 +362,7 @@ class ModelRunner:
         """The rows an eager step's model may return alone (each sampling request's last token), or None
         for all of them: only where the model supports it and no caller reads other rows."""
         if (self.runner_type != "generate" or step.wants_prompt_logprobs or not self.pp.is_last_rank
-                or not getattr(self.model, "supports_output_rows", False)):
+                or not supports_output_rows(self.model)):
             return None
         rows = step.last_token_rows
         return rows if len(rows) < step.num_tokens else None
@@ -399,7 +400,7 @@ class ModelRunner:
     @property
     def uses_token_type_ids(self) -> bool:
         """The model reads token type ids (BERT-style embeddings); the batch keeps them per row."""
-        return bool(getattr(self.model, "uses_token_type_ids", False))
+        return supports_token_type_ids(self.model)
 
     def _extra_inputs(self, token_type_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"token_type_ids": token_type_ids} if self.uses_token_type_ids else {}

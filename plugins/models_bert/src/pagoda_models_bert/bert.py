@@ -39,6 +39,7 @@ from pagoda.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from pagoda.models.interface import PoolingModel, SupportsTokenTypeIds
 from pagoda.pooling.config import PoolerConfig
 from pagoda.pooling.pooler import DispatchPooler, classification_pooler, embedding_pooler
 from pagoda_models_bert.weights import load_bert_weights
@@ -183,13 +184,12 @@ class BertTrunk(nn.Module):
         return self.encoder(self.embeddings(input_ids, positions, token_type_ids), metadata)
 
 
-class _BertPoolingModel(nn.Module):
-    """What every class here shares: the trunk under ``prefix``, forward, weight loading."""
+class _BertPoolingModel(nn.Module, PoolingModel, SupportsTokenTypeIds):
+    """What every class here shares: the trunk under ``prefix``, forward, weight loading.
 
-    is_pooling_model = True
-    # the runner keeps token type ids per row and passes them to forward
-    uses_token_type_ids = True
-    supports_cuda_graphs = False
+    SupportsTokenTypeIds: the runner keeps token type ids per row and passes them to forward.
+    """
+
     # transformers' attribute name of the trunk in the *ForSequenceClassification checkpoints
     prefix = "bert"
     position_offset_from_padding = False

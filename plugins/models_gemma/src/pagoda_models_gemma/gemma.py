@@ -1,11 +1,11 @@
 """Gemma, Gemma 2 and Gemma 3 (text) decoders for the engine.
 
 One decoder with per-generation switches (``arch.GemmaOptions``), written for a
-flat token batch as the Llama family is: activations are [T, hidden], q/k/v are
-one matmul (``qkv_proj``) and so are gate/up (``gate_up_proj``), RoPE rotates q
-and k in place inside the fused QKV output, and attention goes through
-``pagoda.attention.Attention`` (soft-capping and sliding windows are the
-attention layer's own parameters).
+flat token batch as the Llama family is: activations are [T, hidden], attention
+is core's ``pagoda.layers.RotaryAttention`` (one ``qkv_proj`` matmul, RoPE in place
+inside its output, paged ``pagoda.attention.Attention``; soft-capping and sliding
+windows are the attention layer's own parameters), and gate/up are one matmul
+(``gate_up_proj``).
 
 Gemma's RMSNorm scales by ``1 + weight``. The loader adds the 1 to the weight
 once (``GemmaRMSNorm``), so core's ``RMSNorm`` and the platform's fused kernels
@@ -20,73 +20,42 @@ each), the vocabulary split in the embedding and the LM head.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
 
-from pagoda.attention import Attention, AttentionMetadata
+from pagoda.attention import AttentionMetadata
 from pagoda.layers import (
-    LayerOpsModule,
     MergedColumnParallelLinear,
     ParallelLMHead,
-    QKVParallelLinear,
+    RotaryAttention,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     gated_activation,
 )
-from pagoda.models.interface import config_for
+from pagoda.models.interface import SupportsQuant, config_for
 from pagoda_models_gemma.arch import GemmaOptions, gemma2_options, gemma3_options, gemma_options, head_dim
 from pagoda_models_gemma.norm import GemmaRMSNorm
 from pagoda_models_gemma.weights import FUSED_PROJECTIONS, load_gemma_weights
 
 
-class GemmaAttention(LayerOpsModule):  # self.ops rotates q and k
-    def __init__(self, cfg: Any, options: GemmaOptions, layer_idx: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        total_heads = cfg.num_attention_heads
-        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
-        if total_heads % total_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={total_heads} is not a multiple of num_key_value_heads={total_kv_heads}"
-            )
-        self.head_dim = head_dim(cfg)
-        # with tensor parallelism this rank's heads only (core's layer splits them)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv_heads,
-                                          options.attention_bias, dtype)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, options.attention_bias, dtype)
-        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
-        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
-        self.attn = Attention(
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            scale=options.attention_scale,
-            num_kv_heads=self.num_kv_heads,
-            sliding_window=options.sliding_windows[layer_idx],
-            logits_soft_cap=options.attn_logit_softcapping,
-            layer_idx=layer_idx,
-        )
-
-    def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        # q and k heads side by side: one rotation call covers both.
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q_heads, k_heads = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            q_heads.copy_(self.q_norm(q_heads))
-            k_heads.copy_(self.k_norm(k_heads))
-        self.ops.rotary_neox_(qk, cos, sin)
-        q = qkv[:, : self.q_size]
-        k = qkv[:, self.q_size : self.q_size + self.kv_size]
-        v = qkv[:, self.q_size + self.kv_size :]
-        return self.o_proj(self.attn(q, k, v, metadata))
+def _attention(cfg: Any, options: GemmaOptions, layer_idx: int, dtype: torch.dtype) -> RotaryAttention:
+    total_heads = cfg.num_attention_heads
+    dim = head_dim(cfg)
+    eps = cfg.rms_norm_eps
+    return RotaryAttention(
+        cfg.hidden_size, total_heads, getattr(cfg, "num_key_value_heads", None) or total_heads, dim, dtype,
+        layer_idx=layer_idx,
+        scale=options.attention_scale,
+        qkv_bias=options.attention_bias,
+        o_proj_bias=options.attention_bias,
+        # Gemma 3: (1 + weight) RMSNorm over head_dim on each q and k head, before RoPE
+        qk_norm=(lambda heads, total, first: GemmaRMSNorm(dim, eps, dtype)) if options.qk_norm else None,
+        sliding_window=options.sliding_windows[layer_idx],
+        logits_soft_cap=options.attn_logit_softcapping,
+    )
 
 
 class GemmaMLP(nn.Module):
@@ -108,7 +77,7 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, options: GemmaOptions, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.rope = options.layer_ropes[layer_idx]
-        self.self_attn = GemmaAttention(cfg, options, layer_idx, dtype)
+        self.self_attn = _attention(cfg, options, layer_idx, dtype)
         self.mlp = GemmaMLP(cfg, options, dtype)
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, dtype)
@@ -129,9 +98,8 @@ class GemmaDecoderLayer(nn.Module):
         The residual stream is this model's own tensor (the embedding output, then sums):
         ``add_and_norm`` may write each new sum into it in place.
         """
-        cos, sin = cos_sin[self.rope]
         normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(normed, cos, sin, metadata)
+        hidden = self.self_attn(normed, cos_sin[self.rope], metadata)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
             return self.mlp(normed), residual
@@ -163,13 +131,14 @@ class GemmaModel(nn.Module):
         return hidden
 
 
-class GemmaForCausalLM(nn.Module):
-    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``)."""
+class GemmaForCausalLM(nn.Module, SupportsQuant):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``).
+
+    SupportsQuant: every projection is a core Linear filled through its weight_loader.
+    """
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
-    packed_modules_mapping: dict[str, list[str]] = FUSED_PROJECTIONS
-    # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
-    supports_quant: bool = True
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = FUSED_PROJECTIONS
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()

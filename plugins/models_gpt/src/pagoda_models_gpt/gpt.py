@@ -3,8 +3,9 @@
 One decoder with per-architecture switches (``arch.GPTOptions``). Written for a
 flat token batch as the Llama family is: activations are [T, hidden], q/k/v
 are one matmul (``qkv_proj``: GPT-2's and Falcon's checkpoints fuse them
-already, OPT's are stacked at load), attention goes through
-``pagoda.attention.Attention``. Positions enter in one of three ways:
+already, OPT's are stacked at load), attention is core's
+``pagoda.layers.RotaryAttention`` (paged ``pagoda.attention.Attention``). Positions
+enter in one of three ways:
 
 * learned (GPT-2, OPT): ``model.embed_positions`` (core's ``Embedding``) is
   added to the token embeddings; OPT's table is read ``position + 2``;
@@ -27,28 +28,26 @@ checkpoint's names reach them through its ``checkpoint_renames`` table
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from pagoda.attention import Attention, AttentionMetadata
-from pagoda.distributed import get_tensor_model_parallel_rank
+from pagoda.attention import AttentionMetadata
 from pagoda.layers import (
     Activation,
     ColumnParallelLinear,
     LayerNorm,
-    LayerOpsModule,
     ParallelLMHead,
-    QKVParallelLinear,
     ReplicatedLinear,
+    RotaryAttention,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     rope_config_from_hf,
 )
 from pagoda.model_loader.auto_weights_loader import substitute
-from pagoda.models.interface import config_for
+from pagoda.models.interface import SupportsQuant, config_for
 from pagoda_models_gpt.arch import GPTOptions, falcon_options, gpt2_options, opt_options
 from pagoda_models_gpt.weights import (
     FALCON_RENAMES,
@@ -64,41 +63,15 @@ from pagoda_models_gpt.weights import (
 CosSin = tuple[torch.Tensor, torch.Tensor] | None
 
 
-class GPTAttention(LayerOpsModule):  # self.ops rotates q and k (rotary models)
-    def __init__(self, cfg: Any, options: GPTOptions, layer_idx: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.head_dim = options.head_dim
-        # with tensor parallelism this rank's heads only (core's layer splits them)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, options.num_heads, options.num_kv_heads,
-                                          options.qkv_bias, dtype)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(options.num_heads * self.head_dim, cfg.hidden_size, options.o_proj_bias, dtype)
-        slopes = options.alibi_slopes
-        if slopes is not None:
-            first = get_tensor_model_parallel_rank() * self.num_heads
-            slopes = slopes[first : first + self.num_heads]
-        self.attn = Attention(
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            scale=options.attention_scales[layer_idx],
-            num_kv_heads=self.num_kv_heads,
-            layer_idx=layer_idx,
-            alibi_slopes=slopes,
-        )
-
-    def forward(self, hidden: torch.Tensor, cos_sin: CosSin, metadata: AttentionMetadata) -> torch.Tensor:
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        if cos_sin is not None:
-            # q and k heads side by side: one rotation call covers both.
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-            self.ops.rotary_neox_(qk, *cos_sin)
-        q = qkv[:, : self.q_size]
-        k = qkv[:, self.q_size : self.q_size + self.kv_size]
-        v = qkv[:, self.q_size + self.kv_size :]
-        return self.o_proj(self.attn(q, k, v, metadata))
+def _attention(cfg: Any, options: GPTOptions, layer_idx: int, dtype: torch.dtype) -> RotaryAttention:
+    return RotaryAttention(
+        cfg.hidden_size, options.num_heads, options.num_kv_heads, options.head_dim, dtype,
+        layer_idx=layer_idx,
+        scale=options.attention_scales[layer_idx],
+        qkv_bias=options.qkv_bias,
+        o_proj_bias=options.o_proj_bias,
+        alibi_slopes=options.alibi_slopes,
+    )
 
 
 class GPTMLP(nn.Module):
@@ -119,7 +92,7 @@ class GPTDecoderLayer(nn.Module):
         super().__init__()
         eps = options.layer_norm_eps
         self.residual = options.residual
-        self.self_attn = GPTAttention(cfg, options, layer_idx, dtype)
+        self.self_attn = _attention(cfg, options, layer_idx, dtype)
         self.mlp = GPTMLP(cfg, options, dtype)
         self.input_layernorm = LayerNorm(cfg.hidden_size, eps, dtype)
         # the MLP's own norm; with a shared norm the MLP reads input_layernorm's output
@@ -179,15 +152,16 @@ class GPTModel(nn.Module):
         return hidden
 
 
-class GPTFamilyForCausalLM(nn.Module):
-    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``); subclasses name the architecture."""
+class GPTFamilyForCausalLM(nn.Module, SupportsQuant):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``); subclasses name the architecture.
+
+    SupportsQuant: every projection is a core Linear filled through its weight_loader (GPT-2 says why not).
+    """
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
-    packed_modules_mapping: dict[str, list[str]] = {}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
     # (checkpoint part, model part) from checkpoint names to this model's parameter names (pagoda.model_loader.auto_weights_loader.substitute)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
-    # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
-    supports_quant: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -250,7 +224,6 @@ class GPT2LMHeadModel(GPTFamilyForCausalLM):
     # Quantizers target nn.Linear (compressed-tensors' "Linear", GPTQ, AWQ): GPT-2's Conv1D projections are
     # none, so no quantized GPT-2 layout is in use to be read; the [in, out] transpose below would also
     # have to know each method's packing. Refused by name rather than guessed.
-    supports_quant = False
     quant_unsupported_reason = (
         "GPT-2's projections are transformers Conv1D layers ([in, out] weights), not nn.Linear: quantized "
         "checkpoints have no layout for them that pagoda reads"

@@ -3,36 +3,34 @@
 One decoder with per-architecture switches (``arch.DecoderOptions``); a MoE
 architecture's sparse layers use ``pagoda.layers.FusedMoE`` as their MLP. Written
 for a flat token batch: activations are [T, hidden], attention goes through
-``pagoda.attention.Attention`` (the runner binds the backend and KV cache).
-For CPU speed the q/k/v projections are one matmul (``qkv_proj``) and so are
-gate/up (``gate_up_proj``); RoPE rotates q and k in place inside the fused
-QKV output, so q, k and v reach the attention layer as strided views of it.
+core's ``pagoda.layers.RotaryAttention`` (fused ``qkv_proj``, RoPE in place, paged
+``pagoda.attention.Attention``; the runner binds the backend and KV cache).
+For CPU speed gate/up are one matmul too (``gate_up_proj``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from pagoda.attention import Attention, AttentionMetadata
+from pagoda.attention import AttentionMetadata
 from pagoda.distributed import get_pp_group
 from pagoda.distributed.pipeline import IntermediateTensors, PPMissingLayer, make_layers
 from pagoda.layers import (
     FusedMoE,
-    LayerOpsModule,
     MergedColumnParallelLinear,
     ParallelLMHead,
-    QKVParallelLinear,
     RMSNorm,
+    RotaryAttention,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     rope_config_from_hf,
 )
-from pagoda.models.interface import config_for
+from pagoda.models.interface import NoCudaGraphs, SupportsOutputRows, SupportsPP, SupportsQuant, config_for
 from pagoda_models_llama.arch import (
     DecoderOptions,
     llama_options,
@@ -47,49 +45,20 @@ from pagoda_models_llama.arch import (
 from pagoda_models_llama.weights import FUSED_PROJECTIONS, MIXTRAL_RENAMES, load_llama_weights
 
 
-class LlamaAttention(LayerOpsModule):  # self.ops rotates q and k
-    def __init__(self, cfg: Any, options: DecoderOptions, layer_idx: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        total_heads = cfg.num_attention_heads
-        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
-        if total_heads % total_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={total_heads} is not a multiple of num_key_value_heads={total_kv_heads}"
-            )
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
-        # with tensor parallelism this rank's heads only (core's layers split them)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv_heads, options.qkv_bias, dtype)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, options.o_proj_bias, dtype)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if options.qk_norm else None
-        self.attn = Attention(
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            scale=self.head_dim**-0.5,
-            num_kv_heads=self.num_kv_heads,
-            sliding_window=options.sliding_windows[layer_idx],
-            layer_idx=layer_idx,
-        )
-
-    def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        # q and k heads side by side: one rotation call covers both.
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q_heads, k_heads = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            q_heads.copy_(self.q_norm(q_heads))
-            k_heads.copy_(self.k_norm(k_heads))
-        self.ops.rotary_neox_(qk, cos, sin)
-        q = qkv[:, : self.q_size]
-        k = qkv[:, self.q_size : self.q_size + self.kv_size]
-        v = qkv[:, self.q_size + self.kv_size :]
-        return self.o_proj(self.attn(q, k, v, metadata))
+def _attention(cfg: Any, options: DecoderOptions, layer_idx: int, dtype: torch.dtype) -> RotaryAttention:
+    total_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
+    eps = cfg.rms_norm_eps
+    return RotaryAttention(
+        cfg.hidden_size, total_heads, getattr(cfg, "num_key_value_heads", None) or total_heads, head_dim, dtype,
+        layer_idx=layer_idx,
+        scale=head_dim**-0.5,
+        qkv_bias=options.qkv_bias,
+        o_proj_bias=options.o_proj_bias,
+        # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
+        qk_norm=(lambda heads, total, first: RMSNorm(head_dim, eps, dtype)) if options.qk_norm else None,
+        sliding_window=options.sliding_windows[layer_idx],
+    )
 
 
 def _check_activation(cfg: Any) -> None:
@@ -130,7 +99,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, options: DecoderOptions, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, options, layer_idx, dtype)
+        self.self_attn = _attention(cfg, options, layer_idx, dtype)
         self.mlp: nn.Module
         if options.moe is not None and options.moe.sparse_layers[layer_idx]:
             _check_activation(cfg)
@@ -156,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
         (which still writes every row's K/V), only these rows go on, in this order.
         """
         normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(normed, cos, sin, metadata)
+        hidden = self.self_attn(normed, (cos, sin), metadata)
         if output_rows is not None:
             hidden, residual = hidden.index_select(0, output_rows), residual.index_select(0, output_rows)
         normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
@@ -205,21 +174,17 @@ def _with_lm_head_from_embedding(weights: Iterable[tuple[str, torch.Tensor]]) ->
             yield "lm_head.weight", tensor
 
 
-class LlamaForCausalLM(nn.Module):
-    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``)."""
+class LlamaForCausalLM(nn.Module, SupportsPP, SupportsQuant, SupportsOutputRows):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``).
+
+    SupportsPP: make_layers, PPMissingLayer, IntermediateTensors. SupportsQuant: load_weights calls a
+    quantization method's weight_loader. SupportsOutputRows: forward(output_rows=...) returns only those rows.
+    """
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
-    packed_modules_mapping: dict[str, list[str]] = FUSED_PROJECTIONS
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = FUSED_PROJECTIONS
     # (regex, replacement) applied to checkpoint names before they are matched to parameters
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
-    # FusedMoE reads per-expert token counts on the host, which a CUDA graph cannot capture
-    supports_cuda_graphs: bool = True
-    # pipeline parallelism (vLLM's SupportsPP): make_layers, PPMissingLayer, IntermediateTensors
-    supports_pp: bool = True
-    # load_weights calls a quantization method's weight_loader (pagoda.quantization.model)
-    supports_quant: bool = True
-    # forward(output_rows=...) returns only those rows' hidden states (pagoda.models.interface)
-    supports_output_rows: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -294,33 +259,28 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     # The checkpoint stores qkv_proj and gate_up_proj already fused, as the model does.
-    packed_modules_mapping: dict[str, list[str]] = {}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
 
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return phi3_options(cfg)
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
+class MixtralForCausalLM(LlamaForCausalLM, NoCudaGraphs):  # FusedMoE reads its expert counts on the host
     checkpoint_renames = MIXTRAL_RENAMES
-    supports_cuda_graphs = False
 
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return mixtral_options(cfg)
 
 
-class Qwen2MoeForCausalLM(LlamaForCausalLM):
-    supports_cuda_graphs = False
-
+class Qwen2MoeForCausalLM(LlamaForCausalLM, NoCudaGraphs):  # FusedMoE reads its expert counts on the host
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return qwen2_moe_options(cfg)
 
 
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    supports_cuda_graphs = False
-
+class Qwen3MoeForCausalLM(LlamaForCausalLM, NoCudaGraphs):  # FusedMoE reads its expert counts on the host
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
         return qwen3_moe_options(cfg)

@@ -6,9 +6,10 @@ attention and MLP either one after the other or side by side on the residual
 stream (``use_parallel_residual``; Phi always). Written for a flat token batch
 as the Llama family is: activations are [T, hidden], q/k/v are one matmul
 (``qkv_proj``; GPT-NeoX's checkpoint already fuses them, per head, and the
-loader reorders its rows), so are gate/up of a SwiGLU MLP (StableLM), RoPE
-rotates q and k in place inside the fused QKV output, and attention goes
-through ``pagoda.attention.Attention``.
+loader reorders its rows), so are gate/up of a SwiGLU MLP (StableLM), and
+attention is core's ``pagoda.layers.RotaryAttention`` (RoPE in place inside the
+fused QKV output, the q/k norms as its ``q_norm`` / ``k_norm``, paged
+``pagoda.attention.Attention``).
 
 Tensor parallelism comes from core's layers: qkv, fc1 and gate/up
 column-parallel (heads and the intermediate dim split across ranks, KV heads
@@ -24,22 +25,21 @@ reach them through its ``checkpoint_renames`` table (``weights.py``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from pagoda.attention import Attention, AttentionMetadata
-from pagoda.distributed import get_tensor_model_parallel_rank
+from pagoda.attention import AttentionMetadata
 from pagoda.layers import (
     Activation,
     ColumnParallelLinear,
+    HeadNormFactory,
     LayerNorm,
-    LayerOpsModule,
     MergedColumnParallelLinear,
     ParallelLMHead,
     PerHeadLayerNorm,
-    QKVParallelLinear,
+    RotaryAttention,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -47,73 +47,38 @@ from pagoda.layers import (
     rope_config_from_hf,
 )
 from pagoda.model_loader.auto_weights_loader import substitute
-from pagoda.models.interface import config_for
+from pagoda.models.interface import SupportsQuant, config_for
 from pagoda_models_neox.arch import NeoXOptions, gpt_neox_options, phi_options, stablelm_options
 from pagoda_models_neox.weights import (
     GATE_UP_PROJ,
     GPT_NEOX_RENAMES,
     PHI_RENAMES,
     QKV_PROJ,
+    STABLELM_RENAMES,
     load_neox_weights,
 )
 
 
-def _qk_norm(options: NeoXOptions, num_heads: int, total_num_heads: int, first_head: int, eps: float,
-             dtype: torch.dtype) -> nn.Module | None:
+def _qk_norm(options: NeoXOptions, eps: float, dtype: torch.dtype) -> HeadNormFactory | None:
+    """Phi's norm shared by every head, StableLM's one per head (each rank holding its heads'), or none."""
     if options.qk_norm == "shared":
-        return LayerNorm(options.head_dim, eps, dtype, bias=options.qk_norm_bias)
+        return lambda heads, total, first: LayerNorm(options.head_dim, eps, dtype, bias=options.qk_norm_bias)
     if options.qk_norm == "per_head":
-        return PerHeadLayerNorm(num_heads, options.head_dim, eps, dtype, bias=options.qk_norm_bias,
-                                total_num_heads=total_num_heads, first_head=first_head)
+        return lambda heads, total, first: PerHeadLayerNorm(heads, options.head_dim, eps, dtype,
+                                                            bias=options.qk_norm_bias, total_num_heads=total,
+                                                            first_head=first)
     return None
 
 
-class NeoXAttention(LayerOpsModule):  # self.ops rotates q and k
-    def __init__(self, cfg: Any, options: NeoXOptions, layer_idx: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        total_heads = cfg.num_attention_heads
-        total_kv_heads = options.num_kv_heads
-        if total_heads % total_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={total_heads} is not a multiple of num_key_value_heads={total_kv_heads}"
-            )
-        self.head_dim = options.head_dim
-        # with tensor parallelism this rank's heads only (core's layer splits them)
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv_heads,
-                                          options.qkv_bias, dtype)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, options.o_proj_bias, dtype)
-        rank = get_tensor_model_parallel_rank()
-        kv_rank = rank // self.qkv_proj.num_kv_head_replicas  # ranks sharing a KV head hold the same one
-        eps = cfg.layer_norm_eps
-        self.q_layernorm = _qk_norm(options, self.num_heads, total_heads, rank * self.num_heads, eps, dtype)
-        self.k_layernorm = _qk_norm(options, self.num_kv_heads, total_kv_heads, kv_rank * self.num_kv_heads, eps, dtype)
-        self.attn = Attention(
-            num_heads=self.num_heads,
-            head_dim=self.head_dim,
-            scale=self.head_dim**-0.5,
-            num_kv_heads=self.num_kv_heads,
-            layer_idx=layer_idx,
-        )
-
-    def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        # q and k heads side by side: one rotation call covers both (only the first rotary_dim channels turn).
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_layernorm is not None and self.k_layernorm is not None:
-            q_heads, k_heads = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            q_heads.copy_(self.q_layernorm(q_heads))
-            k_heads.copy_(self.k_layernorm(k_heads))
-        self.ops.rotary_neox_(qk, cos, sin)
-        q = qkv[:, : self.q_size]
-        k = qkv[:, self.q_size : self.q_size + self.kv_size]
-        v = qkv[:, self.q_size + self.kv_size :]
-        return self.o_proj(self.attn(q, k, v, metadata))
+def _attention(cfg: Any, options: NeoXOptions, layer_idx: int, dtype: torch.dtype) -> RotaryAttention:
+    return RotaryAttention(
+        cfg.hidden_size, cfg.num_attention_heads, options.num_kv_heads, options.head_dim, dtype,
+        layer_idx=layer_idx,
+        scale=options.head_dim**-0.5,
+        qkv_bias=options.qkv_bias,
+        o_proj_bias=options.o_proj_bias,
+        qk_norm=_qk_norm(options, cfg.layer_norm_eps, dtype),
+    )
 
 
 class NeoXMLP(nn.Module):
@@ -148,7 +113,7 @@ class NeoXDecoderLayer(nn.Module):
         super().__init__()
         eps = cfg.layer_norm_eps
         self.residual = options.residual
-        self.self_attn = NeoXAttention(cfg, options, layer_idx, dtype)
+        self.self_attn = _attention(cfg, options, layer_idx, dtype)
         self.mlp = NeoXMLP(cfg, options, dtype) if options.mlp == "plain" else GatedMLP(cfg, options, dtype)
         self.input_layernorm = LayerNorm(cfg.hidden_size, eps, dtype)
         # the MLP's own norm; with a shared norm the MLP reads input_layernorm's output
@@ -159,7 +124,7 @@ class NeoXDecoderLayer(nn.Module):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         normed = self.input_layernorm(hidden)
-        attn = self.self_attn(normed, cos, sin, metadata)
+        attn = self.self_attn(normed, (cos, sin), metadata)
         if self.residual == "sequential":
             assert self.post_attention_layernorm is not None
             hidden = attn.add_(hidden)
@@ -185,15 +150,16 @@ class NeoXModel(nn.Module):
         return self.norm(hidden)
 
 
-class NeoXFamilyForCausalLM(nn.Module):
-    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``); subclasses name the architecture."""
+class NeoXFamilyForCausalLM(nn.Module, SupportsQuant):
+    """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``); subclasses name the architecture.
+
+    SupportsQuant: every projection is a core Linear filled through its weight_loader.
+    """
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
-    packed_modules_mapping: dict[str, list[str]] = {}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
     # (checkpoint part, model part) from checkpoint names to this model's parameter names (pagoda.model_loader.auto_weights_loader.substitute)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
-    # every projection is a core Linear filled through its weight_loader: a quantization method takes it over
-    supports_quant: bool = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -277,6 +243,7 @@ class PhiForCausalLM(NeoXFamilyForCausalLM):
 
 class StableLmForCausalLM(NeoXFamilyForCausalLM):
     packed_modules_mapping = {**QKV_PROJ, **GATE_UP_PROJ}
+    checkpoint_renames = STABLELM_RENAMES
 
     @classmethod
     def decoder_options(cls, cfg: Any) -> NeoXOptions:

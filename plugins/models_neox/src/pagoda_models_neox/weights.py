@@ -47,10 +47,17 @@ GPT_NEOX_RENAMES: tuple[tuple[str, str], ...] = (
     (".mlp.dense_4h_to_h.", ".mlp.fc2."),
     ("embed_out.", "lm_head."),
 )
+# Phi's and StableLM's q/k norms are core's RotaryAttention's q_norm / k_norm
+QK_NORM_RENAMES: tuple[tuple[str, str], ...] = (
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+)
 PHI_RENAMES: tuple[tuple[str, str], ...] = (
     (".self_attn.dense.", ".self_attn.o_proj."),
     ("model.final_layernorm.", "model.norm."),
+    *QK_NORM_RENAMES,
 )
+STABLELM_RENAMES: tuple[tuple[str, str], ...] = QK_NORM_RENAMES
 
 # Buffers some checkpoints carry that the engine recomputes (GPT-NeoX's causal mask and its fill value).
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")

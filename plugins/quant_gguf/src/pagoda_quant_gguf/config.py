@@ -1,6 +1,6 @@
 """The ``gguf`` quantization method: linear layers and embeddings keep a GGUF file's blocks.
 
-The loader (``pagoda.model_loader.gguf_weights``) hands each layer its tensors as stored: a
+The loader (``pagoda.model_loader.gguf.weights``) hands each layer its tensors as stored: a
 ``qweight_type`` (GGML type id) and a ``qweight`` (uint8 [rows, bytes per row]) per checkpoint
 tensor; a fused layer (q/k/v -> qkv_proj) gets one of each per shard. Blocks run along a row,
 so rows of one type concatenate into one matrix; shards of different types stay apart and their

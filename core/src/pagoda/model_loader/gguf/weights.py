@@ -1,7 +1,7 @@
 """Tensors of a GGUF file, dequantized and renamed to Hugging Face parameter names.
 
 llama.cpp's converter renames every tensor (``blk.3.attn_q.weight``, names in
-``gguf_names``) and changes a few layouts per architecture: Llama's Q and K rows
+``names``) and changes a few layouts per architecture: Llama's Q and K rows
 reordered for its rotary kernel, Gemma's norm weights stored as ``1 + w``,
 GPT-2's Conv1D matrices transposed, GPT-NeoX's fused QKV regrouped, MoE experts
 split per projection. All are undone here, so the tensors equal what
@@ -24,8 +24,8 @@ from gguf.quants import dequantize
 
 from pagoda.model_loader.convert_cache import CACHEABLE_DTYPES, ConvertCache
 from pagoda.model_loader.errors import ModelLoadError
-from pagoda.model_loader.gguf_file import GGUFFile, GGUFTensorInfo, open_gguf
-from pagoda.model_loader.gguf_names import (
+from pagoda.model_loader.gguf.file import GGUFFile, GGUFTensorInfo, open_gguf
+from pagoda.model_loader.gguf.names import (
     ARCHITECTURES,
     GGUFArchitecture,
     TensorRole,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from pagoda.model_loader.gguf_file import SkippedStrings, open_gguf
+from pagoda.model_loader.gguf.file import SkippedStrings, open_gguf
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
