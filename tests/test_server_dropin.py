@@ -1,0 +1,137 @@
+"""Drop-in for vLLM's clients and deployments (issue 32), driven over a real `pagoda serve` socket.
+
+A tiny random Llama with the default model's tokenizer serves the module, with a chat template that writes
+``reasoning_effort`` / ``enable_thinking`` into the prompt so a test can see what reached the template.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+MODEL = "tiny-dropin"
+USER = [{"role": "user", "content": "Hi"}]
+# the prompt shows what the template was given: effort=<value or unset>, thinking=<value or unset>
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "effort={{ reasoning_effort | default('unset') }} thinking={{ enable_thinking | default('unset') }}\n"
+            "<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import transformers as tf
+
+    from pagoda.model_loader import resolve_model_path
+    from pagoda.model_loader.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path(None))
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-dropin")
+    tf.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    (path / "template.jinja").write_text(TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(start_server: Any, tiny_chat_model: Path) -> Any:
+    return start_server([str(tiny_chat_model), "--served-model-name", MODEL, "--max-model-len", "256",
+                         "--num-kv-blocks", "64", "--max-num-seqs", "4",
+                         "--chat-template", str(tiny_chat_model / "template.jinja")])
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    """The rendered prompt, read back from prompt_logprobs' decoded tokens."""
+    return "".join(next(iter(e.values()))["decoded_token"] for e in body["prompt_logprobs"][1:])
+
+
+def _chat(server: Any, **body: Any) -> httpx.Response:
+    return httpx.post(server.url + "/v1/chat/completions",
+                      json={"messages": USER, "max_tokens": 2, "temperature": 0, **body}, timeout=60)
+
+
+# -- 1: request fields pagoda does not know ----------------------------------------------------------
+
+
+def test_fields_that_cannot_change_the_output_are_accepted_and_logged_once(client: openai.OpenAI,
+                                                                            server: Any) -> None:
+    plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=0)
+    for _ in range(2):
+        out = client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=4, temperature=0, metadata={"job": "a"}, store=False,
+            service_tier="auto", user="u1", prompt_cache_key="k", safety_identifier="s",
+            extra_body={"not_an_openai_field": 1})
+        assert out.choices[0].message.content == plain.choices[0].message.content
+    done = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                     extra_body={"metadata": {"job": "a"}, "store": True})
+    assert done.choices[0].text is not None
+    log = server.output()
+    lines = [line for line in log.splitlines() if "ChatCompletionRequest: request fields ignored" in line]
+    assert len(lines) == 1, log
+    for name in ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                 "not_an_openai_field"):
+        assert name in lines[0]
+    assert "CompletionRequest: request fields ignored" in log
+
+
+def test_null_fields_are_accepted(server: Any) -> None:
+    r = _chat(server, audio=None, prediction=None, web_search_options=None, modalities=None, verbosity=None)
+    assert r.status_code == 200, r.text
+    assert _chat(server, modalities=["text"]).status_code == 200
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("modalities", ["text", "audio"], "generates text only"),
+    ("audio", {"voice": "alloy", "format": "wav"}, "audio output"),
+    ("web_search_options", {}, "web search"),
+    ("prediction", {"type": "content", "content": "Hello"}, "speculative decoding"),
+    ("verbosity", "low", "verbosity"),
+])
+def test_fields_pagoda_cannot_do_are_refused_by_name(client: openai.OpenAI, field: str, value: Any,
+                                                     says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, extra_body={field: value})
+    err = exc.value.body
+    assert err["param"] == field and says in err["message"], err
+
+
+@pytest.mark.parametrize(("effort", "kwargs", "expected"), [
+    (None, None, "effort=unset thinking=unset"),
+    ("low", None, "effort=low thinking=True"),
+    ("none", None, "effort=none thinking=False"),
+    ("high", {"enable_thinking": False}, "effort=high thinking=False"),  # the request's own kwargs win
+])
+def test_reasoning_effort_reaches_the_chat_template(server: Any, effort: str | None, kwargs: dict[str, Any] | None,
+                                                    expected: str) -> None:
+    body: dict[str, Any] = {"prompt_logprobs": 0}
+    if effort is not None:
+        body["reasoning_effort"] = effort
+    if kwargs is not None:
+        body["chat_template_kwargs"] = kwargs
+    r = _chat(server, **body)
+    assert r.status_code == 200, r.text
+    assert expected in _prompt_text(r.json())
+
+
+def test_reasoning_effort_through_the_openai_sdk(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, reasoning_effort="low",
+                                         extra_body={"prompt_logprobs": 0})
+    assert "effort=low" in _prompt_text(out.model_dump())
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
+                                       extra_body={"reasoning_effort": "extreme"})
+    assert exc.value.body["param"] == "reasoning_effort"
+
