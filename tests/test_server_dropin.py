@@ -135,3 +135,30 @@ def test_reasoning_effort_through_the_openai_sdk(client: openai.OpenAI) -> None:
                                        extra_body={"reasoning_effort": "extreme"})
     assert exc.value.body["param"] == "reasoning_effort"
 
+
+# -- 9: completions logprobs include the sampled token -----------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_top_logprobs_hold_the_sampled_token(client: openai.OpenAI, stream: bool) -> None:
+    # a random model at temperature 1 samples outside the top 1 most steps
+    kwargs: dict[str, Any] = dict(model=MODEL, prompt="Hi", max_tokens=16, temperature=1.0, seed=7, logprobs=1)
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True))
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        tops = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs]
+        logprobs = [x for c in chunks if c.choices and c.choices[0].logprobs
+                    for x in c.choices[0].logprobs.token_logprobs]
+    else:
+        lp = client.completions.create(**kwargs).choices[0].logprobs
+        tokens, tops, logprobs = lp.tokens, lp.top_logprobs, lp.token_logprobs
+    assert len(tokens) == len(tops) == 16
+    for tok, top, logprob in zip(tokens, tops, logprobs, strict=True):
+        assert tok in top and top[tok] == pytest.approx(logprob) and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in tops), tops
+
+
+def test_completion_logprobs_zero_is_the_sampled_token_alone(client: openai.OpenAI) -> None:
+    lp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=6, temperature=1.0, seed=7,
+                                   logprobs=0).choices[0].logprobs
+    assert [list(top) for top in lp.top_logprobs] == [[tok] for tok in lp.tokens]
