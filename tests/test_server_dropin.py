@@ -45,7 +45,8 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(start_server: Any, tiny_chat_model: Path) -> Any:
     return start_server([str(tiny_chat_model), "--served-model-name", MODEL, "--max-model-len", "256",
                          "--num-kv-blocks", "64", "--max-num-seqs", "4",
-                         "--chat-template", str(tiny_chat_model / "template.jinja")])
+                         "--chat-template", str(tiny_chat_model / "template.jinja"),
+                         "--enable-tokenizer-info-endpoint"])
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +163,33 @@ def test_completion_logprobs_zero_is_the_sampled_token_alone(client: openai.Open
     lp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=6, temperature=1.0, seed=7,
                                    logprobs=0).choices[0].logprobs
     assert [list(top) for top in lp.top_logprobs] == [[tok] for tok in lp.tokens]
+
+
+# -- 4: /tokenizer_info, /ping, /v1/models/{id} ---------------------------------------------------------
+
+
+def test_tokenizer_info(server: Any, tiny_chat_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    r = httpx.get(server.url + "/tokenizer_info", timeout=10)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["tokenizer_class"] == type(tok).__name__
+    assert (info["eos_token"], info["bos_token"]) == (tok.eos_token, tok.bos_token)
+    assert info["chat_template"] == TEMPLATE  # the server's --chat-template, not the tokenizer's own
+    assert info["added_tokens_decoder"][str(tok.eos_token_id)]["content"] == tok.eos_token
+    assert str(tiny_chat_model) not in r.text  # nothing of the server's disk
+
+
+def test_ping_answers_as_health(server: Any) -> None:
+    assert httpx.get(server.url + "/ping").status_code == 200
+    assert httpx.post(server.url + "/ping").status_code == 200
+
+
+def test_retrieve_model(client: openai.OpenAI) -> None:
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("org/not-served")
+    assert exc.value.body["code"] == "model_not_found"

@@ -53,6 +53,9 @@ def serve(
     max_n: int = typer.Option(128, "--max-n", help="Largest n / best_of per request."),
     shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout",
                                            help="Seconds in-flight requests may take to finish on SIGINT/SIGTERM."),
+    enable_tokenizer_info_endpoint: bool = typer.Option(
+        False, "--enable-tokenizer-info-endpoint",
+        help="Serve GET /tokenizer_info: the tokenizer's configuration and chat template (for remote tokenizers)."),
     uvicorn_log_level: str = typer.Option("info", "--uvicorn-log-level", help="uvicorn's log level."),
     enable_log_requests: bool = typer.Option(False, "--enable-log-requests", help="Log every request (access log)."),
     *,
@@ -78,6 +81,7 @@ def serve(
             allowed_methods=_json_list(allowed_methods, "--allowed-methods"),
             allowed_headers=_json_list(allowed_headers, "--allowed-headers"),
             max_request_body_bytes=max_request_body_bytes, max_n=max_n, shutdown_timeout=shutdown_timeout,
+            enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
             uvicorn_log_level=uvicorn_log_level, disable_log_requests=not enable_log_requests,
         )
     except (ValidationError, ValueError) as exc:

@@ -39,6 +39,7 @@ from pagoda.entrypoints.openai.serving_chat import chat_prompt_async, create_cha
 from pagoda.entrypoints.openai.serving_common import ServingContext
 from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.entrypoints.openai.serving_pooling import require_generate
+from pagoda.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagoda.entrypoints.openai.tool_calls import resolve_tool_parser
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagoda.metrics.prometheus import PrometheusStatLogger
@@ -141,6 +142,11 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
             return JSONResponse(error_body(f"engine unhealthy: {exc}", 503), status_code=503)
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        # vLLM's SageMaker-style liveness probe: /health's answer
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -157,6 +163,20 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
              "max_model_len": ctx.max_model_len, "permission": []}
             for name in ctx.served_model_names
         ]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        # OpenAI's retrieve; ids may hold "/" (hub ids)
+        for card in (await models())["data"]:
+            if card["id"] == model_id:
+                return card
+        raise APIError(f"The model `{model_id}` does not exist; this server serves {ctx.served_model_names}.", 404,
+                       "model", code="model_not_found")
+
+    if server_args.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict[str, Any]:
+            return tokenizer_info(ctx.need_tokenizer(), ctx.chat_template)
 
     # -- generation ----------------------------------------------------------------------
     @route("/v1/completions", CompletionRequest)

@@ -36,6 +36,8 @@ class ServerArgs(BaseModel):
     max_n: int = Field(128, gt=0, description="Largest n / best_of a request may ask for.")
     uvicorn_log_level: str = Field("info", description="uvicorn's log level.")
     disable_log_requests: bool = Field(True, description="Do not log each request.")
+    enable_tokenizer_info_endpoint: bool = Field(
+        False, description="Serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM.")
     shutdown_timeout: float = Field(10.0, ge=0, description="Seconds to let in-flight requests finish on SIGINT/SIGTERM.")
 
     def resolved_api_key(self) -> str | None:
