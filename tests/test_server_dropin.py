@@ -6,6 +6,9 @@ A tiny random Llama with the default model's tokenizer serves the module, with a
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +196,32 @@ def test_retrieve_model(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("org/not-served")
     assert exc.value.body["code"] == "model_not_found"
+
+
+# -- 5: vLLM's classic entrypoint ----------------------------------------------------------------------
+
+API_SERVER = ("-m", "pagoda.entrypoints.openai.api_server")
+
+
+def test_api_server_module_serves_with_model_flag(start_server: Any, tiny_chat_model: Path) -> None:
+    server = start_server(["--model", str(tiny_chat_model), "--served-model-name", "classic", "--max-model-len", "128",
+                           "--num-kv-blocks", "16", "--max-num-seqs", "2"], entrypoint=API_SERVER)
+    r = httpx.post(server.url + "/v1/completions", json={"model": "classic", "prompt": "Hi", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    # vLLM serves /tokenizer_info only with --enable-tokenizer-info-endpoint
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 404
+
+
+def test_api_server_module_help_lists_every_serve_option() -> None:
+    out = subprocess.run([sys.executable, *API_SERVER, "--help"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    for flag in ("--model", "--port", "--api-key", "--max-model-len", "--enable-tokenizer-info-endpoint"):
+        assert flag in out.stdout
+
+
+def test_model_given_twice_differently_is_an_error(tiny_chat_model: Path) -> None:
+    out = subprocess.run([sys.executable, *API_SERVER, str(tiny_chat_model), "--model", "other/model"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "given twice" in out.stderr, out.stderr

@@ -85,3 +85,28 @@ def with_engine_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable[...
         return wrapper
 
     return decorate
+
+
+def with_model_flag(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: vLLM's ``--model M`` beside the positional ``MODEL`` (vLLM still takes both; its classic
+    ``python -m vllm.entrypoints.openai.api_server`` only the flag). Giving both with different values is an error."""
+    sig = inspect.signature(func)
+    flag = inspect.Parameter(
+        "model_flag", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+        default=typer.Option(None, "--model", help="The model, as the positional MODEL (vLLM's spelling)."))
+
+    def wrapper(**kwargs: Any) -> Any:
+        given = kwargs.pop("model_flag")
+        if given is not None:
+            if kwargs.get("model") not in (None, given):
+                raise typer.BadParameter(f"the model is given twice: {kwargs['model']!r} and --model {given!r}")
+            kwargs["model"] = given
+        return func(**kwargs)
+
+    params = list(sig.parameters.values())
+    keyword_at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(params))
+    params.insert(keyword_at, flag.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__name__ = func.__name__
+    wrapper.__doc__ = func.__doc__
+    return wrapper

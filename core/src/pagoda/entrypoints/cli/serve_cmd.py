@@ -8,7 +8,7 @@ import logging
 import typer
 
 from pagoda.config import EngineArgs
-from pagoda.entrypoints.cli.engine_options import with_engine_options
+from pagoda.entrypoints.cli.engine_options import with_engine_options, with_model_flag
 
 
 def _json_list(value: str, flag: str) -> list[str]:
@@ -21,6 +21,7 @@ def _json_list(value: str, flag: str) -> list[str]:
     return parsed
 
 
+@with_model_flag
 @with_engine_options(exclude=("served_model_name",))
 def serve(
     model: str | None = typer.Argument(None, help="HF model directory, .gguf file or hub id (org/name); none = SmolLM2-135M-Instruct."),
@@ -103,3 +104,11 @@ def serve(
 
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
+
+
+def api_server_main(argv: list[str] | None = None) -> None:
+    """``python -m pagoda.entrypoints.openai.api_server --model M ...``: vLLM's classic entrypoint (Docker
+    images, Kubernetes manifests), the same command with every option of `pagoda serve`."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(serve)
+    app(args=argv, prog_name="python -m pagoda.entrypoints.openai.api_server")

@@ -323,3 +323,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         for s, handler in previous.items():
             signal.signal(s, handler)
         sock.close()
+
+
+if __name__ == "__main__":
+    # vLLM's `python -m vllm.entrypoints.openai.api_server`: `pagoda serve` under that name
+    from pagoda.entrypoints.cli.serve_cmd import api_server_main
+
+    api_server_main()
