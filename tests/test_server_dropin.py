@@ -34,7 +34,7 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     tok = load_tokenizer(resolve_model_path(None))
     cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-dropin")
@@ -225,3 +225,77 @@ def test_model_given_twice_differently_is_an_error(tiny_chat_model: Path) -> Non
     out = subprocess.run([sys.executable, *API_SERVER, str(tiny_chat_model), "--model", "other/model"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "given twice" in out.stderr, out.stderr
+
+
+# -- 6: vLLM's flags ----------------------------------------------------------------------------------
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"pagoda:{name}{{"))
+
+
+def test_vllm_flags_config_file_uds_sizes(tiny_chat_model: Path, tmp_path: Path) -> None:
+    import time
+
+    sock = tmp_path / "pagoda.sock"
+    config = tmp_path / "config.yaml"
+    # vLLM's file: dashes or underscores, `model:` for the positional; the command line wins over it
+    config.write_text(f"model: {tiny_chat_model}\nserved-model-name: uds-model\nmax_model_len: 1k\n"
+                      "num-kv-blocks: 32\nmax-num-seqs: 2\ndisable-log-stats: true\nswap-space: 4\n")
+    log = (tmp_path / "serve.log").open("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", "--config", str(config),
+                             "--uds", str(sock), "--max-model-len", "0.3k", "--disable-log-requests"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://pagoda", timeout=60)
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.seek(0) or log.read()
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "no answer on the socket"
+            time.sleep(0.25)
+        cards = client.get("/v1/models").json()["data"]
+        assert [(c["id"], c["max_model_len"]) for c in cards] == [("uds-model", 300)]
+        r = client.post("/v1/completions", json={"model": "uds-model", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        # --disable-log-stats: the engine records nothing
+        assert _metric(client.get("/metrics").text, "request_success_total") == 0.0
+        log.seek(0)
+        assert "--swap-space 4 has no effect" in log.read()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--max-model-len", "1.5K"], "decimal multiplier"),
+    (["--max-model-len", "2x"], "not a number"),
+    (["--config", "missing.yaml"], "cannot read"),
+])
+def test_vllm_flag_errors_say_why(args: list[str], says: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", *args],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+
+
+def test_config_file_names_unknown_options(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("max-model-len: 2k\nnot-an-option: 1\n")
+    out = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", "--config", str(config)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 2 and "not-an-option" in out.stderr, out.stderr
+
+
+def test_human_readable_int() -> None:
+    from pagoda.entrypoints.cli.vllm_flags import human_readable_int
+
+    assert [human_readable_int(t) for t in ("2048", "2k", "2K", "25.6k", "1M", "1g")] == [
+        2048, 2000, 2048, 25600, 2**20, 10**9]
+    for bad in ("1.5K", "0.0001k", "-1", "k"):
+        with pytest.raises(ValueError):
+            human_readable_int(bad)

@@ -8,9 +8,15 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+import click
 import typer
 
 from pagoda.config import EngineArgs
+from pagoda.entrypoints.cli.vllm_flags import parse_size
+
+
+# fields whose flag takes vLLM's human-readable sizes ("2k" = 2000, "2K" = 2048)
+HUMAN_READABLE = ("max_model_len", "kv_cache_memory_bytes")
 
 
 def _option_for(name: str, info: Any) -> tuple[Any, Any]:
@@ -28,6 +34,9 @@ def _option_for(name: str, info: Any) -> tuple[Any, Any]:
     base = inner[0]
     if typing.get_origin(base) is typing.Literal:
         return str | None, typer.Option(default, flag, help=help_text)  # type: ignore[return-value]
+    if base is int and name in HUMAN_READABLE:
+        return (int | None) if type(None) in args else int, typer.Option(  # type: ignore[return-value]
+            default, flag, help=f"{help_text} Takes 2k (2000) or 2K (2048).", parser=parse_size)
     if base in (int, float, str):
         return (base | None) if type(None) in args else base, typer.Option(default, flag, help=help_text)
     # dicts (hf_overrides) travel as JSON text
@@ -98,7 +107,10 @@ def with_model_flag(func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(**kwargs: Any) -> Any:
         given = kwargs.pop("model_flag")
         if given is not None:
-            if kwargs.get("model") not in (None, given):
+            # a MODEL from --config yields to the command line's --model
+            ctx = click.get_current_context(silent=True)
+            from_file = ctx is not None and ctx.get_parameter_source("model") is click.core.ParameterSource.DEFAULT_MAP
+            if kwargs.get("model") not in (None, given) and not from_file:
                 raise typer.BadParameter(f"the model is given twice: {kwargs['model']!r} and --model {given!r}")
             kwargs["model"] = given
         return func(**kwargs)

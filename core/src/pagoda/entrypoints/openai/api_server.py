@@ -8,6 +8,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -248,8 +249,17 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
     return app
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind before loading the model, so a busy port fails in a second, not after the load."""
+def bind_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
+    """Bind before loading the model, so a busy port fails in a second, not after the load;
+    ``uds``: a Unix domain socket at that path instead (vLLM's --uds), replacing a stale socket file."""
+    if uds is not None:
+        path = Path(uds)
+        if path.is_socket():
+            path.unlink()
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.bind(uds)
+        unix.set_inheritable(True)
+        return unix
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -268,8 +278,11 @@ async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str
     config = uvicorn.Config(app, log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_log_requests,
                             timeout_graceful_shutdown=max(1, int(server_args.shutdown_timeout)) if server_args.shutdown_timeout else None)
     server = uvicorn.Server(config)
-    host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}" if ":" not in str(host) else f"http://[{host}]:{port}"
+    if sock.family == socket.AF_UNIX:
+        url = f"unix:{sock.getsockname()}"
+    else:
+        host, port = sock.getsockname()[:2]
+        url = f"http://{host}:{port}" if ":" not in str(host) else f"http://[{host}]:{port}"
 
     async def announce() -> None:
         while not server.started:
@@ -297,11 +310,12 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
                             server_args.tool_parser_plugin)
     except (ValueError, OSError, ImportError) as exc:
         raise PluginError(str(exc)) from exc
-    sock = bind_socket(server_args.host, server_args.port)
+    sock = bind_socket(server_args.host, server_args.port, server_args.uds)
     # The engine core in its own process, as vLLM's server runs it: W3 on 2 Zen 5 cores measured
     # 1.10-1.21x the thread's output tok/s (docs/benchmarks.md, session 10);
     # PAGODA_ENABLE_V1_MULTIPROCESSING=0 keeps it in a thread of this process.
-    engine = AsyncLLM.from_engine_args(engine_args, engine_core_process=True)
+    engine = AsyncLLM.from_engine_args(engine_args, log_stats=not server_args.disable_log_stats,
+                                       engine_core_process=True)
     try:
         # before serving: a processor nobody provides stops the start (PluginError)
         io_processor = get_io_processor(engine.config, engine.model_config.io_processor_plugin)
