@@ -299,3 +299,39 @@ def test_human_readable_int() -> None:
     for bad in ("1.5K", "0.0001k", "-1", "k"):
         with pytest.raises(ValueError):
             human_readable_int(bad)
+
+
+# -- 7: help --------------------------------------------------------------------------------------------
+
+
+def _serve_help(*args: str) -> subprocess.CompletedProcess[str]:
+    # piped, at 80 columns: where rich's tables cut flag names ("--enable-prefix-ca…")
+    return subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})
+
+
+def test_serve_help_has_every_flag_in_full_at_80_columns() -> None:
+    import typer
+
+    from pagoda.entrypoints.cli.main import app
+
+    flags = [o for p in typer.main.get_command(app).commands["serve"].params  # type: ignore[attr-defined]
+             for o in [*p.opts, *p.secondary_opts] if o.startswith("--")]
+    assert "--enable-prefix-caching" in flags and len(flags) > 60
+    out = _serve_help("--help")
+    assert out.returncode == 0, out.stderr
+    words = set(out.stdout.replace(",", " ").replace("/", " ").split())
+    assert [f for f in flags if f not in words] == []
+
+
+def test_help_for_one_group_or_flag() -> None:
+    groups = _serve_help("--help=listgroup").stdout.split()
+    assert {"Frontend", "ModelConfig", "CacheConfig", "SchedulerConfig"} <= set(groups)
+    cache = _serve_help("--help=CacheConfig").stdout
+    assert "--enable-prefix-caching" in cache and "--port" not in cache and "--max-model-len" not in cache
+    one = _serve_help("--help=max-model-len").stdout
+    assert "--max-model-len" in one and "--port" not in one
+    everything = _serve_help("--help=all").stdout
+    assert "--port" in everything and "--enable-prefix-caching" in everything
+    none = _serve_help("--help=no-such-flag")
+    assert none.returncode == 2 and "Frontend" in none.stderr

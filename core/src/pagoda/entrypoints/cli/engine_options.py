@@ -8,7 +8,6 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-import click
 import typer
 
 from pagoda.config import EngineArgs
@@ -106,10 +105,11 @@ def with_model_flag(func: Callable[..., Any]) -> Callable[..., Any]:
 
     def wrapper(**kwargs: Any) -> Any:
         given = kwargs.pop("model_flag")
+        ctx: typer.Context = kwargs.pop("_model_flag_ctx")
         if given is not None:
             # a MODEL from --config yields to the command line's --model
-            ctx = click.get_current_context(silent=True)
-            from_file = ctx is not None and ctx.get_parameter_source("model") is click.core.ParameterSource.DEFAULT_MAP
+            source = ctx.get_parameter_source("model")
+            from_file = source is not None and source.name == "DEFAULT_MAP"
             if kwargs.get("model") not in (None, given) and not from_file:
                 raise typer.BadParameter(f"the model is given twice: {kwargs['model']!r} and --model {given!r}")
             kwargs["model"] = given
@@ -118,6 +118,9 @@ def with_model_flag(func: Callable[..., Any]) -> Callable[..., Any]:
     params = list(sig.parameters.values())
     keyword_at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(params))
     params.insert(keyword_at, flag.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    # typer hands the click context to a parameter annotated typer.Context
+    params.insert(0, inspect.Parameter("_model_flag_ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                       annotation=typer.Context))
     wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     wrapper.__name__ = func.__name__
     wrapper.__doc__ = func.__doc__

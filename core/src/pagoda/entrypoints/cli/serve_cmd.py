@@ -9,6 +9,7 @@ import typer
 
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.cli.engine_options import with_engine_options, with_model_flag
+from pagoda.entrypoints.cli.help_groups import GroupedHelpCommand
 from pagoda.entrypoints.cli.vllm_flags import load_config_file
 
 
@@ -120,12 +121,13 @@ def serve(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)
+    app.command("serve", cls=GroupedHelpCommand)(serve)
 
 
 def api_server_main(argv: list[str] | None = None) -> None:
     """``python -m pagoda.entrypoints.openai.api_server --model M ...``: vLLM's classic entrypoint (Docker
     images, Kubernetes manifests), the same command with every option of `pagoda serve`."""
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(serve)
+    # plain help, as `pagoda`'s: rich's tables cut flag names at 80 columns
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+    app.command(cls=GroupedHelpCommand)(serve)
     app(args=argv, prog_name="python -m pagoda.entrypoints.openai.api_server")
