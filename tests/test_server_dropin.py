@@ -49,7 +49,7 @@ def server(start_server: Any, tiny_chat_model: Path) -> Any:
     return start_server([str(tiny_chat_model), "--served-model-name", MODEL, "--max-model-len", "256",
                          "--num-kv-blocks", "64", "--max-num-seqs", "4",
                          "--chat-template", str(tiny_chat_model / "template.jinja"),
-                         "--enable-tokenizer-info-endpoint"])
+                         "--enable-tokenizer-info-endpoint", "--vllm-metric-names"])
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +211,9 @@ def test_api_server_module_serves_with_model_flag(start_server: Any, tiny_chat_m
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     # vLLM serves /tokenizer_info only with --enable-tokenizer-info-endpoint
     assert httpx.get(server.url + "/tokenizer_info").status_code == 404
+    # vLLM's metric names only with --vllm-metric-names
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "pagoda:request_success_total" in metrics and "vllm:" not in metrics
 
 
 def test_api_server_module_help_lists_every_serve_option() -> None:
@@ -335,3 +338,19 @@ def test_help_for_one_group_or_flag() -> None:
     assert "--port" in everything and "--enable-prefix-caching" in everything
     none = _serve_help("--help=no-such-flag")
     assert none.returncode == 2 and "Frontend" in none.stderr
+
+
+# -- 10: vLLM's metric names ------------------------------------------------------------------------------
+
+
+def test_vllm_metric_names_beside_pagodas(client: openai.OpenAI, server: Any) -> None:
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+    samples = [line for line in httpx.get(server.url + "/metrics").text.splitlines() if not line.startswith("#")]
+    ours = {line.split(":", 1)[1] for line in samples if line.startswith("pagoda:")}
+    theirs = {line.split(":", 1)[1] for line in samples if line.startswith("vllm:")}
+    assert ours == theirs and len(ours) > 20  # the same samples, the same values
+    names = {sample.split("{", 1)[0].split(" ", 1)[0] for sample in theirs}
+    for name in ("request_success_total", "prompt_tokens_total", "generation_tokens_total", "num_requests_running",
+                 "kv_cache_usage_perc", "time_to_first_token_seconds_bucket", "e2e_request_latency_seconds_count"):
+        assert name in names
+    assert _metric("\n".join(samples), "generation_tokens_total") >= 3

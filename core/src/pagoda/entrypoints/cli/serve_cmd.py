@@ -66,6 +66,9 @@ def serve(
     uvicorn_log_level: str = typer.Option("info", "--uvicorn-log-level", help="uvicorn's log level."),
     enable_log_requests: bool = typer.Option(False, "--enable-log-requests/--disable-log-requests",
                                              help="Log every request (access log); off by default, as in vLLM."),
+    vllm_metric_names: bool = typer.Option(
+        False, "--vllm-metric-names",
+        help="Export every /metrics metric as vLLM's vllm:* too, beside pagoda:* (for vLLM's dashboards)."),
     disable_log_stats: bool = typer.Option(
         False, "--disable-log-stats", help="Record no engine statistics (the /metrics counters stay at zero)."),
     swap_space: float | None = typer.Option(
@@ -100,7 +103,7 @@ def serve(
             allowed_headers=_json_list(allowed_headers, "--allowed-headers"),
             max_request_body_bytes=max_request_body_bytes, max_n=max_n, shutdown_timeout=shutdown_timeout,
             enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint, uds=uds,
-            disable_log_stats=disable_log_stats,
+            disable_log_stats=disable_log_stats, vllm_metric_names=vllm_metric_names,
             uvicorn_log_level=uvicorn_log_level, disable_log_requests=not enable_log_requests,
         )
     except (ValidationError, ValueError) as exc:

@@ -113,7 +113,8 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
                                         server_args.tool_parser_plugin),
     )
     app.state.ctx = ctx
-    metrics = PrometheusStatLogger(ctx.model_name)
+    metrics = PrometheusStatLogger(ctx.model_name,
+                                   prefixes=("pagoda", "vllm") if server_args.vllm_metric_names else ("pagoda",))
     engine.add_stat_logger(metrics)
     app.state.metrics = metrics
     install_error_handlers(app)

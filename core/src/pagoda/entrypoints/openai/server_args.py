@@ -37,6 +37,8 @@ class ServerArgs(BaseModel):
     max_n: int = Field(128, gt=0, description="Largest n / best_of a request may ask for.")
     uvicorn_log_level: str = Field("info", description="uvicorn's log level.")
     disable_log_requests: bool = Field(True, description="Do not log each request.")
+    vllm_metric_names: bool = Field(
+        False, description="Export every /metrics metric under vLLM's vllm:* names as well as pagoda:*.")
     disable_log_stats: bool = Field(False, description="Record no engine statistics (vLLM's --disable-log-stats).")
     enable_tokenizer_info_endpoint: bool = Field(
         False, description="Serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM.")
