@@ -354,3 +354,39 @@ def test_vllm_metric_names_beside_pagodas(client: openai.OpenAI, server: Any) ->
                  "kv_cache_usage_perc", "time_to_first_token_seconds_bucket", "e2e_request_latency_seconds_count"):
         assert name in names
     assert _metric("\n".join(samples), "generation_tokens_total") >= 3
+
+
+# -- 8: logs --------------------------------------------------------------------------------------------
+
+
+def test_unreachable_hub_fails_fast_with_one_clear_error(tmp_path: Path) -> None:
+    import time
+
+    # not offline by HF_HUB_OFFLINE: the hub is just unreachable (a closed local port stands for no network)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT="http://127.0.0.1:9", COLUMNS="200")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", "no-org/no-model",
+                          "--port", "0"], capture_output=True, text=True, timeout=170, env=env)
+    elapsed = time.monotonic() - started
+    log = out.stdout + out.stderr
+    assert out.returncode == 1, log
+    assert "cannot be reached" in log and "no-org/no-model" in log and "http://127.0.0.1:9" in log
+    assert "Retrying" not in log and elapsed < 20, (elapsed, log)
+
+
+def test_llm_logs_what_it_loaded_and_its_kv_cache(tiny_chat_model: Path) -> None:
+    code = (f"from pagoda import LLM; LLM(model={str(tiny_chat_model)!r}, max_model_len=128, num_kv_blocks=16, "
+            "max_num_seqs=2)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr
+    assert "INFO" in out.stderr and "loaded LlamaForCausalLM" in out.stderr, out.stderr
+    assert "KV cache" in out.stderr and "16 blocks" in out.stderr, out.stderr
+
+
+def test_llm_leaves_an_applications_logging_alone(tiny_chat_model: Path) -> None:
+    code = ("import logging; logging.basicConfig(level=logging.WARNING); from pagoda import LLM; "
+            f"LLM(model={str(tiny_chat_model)!r}, max_model_len=128, num_kv_blocks=16, max_num_seqs=2)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr
+    assert "INFO" not in out.stderr, out.stderr
