@@ -390,3 +390,47 @@ def test_llm_leaves_an_applications_logging_alone(tiny_chat_model: Path) -> None
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr
     assert "INFO" not in out.stderr, out.stderr
+
+
+# -- 2: Lark grammars -----------------------------------------------------------------------------------
+
+YES_NO = [
+    '?start: "yes" | "no"',
+    "start: answer\nanswer: 'yes'\n      | 'no'   // Outlines' users write single quotes",
+]
+
+
+@pytest.mark.parametrize("grammar", YES_NO)
+def test_lark_grammar_constrains_the_output(server: Any, grammar: str) -> None:
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "prompt": "Is it?", "max_tokens": 5, "temperature": 1.0, "seed": 1, "n": 4,
+        "structured_outputs": {"grammar": grammar}})
+    assert r.status_code == 200, r.text
+    assert {c["text"] for c in r.json()["choices"]} <= {"yes", "no"}
+
+
+def test_lark_through_outlines_cfg(server: Any) -> None:
+    outlines = pytest.importorskip("outlines")
+    from outlines.types import CFG
+
+    model = outlines.from_vllm(openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0), MODEL)
+    arithmetic = '?start: expr\n?expr: NUMBER ("+" NUMBER)*\nNUMBER: /[1-9]/\n'
+    for _ in range(3):
+        text = model("1+2=", CFG(arithmetic), max_tokens=8, temperature=1.0)
+        assert text and all(part in "123456789" and part for part in text.split("+")), text
+    assert model("Is it?", CFG(YES_NO[1]), max_tokens=5) in ("yes", "no")
+
+
+def test_lark_through_llguidance_with_the_real_tokenizer(tiny_chat_model: Path) -> None:
+    pytest.importorskip("pagoda_structured_llguidance")
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from pagoda_structured_llguidance.backend import grammar_spec
+
+    tok = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(tiny_chat_model))
+    for grammar in YES_NO:
+        matcher = llguidance.LLMatcher(tok, grammar_spec(grammar))
+        assert not matcher.is_error(), matcher.get_error()
+        assert all(matcher.consume_token(t) for t in tok.tokenize_str("no")) and matcher.is_accepting()

@@ -33,6 +33,9 @@ REFUSED_FIELDS: dict[str, str] = {
     "audio": "audio output is not supported: this server generates text only",
     "web_search_options": "web search is not supported: this server runs the model only, with no search tool",
     "prediction": "predicted outputs (prediction) need speculative decoding, which this server does not run yet",
+    # vLLM's older per-request backend choice (gone from vLLM since the backend became an engine setting)
+    "guided_decoding_backend": "guided_decoding_backend is not a request field here: the structured-outputs backend "
+                               "is the server's (--structured-outputs-config '{\"backend\": ...}')",
     "verbosity": "verbosity is not supported: no model served here takes a verbosity setting; ask for length "
                  "in the prompt or bound it with max_tokens",
 }
