@@ -8,10 +8,10 @@ both prefixes, for dashboards and alerts written against vLLM's ``vllm:*``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-from typing import Any
 
 from pagoda.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 

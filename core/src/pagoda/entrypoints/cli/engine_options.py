@@ -13,7 +13,6 @@ import typer
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.cli.vllm_flags import parse_size
 
-
 # fields whose flag takes vLLM's human-readable sizes ("2k" = 2000, "2K" = 2048)
 HUMAN_READABLE = ("max_model_len", "kv_cache_memory_bytes")
 
