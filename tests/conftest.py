@@ -92,7 +92,8 @@ def _free_port() -> int:
 class RunningServer:
     """A `pagoda serve` subprocess on 127.0.0.1; ``url`` is its base URL."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 180.0) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 180.0,
+                 entrypoint: tuple[str, ...] = ("-m", "pagoda.entrypoints.cli.main", "serve")) -> None:
         import os
         import subprocess
         import sys
@@ -103,7 +104,7 @@ class RunningServer:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"pagoda-serve-{self.port}.log", "w+")
-        cmd = [sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", *args, "--port", str(self.port)]
+        cmd = [sys.executable, *entrypoint, *args, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         started = time.monotonic()
         while True:
@@ -152,8 +153,9 @@ def start_server():
     """Factory: (serve args, env) -> RunningServer; every server it started is stopped at the end."""
     started: list[RunningServer] = []
 
-    def start(args: list[str], env: dict[str, str] | None = None, timeout: float = 180.0) -> RunningServer:
-        server = RunningServer(args, env, timeout)
+    def start(args: list[str], env: dict[str, str] | None = None, timeout: float = 180.0,
+              entrypoint: tuple[str, ...] = ("-m", "pagoda.entrypoints.cli.main", "serve")) -> RunningServer:
+        server = RunningServer(args, env, timeout, entrypoint)
         started.append(server)
         return server
 

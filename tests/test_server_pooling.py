@@ -244,9 +244,17 @@ BAD_EMBEDDINGS: list[tuple[dict[str, Any], str | None]] = [
     ({"input": "w5", "encoding_format": "hex"}, "encoding_format"),
     ({"input": "w5", "dimensions": 0}, "dimensions"),
     ({"input": "w5", "truncate_prompt_tokens": 0}, None),
-    ({"input": "w5", "temperature": 0.5}, "temperature"),
     ({"prompt": "w5"}, None),
 ]
+
+
+def test_fields_outside_the_embeddings_api_are_ignored(tiny: Any) -> None:
+    # as vLLM (and the generation endpoints): a field that cannot change an embedding is accepted, logged once
+    server, _, _, _ = tiny("embed")
+    plain = _post(server, "/v1/embeddings", {"input": "w5"})
+    extra = _post(server, "/v1/embeddings", {"input": "w5", "temperature": 0.5, "metadata": {"k": "v"}})
+    assert plain.status_code == extra.status_code == 200, extra.text
+    assert extra.json()["data"] == plain.json()["data"]
 
 
 @pytest.mark.parametrize("body,param", BAD_EMBEDDINGS, ids=[json.dumps(b)[:40] for b, _ in BAD_EMBEDDINGS])

@@ -19,11 +19,12 @@ pytest.importorskip("pagoda_structured_llguidance")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["name", "age"]}
-# Lark: llguidance's grammar format, which xgrammar's EBNF parser refuses
+# Lark that only llguidance takes: a Lark grammar is converted to EBNF for xgrammar (as vLLM), but a regex flag
+# (/i, the same language here: digits have no case) has no EBNF form
 LARK = r"""
 start: expr
 expr: NUMBER (("+" | "*") NUMBER)*
-NUMBER: /[1-9][0-9]?/
+NUMBER: /[1-9][0-9]?/i
 """
 
 
@@ -32,6 +33,8 @@ def test_select_prefers_xgrammar_and_falls_back_to_guidance() -> None:
     assert AutoBackend.select(StructuredOutputsParams(grammar='root ::= "a" | "b"')) == "xgrammar"
     # a schema xgrammar cannot compile (minProperties beyond the declared properties) but llguidance can
     assert AutoBackend.select(StructuredOutputsParams(json={"type": "object", "minProperties": 2})) == "guidance"
+    # plain Lark reaches xgrammar as EBNF
+    assert AutoBackend.select(StructuredOutputsParams(grammar='?start: "yes" | "no"')) == "xgrammar"
     lark = StructuredOutputsParams(grammar=LARK)
     assert AutoBackend.select(lark) == "guidance"
     assert lark._backend == "guidance"  # recorded for the engine, as vLLM's _backend

@@ -9,6 +9,7 @@ from pagoda.beam_search import BeamSearchOutput, EarlyStopping, request_output_t
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.chat_utils import is_conversation_list, render_chat_prompt
+from pagoda.entrypoints.log_config import configure_default_logging
 from pagoda.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -34,6 +35,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        configure_default_logging()
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._request_counter = 0

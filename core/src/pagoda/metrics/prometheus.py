@@ -1,10 +1,14 @@
 """Prometheus export of engine statistics with vLLM's metric names under the ``pagoda:`` prefix.
 
 Each logger owns its registry, so several engines (or test servers) in one
-process never collide on the global default registry.
+process never collide on the global default registry. With ``prefixes=("pagoda",
+"vllm")`` (`pagoda serve --vllm-metric-names`) every metric is exported under
+both prefixes, for dashboards and alerts written against vLLM's ``vllm:*``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -23,20 +27,43 @@ disable_created_metrics()
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+class _Same:
+    """One metric under several names: ``labels()`` / ``inc`` / ``set`` / ``observe`` reach every copy."""
+
+    def __init__(self, metrics: list[Any]) -> None:
+        self.metrics = metrics
+
+    def labels(self, *values: str) -> _Same:
+        return _Same([m.labels(*values) for m in self.metrics])
+
+    def inc(self, amount: float = 1) -> None:
+        for m in self.metrics:
+            m.inc(amount)
+
+    def set(self, value: float) -> None:
+        for m in self.metrics:
+            m.set(value)
+
+    def observe(self, value: float) -> None:
+        for m in self.metrics:
+            m.observe(value)
+
+
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 prefixes: tuple[str, ...] = ("pagoda",)) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagoda:{name}", doc, labels, registry=r)
+        def gauge(name: str, doc: str) -> _Same:
+            return _Same([Gauge(f"{p}:{name}", doc, labels, registry=r) for p in prefixes])
 
-        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
-            return Counter(f"pagoda:{name}", doc, labels + (extra or []), registry=r)
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> _Same:
+            return _Same([Counter(f"{p}:{name}", doc, labels + (extra or []), registry=r) for p in prefixes])
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(f"pagoda:{name}", doc, labels, buckets=buckets, registry=r)
+        def histogram(name: str, doc: str, buckets: list[float]) -> _Same:
+            return _Same([Histogram(f"{p}:{name}", doc, labels, buckets=buckets, registry=r) for p in prefixes])
 
         self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.").labels(model_name)
         self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.").labels(model_name)
@@ -56,14 +83,11 @@ class PrometheusStatLogger:
         ).labels(model_name)
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", _REQUEST_LATENCY_BUCKETS).labels(model_name)
         self.queue_time = histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS).labels(model_name)
-        self.prompt_tokens_per_request = Histogram(
-            "pagoda:request_prompt_tokens", "Number of prefill tokens processed.", labels,
-            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000], registry=r,
-        ).labels(model_name)
-        self.generation_tokens_per_request = Histogram(
-            "pagoda:request_generation_tokens", "Number of generation tokens processed.", labels,
-            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000], registry=r,
-        ).labels(model_name)
+        token_buckets = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+        self.prompt_tokens_per_request = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets).labels(model_name)
+        self.generation_tokens_per_request = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets).labels(model_name)
 
     def record_iteration(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         self.num_requests_running.set(scheduler.num_running_reqs)

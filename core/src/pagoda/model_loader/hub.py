@@ -18,8 +18,10 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pagoda.model_loader.errors import ModelLoadError, ModelNotFoundError
 
@@ -98,10 +100,44 @@ def _cached_snapshot(model_id: HubModelId, revision: str | None, cache_dir: Path
     return snapshot
 
 
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
+    """Why the hub's host cannot be reached (no DNS, refused, timed out), or None when it can.
+
+    huggingface_hub retries a failed connection with backoff for tens of seconds, logging every retry; one
+    connection attempt first makes an offline start fail in seconds with one clear error. Behind a proxy the
+    host is not reached directly, so nothing is probed there.
+    """
+    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+        return None
+    parts = urlsplit(endpoint)
+    if parts.hostname is None:
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def _download(model_id: HubModelId, revision: str | None, cache_dir: Path) -> Path:
-    from huggingface_hub import list_repo_files, snapshot_download
+    from huggingface_hub import constants, list_repo_files, snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
+    reason = _unreachable(constants.ENDPOINT)
+    if reason is not None:
+        try:
+            return _cached_snapshot(model_id, revision, cache_dir)
+        except ModelNotFoundError:
+            raise ModelNotFoundError(
+                f"Model {model_id.describe(revision)} is not a local path, not in the Hugging Face cache {cache_dir}, "
+                f"and the hub ({constants.ENDPOINT}) cannot be reached to download it ({reason}). Without a "
+                "network: copy the model to a local directory, or point HF_HUB_CACHE / HF_HOME at a cache that "
+                "holds it (HF_HUB_OFFLINE=1 then skips the hub)"
+            ) from None
     try:
         files = list_repo_files(model_id.repo_id, revision=revision)
         patterns = _patterns_for(model_id, files)

@@ -19,6 +19,10 @@ _LAZY: dict[str, str] = {
     "RequestStructuredOutput": "pagoda.structured_output.manager",
     "StructuredOutputManager": "pagoda.structured_output.manager",
     "apply_token_bitmask": "pagoda.structured_output.manager",
+    # Lark grammars as EBNF (vLLM's convert_lark_to_ebnf), for the backends
+    "ebnf_of": "pagoda.structured_output.lark",
+    "is_likely_lark": "pagoda.structured_output.lark",
+    "lark_to_ebnf": "pagoda.structured_output.lark",
 }
 
 

@@ -25,6 +25,8 @@ from pagoda.structured_output import (
     StructuredOutputError,
     StructuredOutputMatcher,
     StructuredOutputsParams,
+    is_likely_lark,
+    lark_to_ebnf,
 )
 
 
@@ -88,15 +90,30 @@ def serialize_grammar(params: StructuredOutputsParams) -> str:
             assert params.choice is not None
             return str(llguidance.grammar_from("choice", json.dumps(params.choice)))
         if kind == "grammar":
-            # Lark (llguidance's native format) or GBNF
             assert params.grammar is not None
-            return str(llguidance.grammar_from("grammar", params.grammar))
+            return grammar_spec(params.grammar)
         assert params.structural_tag is not None
         return structural_tag_grammar(params.structural_tag)
     except StructuredOutputError:
         raise
     except (ValueError, TypeError, RuntimeError) as exc:
         raise StructuredOutputError(f"invalid structured_outputs.{kind}: {exc}") from exc
+
+
+def grammar_spec(grammar: str) -> str:
+    """A grammar in llguidance's form: GBNF as GBNF; Lark as Lark (so ``?start:`` is not misread as GBNF), or,
+    when llguidance's Lark refuses it (single-quoted literals, as Outlines' users write them), as the EBNF vLLM
+    converts Lark to. A grammar neither reading takes keeps llguidance's own error."""
+    if not is_likely_lark(grammar):
+        return str(llguidance.grammar_from("grammar", grammar))
+    native = str(llguidance.grammar_from("lark", grammar))
+    if not llguidance.LLMatcher.validate_grammar(native):
+        return native
+    try:
+        converted = lark_to_ebnf(grammar)
+    except ValueError:
+        return native
+    return str(llguidance.grammar_from("grammar", converted))
 
 
 def _check(params: StructuredOutputsParams, grammar: str, tokenizer: Any = None) -> None:

@@ -15,6 +15,7 @@ from pagoda.structured_output import (
     StructuredOutputError,
     StructuredOutputMatcher,
     StructuredOutputsParams,
+    ebnf_of,
 )
 
 # xgrammar's messages start with "[hh:mm:ss] /project/cpp/file.cc:123: "; the caller needs only the rest.
@@ -102,7 +103,7 @@ class XgrammarBackend(StructuredOutputBackend):
                 compiled = self._compiler.compile_grammar(choice_grammar(params.choice))
             elif kind == "grammar":
                 assert params.grammar is not None
-                compiled = self._compiler.compile_grammar(params.grammar)
+                compiled = self._compiler.compile_grammar(ebnf_of(params.grammar))
             else:
                 assert params.structural_tag is not None
                 compiled = self._compiler.compile_structural_tag(*structural_tag_args(params.structural_tag))
@@ -128,7 +129,8 @@ class XgrammarBackend(StructuredOutputBackend):
                 xgr.Grammar.from_ebnf(choice_grammar(params.choice))
             elif kind == "grammar":
                 assert params.grammar is not None
-                xgr.Grammar.from_ebnf(params.grammar)
+                # a Lark grammar (Outlines', vLLM users') as EBNF, as vLLM's xgrammar backend converts it
+                xgr.Grammar.from_ebnf(ebnf_of(params.grammar))
             elif kind == "structural_tag":
                 assert params.structural_tag is not None
                 xgr.Grammar.from_structural_tag(*structural_tag_args(params.structural_tag))

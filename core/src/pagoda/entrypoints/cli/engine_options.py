@@ -11,6 +11,10 @@ from typing import Any
 import typer
 
 from pagoda.config import EngineArgs
+from pagoda.entrypoints.cli.vllm_flags import parse_size
+
+# fields whose flag takes vLLM's human-readable sizes ("2k" = 2000, "2K" = 2048)
+HUMAN_READABLE = ("max_model_len", "kv_cache_memory_bytes")
 
 
 def _option_for(name: str, info: Any) -> tuple[Any, Any]:
@@ -28,6 +32,9 @@ def _option_for(name: str, info: Any) -> tuple[Any, Any]:
     base = inner[0]
     if typing.get_origin(base) is typing.Literal:
         return str | None, typer.Option(default, flag, help=help_text)  # type: ignore[return-value]
+    if base is int and name in HUMAN_READABLE:
+        return (int | None) if type(None) in args else int, typer.Option(  # type: ignore[return-value]
+            default, flag, help=f"{help_text} Takes 2k (2000) or 2K (2048).", parser=parse_size)
     if base in (int, float, str):
         return (base | None) if type(None) in args else base, typer.Option(default, flag, help=help_text)
     # dicts (hf_overrides) travel as JSON text
@@ -90,3 +97,35 @@ def with_engine_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable[...
         return wrapper
 
     return decorate
+
+
+def with_model_flag(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: vLLM's ``--model M`` beside the positional ``MODEL`` (vLLM still takes both; its classic
+    ``python -m vllm.entrypoints.openai.api_server`` only the flag). Giving both with different values is an error."""
+    sig = inspect.signature(func)
+    flag = inspect.Parameter(
+        "model_flag", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+        default=typer.Option(None, "--model", help="The model, as the positional MODEL (vLLM's spelling)."))
+
+    def wrapper(**kwargs: Any) -> Any:
+        given = kwargs.pop("model_flag")
+        ctx: typer.Context = kwargs.pop("_model_flag_ctx")
+        if given is not None:
+            # a MODEL from --config yields to the command line's --model
+            source = ctx.get_parameter_source("model")
+            from_file = source is not None and source.name == "DEFAULT_MAP"
+            if kwargs.get("model") not in (None, given) and not from_file:
+                raise typer.BadParameter(f"the model is given twice: {kwargs['model']!r} and --model {given!r}")
+            kwargs["model"] = given
+        return func(**kwargs)
+
+    params = list(sig.parameters.values())
+    keyword_at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(params))
+    params.insert(keyword_at, flag.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    # typer hands the click context to a parameter annotated typer.Context
+    params.insert(0, inspect.Parameter("_model_flag_ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                       annotation=typer.Context))
+    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__name__ = func.__name__
+    wrapper.__doc__ = func.__doc__
+    return wrapper

@@ -12,6 +12,8 @@ app = typer.Typer(
     help="pagoda: a high-throughput LLM inference and serving engine.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # click's plain help: rich's tables cut long flag names ("--enable-prefix-ca…") at 80 columns or when piped
+    rich_markup_mode=None,
 )
 app.add_typer(plugins_cmd.app, name="plugins")
 

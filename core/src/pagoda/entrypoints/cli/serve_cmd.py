@@ -8,7 +8,9 @@ import logging
 import typer
 
 from pagoda.config import EngineArgs
-from pagoda.entrypoints.cli.engine_options import with_engine_options
+from pagoda.entrypoints.cli.engine_options import with_engine_options, with_model_flag
+from pagoda.entrypoints.cli.help_groups import GroupedHelpCommand
+from pagoda.entrypoints.cli.vllm_flags import load_config_file
 
 
 def _json_list(value: str, flag: str) -> list[str]:
@@ -21,11 +23,16 @@ def _json_list(value: str, flag: str) -> list[str]:
     return parsed
 
 
+@with_model_flag
 @with_engine_options(exclude=("served_model_name",))
 def serve(
     model: str | None = typer.Argument(None, help="HF model directory, .gguf file or hub id (org/name); none = SmolLM2-135M-Instruct."),
+    config: str | None = typer.Option(
+        None, "--config", is_eager=True, callback=load_config_file,
+        help="YAML file of options (vLLM's: 'max-model-len: 2048', 'model: org/name'); the command line wins."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; 0.0.0.0 exposes the server to the network."),
     port: int = typer.Option(8000, "--port", help="Port to bind."),
+    uds: str | None = typer.Option(None, "--uds", help="Serve on this Unix domain socket path instead of --host/--port."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="PAGODA_API_KEY",
                                        help="Require 'Authorization: Bearer KEY' on /v1/* (or PAGODA_API_KEY)."),
     served_model_name: list[str] | None = typer.Option(None, "--served-model-name",
@@ -53,8 +60,21 @@ def serve(
     max_n: int = typer.Option(128, "--max-n", help="Largest n / best_of per request."),
     shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout",
                                            help="Seconds in-flight requests may take to finish on SIGINT/SIGTERM."),
+    enable_tokenizer_info_endpoint: bool = typer.Option(
+        False, "--enable-tokenizer-info-endpoint",
+        help="Serve GET /tokenizer_info: the tokenizer's configuration and chat template (for remote tokenizers)."),
     uvicorn_log_level: str = typer.Option("info", "--uvicorn-log-level", help="uvicorn's log level."),
-    enable_log_requests: bool = typer.Option(False, "--enable-log-requests", help="Log every request (access log)."),
+    enable_log_requests: bool = typer.Option(False, "--enable-log-requests/--disable-log-requests",
+                                             help="Log every request (access log); off by default, as in vLLM."),
+    vllm_metric_names: bool = typer.Option(
+        False, "--vllm-metric-names",
+        help="Export every /metrics metric as vLLM's vllm:* too, beside pagoda:* (for vLLM's dashboards)."),
+    disable_log_stats: bool = typer.Option(
+        False, "--disable-log-stats", help="Record no engine statistics (the /metrics counters stay at zero)."),
+    swap_space: float | None = typer.Option(
+        None, "--swap-space", min=0,
+        help="vLLM's CPU swap space (GiB); accepted and unused, as in vLLM's V1 engine: a preempted request "
+             "is recomputed, never swapped."),
     *,
     engine_args: EngineArgs,
 ) -> None:
@@ -66,6 +86,10 @@ def serve(
     from pagoda.entrypoints.openai.server_args import ServerArgs
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if swap_space is not None:
+        logging.getLogger(__name__).warning(
+            "--swap-space %g has no effect: pagoda preempts by recomputing the request, as vLLM's V1 engine "
+            "(which ignores it too)", swap_space)
     try:
         load_chat_template(chat_template)
         server_args = ServerArgs(
@@ -78,6 +102,8 @@ def serve(
             allowed_methods=_json_list(allowed_methods, "--allowed-methods"),
             allowed_headers=_json_list(allowed_headers, "--allowed-headers"),
             max_request_body_bytes=max_request_body_bytes, max_n=max_n, shutdown_timeout=shutdown_timeout,
+            enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint, uds=uds,
+            disable_log_stats=disable_log_stats, vllm_metric_names=vllm_metric_names,
             uvicorn_log_level=uvicorn_log_level, disable_log_requests=not enable_log_requests,
         )
     except (ValidationError, ValueError) as exc:
@@ -93,9 +119,18 @@ def serve(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
     except OSError as exc:
-        typer.echo(f"error: cannot listen on {host}:{port}: {exc}", err=True)
+        typer.echo(f"error: cannot listen on {uds or f'{host}:{port}'}: {exc}", err=True)
         raise typer.Exit(1) from exc
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)
+    app.command("serve", cls=GroupedHelpCommand)(serve)
+
+
+def api_server_main(argv: list[str] | None = None) -> None:
+    """``python -m pagoda.entrypoints.openai.api_server --model M ...``: vLLM's classic entrypoint (Docker
+    images, Kubernetes manifests), the same command with every option of `pagoda serve`."""
+    # plain help, as `pagoda`'s: rich's tables cut flag names at 80 columns
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+    app.command(cls=GroupedHelpCommand)(serve)
+    app(args=argv, prog_name="python -m pagoda.entrypoints.openai.api_server")

@@ -8,6 +8,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -39,6 +40,7 @@ from pagoda.entrypoints.openai.serving_chat import chat_prompt_async, create_cha
 from pagoda.entrypoints.openai.serving_common import ServingContext
 from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.entrypoints.openai.serving_pooling import require_generate
+from pagoda.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagoda.entrypoints.openai.tool_calls import resolve_tool_parser
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagoda.metrics.prometheus import PrometheusStatLogger
@@ -111,7 +113,8 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
                                         server_args.tool_parser_plugin),
     )
     app.state.ctx = ctx
-    metrics = PrometheusStatLogger(ctx.model_name)
+    metrics = PrometheusStatLogger(ctx.model_name,
+                                   prefixes=("pagoda", "vllm") if server_args.vllm_metric_names else ("pagoda",))
     engine.add_stat_logger(metrics)
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -141,6 +144,11 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
             return JSONResponse(error_body(f"engine unhealthy: {exc}", 503), status_code=503)
         return Response(status_code=200)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        # vLLM's SageMaker-style liveness probe: /health's answer
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -157,6 +165,20 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
              "max_model_len": ctx.max_model_len, "permission": []}
             for name in ctx.served_model_names
         ]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        # OpenAI's retrieve; ids may hold "/" (hub ids)
+        for card in (await models())["data"]:
+            if card["id"] == model_id:
+                return card
+        raise APIError(f"The model `{model_id}` does not exist; this server serves {ctx.served_model_names}.", 404,
+                       "model", code="model_not_found")
+
+    if server_args.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict[str, Any]:
+            return tokenizer_info(ctx.need_tokenizer(), ctx.chat_template)
 
     # -- generation ----------------------------------------------------------------------
     @route("/v1/completions", CompletionRequest)
@@ -228,8 +250,17 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
     return app
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind before loading the model, so a busy port fails in a second, not after the load."""
+def bind_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
+    """Bind before loading the model, so a busy port fails in a second, not after the load;
+    ``uds``: a Unix domain socket at that path instead (vLLM's --uds), replacing a stale socket file."""
+    if uds is not None:
+        path = Path(uds)
+        if path.is_socket():
+            path.unlink()
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.bind(uds)
+        unix.set_inheritable(True)
+        return unix
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -248,8 +279,11 @@ async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str
     config = uvicorn.Config(app, log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_log_requests,
                             timeout_graceful_shutdown=max(1, int(server_args.shutdown_timeout)) if server_args.shutdown_timeout else None)
     server = uvicorn.Server(config)
-    host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}" if ":" not in str(host) else f"http://[{host}]:{port}"
+    if sock.family == socket.AF_UNIX:
+        url = f"unix:{sock.getsockname()}"
+    else:
+        host, port = sock.getsockname()[:2]
+        url = f"http://{host}:{port}" if ":" not in str(host) else f"http://[{host}]:{port}"
 
     async def announce() -> None:
         while not server.started:
@@ -277,11 +311,12 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
                             server_args.tool_parser_plugin)
     except (ValueError, OSError, ImportError) as exc:
         raise PluginError(str(exc)) from exc
-    sock = bind_socket(server_args.host, server_args.port)
+    sock = bind_socket(server_args.host, server_args.port, server_args.uds)
     # The engine core in its own process, as vLLM's server runs it: W3 on 2 Zen 5 cores measured
     # 1.10-1.21x the thread's output tok/s (docs/benchmarks.md, session 10);
     # PAGODA_ENABLE_V1_MULTIPROCESSING=0 keeps it in a thread of this process.
-    engine = AsyncLLM.from_engine_args(engine_args, engine_core_process=True)
+    engine = AsyncLLM.from_engine_args(engine_args, log_stats=not server_args.disable_log_stats,
+                                       engine_core_process=True)
     try:
         # before serving: a processor nobody provides stops the start (PluginError)
         io_processor = get_io_processor(engine.config, engine.model_config.io_processor_plugin)
@@ -303,3 +338,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
         for s, handler in previous.items():
             signal.signal(s, handler)
         sock.close()
+
+
+if __name__ == "__main__":
+    # vLLM's `python -m vllm.entrypoints.openai.api_server`: `pagoda serve` under that name
+    from pagoda.entrypoints.cli.serve_cmd import api_server_main
+
+    api_server_main()

@@ -56,7 +56,11 @@ class CompletionLogprobs:
                 continue
             out["token_logprobs"].append(safe_logprob(chosen.logprob) if chosen is not None else None)
             top: dict[str, float] = {}
-            for t, lp in _top(entry, self.num):
+            ranked = _top(entry, self.num)
+            if chosen is not None and all(t != tid for t, _ in ranked):
+                # as OpenAI's and vLLM's completions: the sampled token too, when outside the top k (k + 1 entries)
+                ranked.append((tid, chosen))
+            for t, lp in ranked:
                 top.setdefault(self.token_text(t, lp.decoded_token), safe_logprob(lp.logprob))
             out["top_logprobs"].append(top)
         return out

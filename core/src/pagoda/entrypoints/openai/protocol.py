@@ -1,14 +1,22 @@
 """Request bodies of the OpenAI-compatible API, with vLLM's extra sampling parameters.
 
-Unknown fields are rejected (a typo must not be silently ignored); every bound
-that pydantic can check is declared here so the error names the field.
+Unknown fields are accepted as vLLM accepts them (clients such as LangChain and
+LiteLLM send OpenAI's newer fields: ``metadata``, ``store``, ``service_tier``, ...)
+and each name is logged once as ignored; OpenAI's fields that would change the
+output in a way pagoda cannot (``audio``, ``web_search_options``, ``prediction``, ...)
+are refused by name. Every bound pydantic can check is declared here so the
+error names the field.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+logger = logging.getLogger(__name__)
 
 
 class FieldError(ValueError):
@@ -19,8 +27,61 @@ class FieldError(ValueError):
         self.param = param
 
 
+# OpenAI's fields that ask for something this server cannot do: a set (non-null) value is refused by name,
+# since ignoring it would answer a different question than the one asked.
+REFUSED_FIELDS: dict[str, str] = {
+    "audio": "audio output is not supported: this server generates text only",
+    "web_search_options": "web search is not supported: this server runs the model only, with no search tool",
+    "prediction": "predicted outputs (prediction) need speculative decoding, which this server does not run yet",
+    # vLLM's older per-request backend choice (gone from vLLM since the backend became an engine setting)
+    "guided_decoding_backend": "guided_decoding_backend is not a request field here: the structured-outputs backend "
+                               "is the server's (--structured-outputs-config '{\"backend\": ...}')",
+    "verbosity": "verbosity is not supported: no model served here takes a verbosity setting; ask for length "
+                 "in the prompt or bound it with max_tokens",
+}
+
+_logged_ignored: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def _log_ignored(body: str, names: list[str]) -> None:
+    """Name each ignored field once per process: a client that always sends one must not flood the log."""
+    with _logged_lock:
+        new = [n for n in names if f"{body}.{n}" not in _logged_ignored]
+        _logged_ignored.update(f"{body}.{n}" for n in new)
+    if new:
+        logger.warning("%s: request fields ignored (unknown here, or unable to change the output): %s; "
+                       "each is named once", body, ", ".join(sorted(new)))
+
+
+def _modalities_error(value: Any) -> str | None:
+    if value is None or value == ["text"]:
+        return None
+    return f"modalities {value!r} is not supported: this server generates text only (modalities: [\"text\"])"
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_fields(cls, data: Any) -> Any:
+        """vLLM's reading of fields outside the body: accepted and logged as ignored; those of
+        ``REFUSED_FIELDS`` (and non-text ``modalities``) refused by name when set."""
+        if not isinstance(data, dict):
+            return data
+        unknown = [k for k in data if isinstance(k, str) and k not in cls.model_fields]
+        ignored: list[str] = []
+        for name in unknown:
+            value = data[name]
+            reason = _modalities_error(value) if name == "modalities" else \
+                (REFUSED_FIELDS.get(name) if value is not None else None)
+            if reason is not None:
+                raise FieldError(reason, name)
+            ignored.append(name)
+        if ignored:
+            _log_ignored(cls.__name__, ignored)
+        return data
 
 
 class StreamOptions(_Body):
@@ -184,6 +245,17 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     return_tokens_as_token_ids: StrictBool = False
+    # OpenAI's reasoning models' knob; as vLLM, it reaches the chat template (templates that read it, such as
+    # gpt-oss's and Qwen's, change the prompt) together with enable_thinking
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` with ``reasoning_effort`` (and the ``enable_thinking`` it implies) under them:
+        the request's own ``chat_template_kwargs`` win, as in vLLM."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none",
+                **(self.chat_template_kwargs or {})}
 
     @model_validator(mode="after")
     def _consistent(self) -> Any:
@@ -249,6 +321,9 @@ class TokenizeChatRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: StrictBool = False
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return self.chat_template_kwargs
 
 
 class DetokenizeRequest(_Body):

@@ -1,7 +1,8 @@
 """Request bodies of the pooling endpoints (embeddings, pooling, classify, score, rerank), with vLLM's fields.
 
-As in ``protocol``, unknown fields are refused so that a typo never passes
-unnoticed, and every bound pydantic can check is declared here.
+As in ``protocol``, unknown fields are accepted and logged once as ignored (or
+refused by name where they ask for what pagoda cannot do), and every bound
+pydantic can check is declared here.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class _ChatInputFields(_Body):
     def tools(self) -> None:
         # chat_prompt reads it; a pooling request carries no tools
         return None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return self.chat_template_kwargs
 
     @model_validator(mode="after")
     def _consistent(self) -> Any:

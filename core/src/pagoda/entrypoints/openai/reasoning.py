@@ -26,7 +26,7 @@ class ChatReasoning:
     def __init__(self, parser_cls: type[ReasoningParser], tokenizer: Any, request: Any,
                  prompt_token_ids: Sequence[int]) -> None:
         self.request = request
-        self.parser = parser_cls(tokenizer, chat_template_kwargs=request.chat_template_kwargs,
+        self.parser = parser_cls(tokenizer, chat_template_kwargs=request.template_kwargs(),
                                  prompt_token_ids=list(prompt_token_ids))
         self.text = ""
         self.token_ids: list[int] = []

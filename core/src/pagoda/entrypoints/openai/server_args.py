@@ -15,6 +15,7 @@ class ServerArgs(BaseModel):
 
     host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 exposes the server to the network.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 = any free port).")
+    uds: str | None = Field(None, description="Unix domain socket path to serve on instead of host/port (vLLM's).")
     api_key: str | None = Field(None, description="Require 'Authorization: Bearer KEY' on /v1/* (or PAGODA_API_KEY).")
     served_model_name: list[str] | None = Field(None, description="Names the API answers to; the first is reported.")
     chat_template: str | None = Field(None, description="Chat template file or inline Jinja for every request.")
@@ -36,6 +37,11 @@ class ServerArgs(BaseModel):
     max_n: int = Field(128, gt=0, description="Largest n / best_of a request may ask for.")
     uvicorn_log_level: str = Field("info", description="uvicorn's log level.")
     disable_log_requests: bool = Field(True, description="Do not log each request.")
+    vllm_metric_names: bool = Field(
+        False, description="Export every /metrics metric under vLLM's vllm:* names as well as pagoda:*.")
+    disable_log_stats: bool = Field(False, description="Record no engine statistics (vLLM's --disable-log-stats).")
+    enable_tokenizer_info_endpoint: bool = Field(
+        False, description="Serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM.")
     shutdown_timeout: float = Field(10.0, ge=0, description="Seconds to let in-flight requests finish on SIGINT/SIGTERM.")
 
     def resolved_api_key(self) -> str | None:

@@ -35,7 +35,8 @@ def _render(ctx: ServingContext, req: Any) -> str:
     return render_chat(
         ctx.need_tokenizer(), req.messages,
         request_template=req.chat_template, server_template=ctx.chat_template,
-        template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt,
+        template_kwargs=req.template_kwargs(),
+        add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, tools=req.tools,
         documents=getattr(req, "documents", None),
         trust_request_template=ctx.trust_request_chat_template, timeout=ctx.chat_template_render_timeout,
