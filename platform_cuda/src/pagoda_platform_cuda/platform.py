@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagoda.config import EngineConfig
+    from pagoda.worker.graphs import GraphCapturer
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,16 @@ class CudaPlatform(Platform):
             return []
         sizes = config.extra.get(CAPTURE_SIZES_KEY)
         return list(sizes) if sizes is not None else resolve_capture_sizes(config.extra, config.scheduler_config.max_num_seqs)
+
+    def graph_capturer(self, roots: list[object]) -> tuple[GraphCapturer | None, str]:
+        # a CUDA graph replays device work only: nothing it reads needs keeping alive beyond the runner's own
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, "no CUDA device is available"
+        from pagoda.worker.graphs import CudaGraphCapture
+
+        return CudaGraphCapture(), ""
 
     def is_pin_memory_available(self, config: EngineConfig | None = None) -> bool:
         """Pinned host buffers make host-to-device copies asynchronous; on unless the config turns them off."""
