@@ -2,8 +2,8 @@
 kernel graphs (``pagoda.cpp_extension.graph``) on CPU.
 
 A decode step of ``n`` requests runs the same kernels for every ``n`` of a
-given size, with only data changing. At start-up the runner captures one graph
-per capture size ``N`` (largest first, all in one memory pool) over static
+given size, with only data changing. On a GPU the runner captures one graph at
+start-up per capture size ``N`` (largest first, all in one memory pool) over static
 device buffers; a decode step with ``n <= max(N)`` is then padded up to the
 next captured size, its inputs are copied into the static buffers and the
 graph is replayed, which saves the per-kernel launch cost that dominates small
