@@ -44,6 +44,8 @@ MARKS = [
     ("decode graphs", r"pagoda\.worker\.graphs: ", "core"),
 ]
 NOTES = r"compiled in|loaded \(built by|faulted in|captured|memory: "
+# kernel builds log from their own threads, whenever they finish: no phase ends at one
+BUILD = "pagoda.cpp_extension.build:"
 
 
 def pythonpath(root: str) -> str:
@@ -74,9 +76,9 @@ def phases(lines: list[tuple[float, str]], healthy: float | None) -> dict[str, f
     prev = 0.0
     first_core = next((t for t, line in lines if CORE in line), None)
     for name, rx, where in MARKS:
-        if rx is None:  # the API config: up to its last line before the engine core's first
-            hit = max((t for t, line in lines if CORE not in line and t >= prev and (first_core is None or t <= first_core)),
-                      default=None)
+        if rx is None:  # the API config: up to its last line before the engine core's first (not a build thread's)
+            hit = max((t for t, line in lines if CORE not in line and BUILD not in line and t >= prev
+                       and (first_core is None or t <= first_core)), default=None)
         else:
             hit = next((t for t, line in lines if t >= prev and (CORE in line) == (where == "core") and re.search(rx, line)),
                        None)
@@ -88,7 +90,7 @@ def phases(lines: list[tuple[float, str]], healthy: float | None) -> dict[str, f
     return out
 
 
-def run(root: str, cache_root: str, timeout: float = 600.0) -> dict[str, Any]:
+def run(root: str, cache_root: str, timeout: float = 600.0, log: str | None = None) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=pythonpath(root), PAGODA_CACHE_ROOT=cache_root, PYTHONUNBUFFERED="1")
     env.pop("PAGODA_CPU_KVCACHE_PREFAULT", None)  # the real default: prefault on
     port = free_port()
@@ -137,6 +139,9 @@ def run(root: str, cache_root: str, timeout: float = 600.0) -> dict[str, Any]:
             proc.kill()
             proc.wait()
         reader.join(5)
+    if log is not None:
+        with open(log, "w") as f:
+            f.writelines(f"{t:8.2f} {line}\n" for t, line in lines)
     return {
         "healthy_s": healthy and round(healthy, 2), "first_token_s": first_token and round(first_token, 2),
         "rss_mib": rss >> 20, "load_avg": round(os.getloadavg()[0], 1), "phases": phases(lines, healthy),
@@ -149,17 +154,18 @@ def main() -> None:
     parser.add_argument("trees", nargs="+", help="LABEL=PATH of a source tree")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mode", choices=("warm", "fresh"), default="warm")
-    parser.add_argument("--cache-dir", default="/tmp/pagoda-startup-phases", help="where the cache roots go")
+    parser.add_argument("--cache-dir", default="/tmp/pagoda-startup-phases", help="where the cache roots and logs go")
     args = parser.parse_args()
     trees = [tuple(t.split("=", 1)) for t in args.trees]
     results: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in trees}
+    os.makedirs(args.cache_dir, exist_ok=True)
     if args.mode == "warm":
         for label, root in trees:  # fill each tree's caches once
             run(root, f"{args.cache_dir}/{label}-warm")
     for i in range(args.rounds):
         for label, root in trees if i % 2 == 0 else trees[::-1]:
             cache = f"{args.cache_dir}/{label}-warm" if args.mode == "warm" else f"{args.cache_dir}/{label}-fresh-{time.time_ns()}"
-            result = run(root, cache)
+            result = run(root, cache, log=f"{args.cache_dir}/{label}-{args.mode}-{i}.log")
             results[label].append(result)
             print(label, args.mode, json.dumps(result), flush=True)
     for label, rs in results.items():
