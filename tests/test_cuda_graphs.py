@@ -52,7 +52,9 @@ def eager_replay_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the CPU runner build decode graphs: a graph-capable backend, capture sizes, EagerReplay."""
     monkeypatch.setattr(model_runner_module, "select_attention_backend", lambda *a, **k: ReferenceGraphBackend)
     monkeypatch.setattr(graphs, "capture_sizes_for", lambda platform, config: list(CPU_SIZES))
-    monkeypatch.setattr(graphs, "make_capturer", lambda device, roots=None: EagerReplay())
+    from pagoda_platform_cpu.platform import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "graph_capturer", lambda self, roots: (EagerReplay(), ""))
 
 
 def _requests(vocab: int, n: int, seed: int) -> tuple[list[dict[str, Any]], list[SamplingParams]]:

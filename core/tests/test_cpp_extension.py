@@ -111,6 +111,30 @@ def test_built_library_is_cached_and_loaded_again_without_compiling(
     assert failure is not None and "must not be compiled again" in failure
 
 
+def test_a_second_build_of_the_same_library_waits_for_the_first_and_loads_it(
+    cache_root: Path, package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pagoda serve`'s API process starts the attention kernel's build and its engine-core process asks for
+    the same library while it compiles: the second waits on the build lock and loads the first's library."""
+    compiled: list[Path] = []
+    real_compile = build._compile
+    second = _extension(package)  # another process's view: its own CppExtension, nothing loaded
+
+    def compile_and_let_another_ask(sources: list[Path], output: Path, cflags: list[str]) -> None:
+        compiled.append(output)
+        if len(compiled) == 1:
+            second.start()
+            time.sleep(0.5)  # the second build has asked by now, and found no library in the cache
+        real_compile(sources, output, cflags)
+
+    monkeypatch.setattr(build, "_compile", compile_and_let_another_ask)
+    assert _declare(_extension(package).library()).add_one(1) == 2
+    assert _declare(second.library()).add_one(2) == 3
+    assert len(compiled) == 1, "the second build compiled the same sources again instead of waiting"
+    (lock,) = cache_root.glob(f"{prebuilt.CACHE_SUBDIR}/{EXTENSION_NAME}-*/{prebuilt.LOCK_NAME}")
+    assert lock.is_file()
+
+
 def test_module_functions_convert_their_arguments(cache_root: Path, package: Path) -> None:
     library = _extension(package).library()
     data = torch.tensor([7, 8], dtype=torch.uint8)

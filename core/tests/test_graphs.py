@@ -167,25 +167,56 @@ class _GraphBackend(AttentionBackend):
     supports_cuda_graphs: ClassVar[bool] = True
 
 
-def _fake_runner(platform: Platform, backend: type[AttentionBackend]) -> Any:
+def _graph_inputs(backend: type[AttentionBackend]) -> graphs.GraphInputs:
     from pagoda.attention import AttentionSpec
 
     spec = AttentionSpec(num_heads=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device_type="cpu", block_size=BLOCK_SIZE)
-    return SimpleNamespace(
-        platform=platform, config=None, max_num_seqs=16, max_num_batched_tokens=32, attn_backend=backend(spec),
-        device=torch.device("cpu"), model=ToyModel(), batch=SimpleNamespace(block_table=np.zeros((16, WIDTH), np.int32)),
-        max_model_len=MAX_MODEL_LEN,
+    return graphs.GraphInputs(
+        model=ToyModel(), attn_backend=backend(spec), attn_layers=[], max_blocks_per_req=WIDTH,
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=32, device=torch.device("cpu"),
     )
 
 
-def test_create_decode_graphs_turns_off_where_it_must(monkeypatch: pytest.MonkeyPatch) -> None:
+_CONFIG: Any = SimpleNamespace(cache_config=SimpleNamespace(calculate_kv_scales=False))
+
+
+class _CapturingPlatform(_Platform):
+    def graph_capturer(self, roots: list[object]) -> tuple[graphs.GraphCapturer | None, str]:
+        return EagerReplay(), ""
+
+
+class _LazyReplay(EagerReplay):
+    captures_on_first_use = True
+
+
+def test_create_decode_graphs_turns_off_where_it_must() -> None:
     assert AttentionBackend.supports_cuda_graphs is False
-    # No CUDA here: no capturer, so no graphs even when everything else allows them.
-    assert create_decode_graphs(_fake_runner(_Platform(), _GraphBackend)) is None
-    monkeypatch.setattr(graphs, "make_capturer", lambda device, roots=None: EagerReplay())
-    assert create_decode_graphs(_fake_runner(_NoGraphsPlatform(), _GraphBackend)) is None
-    assert create_decode_graphs(_fake_runner(_Platform(), AttentionBackend)) is None
-    made = create_decode_graphs(_fake_runner(_Platform(), _GraphBackend))
+    # The platform has no graph runtime (the interface's default): no graphs even when everything else allows them.
+    assert create_decode_graphs(_Platform(), _CONFIG, _graph_inputs(_GraphBackend)) is None
+
+    class NoGraphs(_CapturingPlatform):
+        supports_graphs = False
+
+    assert create_decode_graphs(NoGraphs(), _CONFIG, _graph_inputs(_GraphBackend)) is None
+    assert create_decode_graphs(_CapturingPlatform(), _CONFIG, _graph_inputs(AttentionBackend)) is None
+    made = create_decode_graphs(_CapturingPlatform(), _CONFIG, _graph_inputs(_GraphBackend))
     assert made is not None
     # 64 > max_num_seqs (16): never replayed, so never captured.
     assert made.sizes == [1, 2, 8] and sorted(made.steps) == [1, 2, 8]
+
+
+def test_a_capturer_that_captures_on_first_use_captures_only_the_sizes_replayed() -> None:
+    class LazyPlatform(_Platform):
+        def graph_capturer(self, roots: list[object]) -> tuple[graphs.GraphCapturer | None, str]:
+            return _LazyReplay(), ""
+
+    lazy = create_decode_graphs(LazyPlatform(), _CONFIG, _graph_inputs(_GraphBackend))
+    assert lazy is not None and lazy.sizes == [1, 2, 8] and not lazy.steps, "nothing captured at start-up"
+    eager, _ = _runner([1, 2, 8])
+    for n, seed in ((3, 1), (2, 2), (3, 3)):
+        step = _decode_step(n, seed)
+        out = lazy.replay(**step)
+        assert out is not None
+        # the same rows, bit for bit, as the graphs captured up front
+        assert torch.equal(out, eager.replay(**step))
+    assert sorted(lazy.steps) == [2, 8] and lazy.num_replays == 3

@@ -273,7 +273,8 @@ def _platform_uses_in_core() -> tuple[dict[str, set[str]], list[str]]:
 
 def test_everything_core_calls_on_a_platform_is_declared_on_the_interface() -> None:
     used, probes = _platform_uses_in_core()
-    assert {"is_pin_memory_available", "kv_cache_budget_bytes", "resolve_dtype"} <= set(used)  # the scan sees calls
+    assert {"is_pin_memory_available", "kv_cache_budget_bytes", "resolve_dtype", "graph_capturer",
+            "measures_activation_peak"} <= set(used)  # the scan sees calls
     undeclared = {name: sorted(files) for name, files in used.items() if not hasattr(Platform, name)}
     assert undeclared == {}, f"declare these on pagoda.platforms.Platform: {undeclared}"
     assert probes == [], f"core probes a platform with getattr/hasattr instead of the interface: {probes}"
@@ -345,3 +346,23 @@ def test_interface_defaults() -> None:
     assert host.prefault_kv_cache([cache]) is None and cache.sum().item() == 0.0  # the default does nothing
     with pytest.raises(NotImplementedError):
         host.kv_cache_budget_bytes(config, 0, 0)
+    # a device whose memory the activations share measures the peak unless the platform says otherwise
+    assert host.measures_activation_peak is True
+    capturer, why_not = host.graph_capturer([])
+    assert capturer is None and "no graph runtime" in why_not
+
+
+def test_graph_capture_asks_the_platform_not_the_device_type() -> None:
+    """pagoda.worker.graphs gets its capturer (and so CUDA's sync, memory and copy events) from the
+    platform: a device-type branch there would be a platform decision made outside the platform."""
+    import ast
+    from pathlib import Path
+
+    import pagoda.worker.graphs as graphs
+
+    tree = ast.parse(Path(graphs.__file__).read_text())
+    branches = [node.lineno for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute) and node.attr == "type"
+                and isinstance(node.value, (ast.Name, ast.Attribute))
+                and (getattr(node.value, "id", None) or getattr(node.value, "attr", None)) == "device"]
+    assert branches == [], f"device.type read in pagoda/worker/graphs.py at lines {branches}"

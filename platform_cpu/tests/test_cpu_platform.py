@@ -88,8 +88,40 @@ def test_init_worker_sets_torch_threads(platform: CpuPlatform, monkeypatch: pyte
         torch.set_num_threads(before)
 
 
-def test_kv_budget_defaults(platform: CpuPlatform) -> None:
-    assert platform.kv_cache_budget_bytes(_config(), model_bytes=0, activation_bytes=0) == int(DEFAULT_KVCACHE_GIB * GiB)
+def _resolved(max_model_len: int = 2048, layers: int = 30, kv_heads: int = 3, head_dim: int = 64, **kwargs: object) -> EngineConfig:
+    """A config whose model is resolved (as the engine core has it when it sizes the cache): bf16, 16-token blocks."""
+    from types import SimpleNamespace
+
+    from pagoda.config import ResolvedModel
+
+    config = _config(block_size=16, **kwargs)
+    text = SimpleNamespace(num_attention_heads=9, num_key_value_heads=kv_heads, head_dim=head_dim,
+                           num_hidden_layers=layers, hidden_size=576)
+    config.resolved_model = ResolvedModel(source=None, hf_config=text, text_config=text, dtype=torch.bfloat16,
+                                          max_model_len=max_model_len, vocab_size=0)
+    return config
+
+
+def test_default_kv_budget_follows_the_model(platform: CpuPlatform) -> None:
+    from pagoda_platform_cpu.platform import KVCACHE_WEIGHTS_RATIO, MIN_DEFAULT_KVCACHE_BYTES
+
+    config = _resolved()
+    # SmolLM2-135M Q4_1's 90 MB of weights: 8x them, not the 4 GiB of a large model
+    assert platform.kv_cache_budget_bytes(config, model_bytes=90_000_000, activation_bytes=0) == 720_000_000
+    assert platform.kv_cache_budget_bytes(config, 1_000, 0) == MIN_DEFAULT_KVCACHE_BYTES
+    # weights of 0.5 GiB or more: the old default, never more
+    assert platform.kv_cache_budget_bytes(config, GiB // 2, 0) == int(DEFAULT_KVCACHE_GIB * GiB)
+    assert platform.kv_cache_budget_bytes(config, 20 * GiB, 0) == int(DEFAULT_KVCACHE_GIB * GiB)
+    assert KVCACHE_WEIGHTS_RATIO * GiB // 2 >= DEFAULT_KVCACHE_GIB * GiB
+    # a long context: at least one max_model_len request (2 x 30 layers x 3 heads x 64 x 2 bytes a token)
+    long = _resolved(max_model_len=65_536)
+    assert platform.kv_cache_budget_bytes(long, 90_000_000, 0) == 65_536 * 2 * 30 * 3 * 64 * 2
+
+
+def test_explicit_kv_budgets_are_exact_whatever_the_model(platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert platform.kv_cache_budget_bytes(_resolved(kv_cache_memory_bytes=10_000_000), 20 * GiB, 0) == 10_000_000
+    monkeypatch.setenv(KVCACHE_SPACE_ENV, "6")
+    assert platform.kv_cache_budget_bytes(_resolved(), 90_000_000, 0) == 6 * GiB
 
 
 def test_kv_budget_from_env_in_gib(platform: CpuPlatform, monkeypatch: pytest.MonkeyPatch) -> None:

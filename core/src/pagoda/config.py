@@ -159,9 +159,9 @@ def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = 
     from pagoda.quantization import resolve_quantization
 
     dtype = platform.resolve_dtype(model.dtype, checkpoint_dtype(source))
+    # Not described here: a method's description may name its kernels, which this (API) process would
+    # then build for nothing; the model runner logs it when it loads the weights.
     quant_config = resolve_quantization(model.quantization, source, hf_config, platform, dtype)
-    if quant_config is not None:
-        logger.info("%s", quant_config.describe())
     return ResolvedModel(
         source=source,
         hf_config=hf_config,

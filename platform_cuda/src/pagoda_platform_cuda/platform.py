@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagoda.config import EngineConfig
+    from pagoda.worker.graphs import GraphCapturer
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,16 @@ class CudaPlatform(Platform):
             kv_cache_budget_rule=(f"gpu_memory_utilization={config.cache_config.gpu_memory_utilization} of the "
                                   "device's memory, less what is in use and the activation peak"),
         )
+
+    def graph_capturer(self, roots: list[object]) -> tuple[GraphCapturer | None, str]:
+        # a CUDA graph replays device work only: nothing it reads needs keeping alive beyond the runner's own
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, "no CUDA device is available"
+        from pagoda.worker.graphs import CudaGraphCapture
+
+        return CudaGraphCapture(), ""
 
     def init_worker(self, config: EngineConfig) -> None:
         import os

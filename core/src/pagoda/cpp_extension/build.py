@@ -165,14 +165,20 @@ class CppExtension:
                 _compile(sources, built, cflags)
                 return prebuilt.load_library(self.name, built), "compiled (not cached)"
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".lib{self.name}.", suffix=".so.tmp")
-        os.close(fd)
-        try:
-            _compile(sources, Path(tmp), cflags)
-            published = prebuilt.publish(Path(tmp), self.name, key)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        with prebuilt.build_lock(target.parent) as waited:
+            # Another process (the API server's early build beside its engine core's, or a second
+            # server) may have compiled this key while we waited: load its library, do not compile again.
+            library = prebuilt.load_prebuilt(self.name, key)
+            if library is not None:
+                return library, f"loaded (built by another process; waited {waited:.2f} s)"
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".lib{self.name}.", suffix=".so.tmp")
+            os.close(fd)
+            try:
+                _compile(sources, Path(tmp), cflags)
+                published = prebuilt.publish(Path(tmp), self.name, key)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
         if published is None:
             raise ExtensionBuildError(f"the built library could not be moved to {target}")
         return prebuilt.load_library(self.name, published), "compiled"

@@ -5,13 +5,17 @@ A library is compiled once per machine and kept at
 and every header they may include, the flags, the compiler, the OpenMP runtime it links and
 this CPU (``-march=native`` code may not run on another one), so a later process loads that
 file directly and a change to any input builds a new one beside it. A library is published by
-an atomic rename, so a process never loads a half-written file, and processes building the
-same key at once each publish a complete copy.
+an atomic rename, so a process never loads a half-written file. A build holds an exclusive lock
+on ``<name>-<key>/build.lock`` (``flock``): a second process asking for the same key meanwhile
+(``pagoda serve``'s API process starts the attention kernel's build early, and its engine-core
+process asks for the same library seconds later) waits for it and loads the first one's library
+instead of compiling the same sources again beside it on the same cores.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -19,12 +23,15 @@ import json
 import logging
 import os
 import platform
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
 CACHE_SUBDIR = "cpp_extensions"
+LOCK_NAME = "build.lock"
 
 
 def build_key(name: str, sources: list[str], build_args: list[list[str]]) -> str:
@@ -101,3 +108,26 @@ def publish(built: Path, name: str, key: str) -> Path | None:
         logger.debug("kernel library not cached: %s", exc)
         return None
     return path
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path) -> Iterator[float]:
+    """Hold the exclusive build lock of one cached library's folder; yields the seconds spent waiting for it.
+
+    ``flock`` is released by the kernel when its holder exits, so a build killed half-way never
+    leaves the key locked. Where the file system refuses the lock, the build goes on unlocked
+    (as before the lock: at worst two processes compile the same library).
+    """
+    started = time.perf_counter()
+    try:
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        logger.debug("kernel library build not locked: %s", exc)
+        yield 0.0
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield time.perf_counter() - started
+    finally:
+        os.close(fd)  # closing the only descriptor releases the lock

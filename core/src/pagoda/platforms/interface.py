@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from pagoda.config import EngineConfig
     from pagoda.layers import LayerOps, LinearKernel
+    from pagoda.worker.graphs import GraphCapturer
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class Platform:
     # Quantization methods (vLLM names) this platform has kernels for; asking for another is an
     # error that says so (pagoda.quantization.resolve_quantization). vLLM's Platform.supported_quantization.
     supported_quantization: ClassVar[list[str]] = []
+    # True where ``kv_cache_budget_bytes`` subtracts the activation peak, which the model runner then
+    # measures on a max-size dummy step (a device whose memory activations and cache share: an
+    # estimate could under-size what a step allocates). False where the budget is absolute: the
+    # runner skips the dummy step and passes 0.
+    measures_activation_peak: ClassVar[bool] = True
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
@@ -141,11 +147,21 @@ class Platform:
         """
         return list(config.scheduler_config.cuda_graph_sizes or [])
 
+    def graph_capturer(self, roots: list[object]) -> tuple[GraphCapturer | None, str]:
+        """How decode steps are captured here (``pagoda.worker.graphs``), or (None, why not).
+
+        Only asked when ``supports_graphs`` and capture sizes are set. ``roots``: the objects whose
+        tensors a captured step may read besides its own (the model, the attention backend), for a
+        capturer that must keep them alive. The default has no graph runtime.
+        """
+        return None, f"platform {self.name!r} has no graph runtime"
+
     def kv_cache_budget_bytes(self, config: EngineConfig, model_bytes: int, activation_bytes: int) -> int:
         """Absolute KV cache budget in bytes when the user gave none.
 
         ``model_bytes``: the loaded weights; ``activation_bytes``: the peak of a
-        max-size dummy step, both measured by the model runner.
+        max-size dummy step, both measured by the model runner (0 where
+        ``measures_activation_peak`` is False).
         """
         raise NotImplementedError
 

@@ -2,8 +2,8 @@
 kernel graphs (``pagoda.cpp_extension.graph``) on CPU.
 
 A decode step of ``n`` requests runs the same kernels for every ``n`` of a
-given size, with only data changing. At start-up the runner captures one graph
-per capture size ``N`` (largest first, all in one memory pool) over static
+given size, with only data changing. On a GPU the runner captures one graph at
+start-up per capture size ``N`` (largest first, all in one memory pool) over static
 device buffers; a decode step with ``n <= max(N)`` is then padded up to the
 next captured size, its inputs are copied into the static buffers and the
 graph is replayed, which saves the per-kernel launch cost that dominates small
@@ -11,7 +11,12 @@ decode batches on a GPU.
 
 On CPU the capture is a kernel graph (``pagoda.cpp_extension.graph``: the forward's
 kernel calls recorded and replayed from C); its capture is itself one forward, so it
-needs no warm-up runs. A forward that cannot be captured leaves that engine eager.
+needs no warm-up runs, and each size is captured on its first decode step instead of at
+start-up (``captures_on_first_use``): a server that never decodes 24 rows at once never
+captures that size, and start-up captures nothing. The first decode always follows a prefill,
+so lazily built tables (RoPE cos/sin) exist by then and are not recorded. A forward that
+cannot be captured leaves that engine eager. Which capturer a device has is the platform's
+answer (``Platform.graph_capturer``).
 
 Padding rows carry slot -1 (the KV-write kernels skip negative slots, so they
 write nothing), token 0 at position 0, and seq_len 1 over block 0, the
@@ -34,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -44,9 +49,9 @@ from pagoda.distributed import get_tensor_model_parallel_world_size
 from pagoda.models.interface import supports_cuda_graphs
 
 if TYPE_CHECKING:
+    from pagoda.attention import AttentionBackend
     from pagoda.config import EngineConfig
     from pagoda.platforms import Platform
-    from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +69,58 @@ class CapturedStep:
     output: torch.Tensor
 
 
-class Capturer(Protocol):
-    def capture(self, fn: Callable[[], torch.Tensor]) -> CapturedStep: ...
+class GraphCapturer:
+    """How a platform records a forward once and replays it (``Platform.graph_capturer`` returns one).
+
+    ``capture(fn)`` runs ``fn`` under the recording and returns the step that replays it. The other
+    methods say what the graph runner must do around captures on this device; the defaults are a
+    host's (nothing to wait for, no device memory to watch, no asynchronous copies).
+    """
+
+    # the name in the start-up log
+    kind: ClassVar[str] = "decode graphs"
+    # warm-up forwards before each capture (compiles, lazily built tables)
+    warmup_runs: ClassVar[int] = 0
+    # True: each size is captured on its first replay instead of all of them at start-up
+    captures_on_first_use: ClassVar[bool] = False
+    # True: the recorded kernels take the fp8 KV scales as values, so with calculate_kv_scales nothing is
+    # captured before the first step has derived them
+    bakes_in_kv_scales: ClassVar[bool] = False
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> CapturedStep:
+        raise NotImplementedError
+
+    def unsupported_reason(self, backend: AttentionBackend) -> str | None:
+        """Why graphs cannot run over ``backend`` (or with this engine's layout), or None."""
+        if type(backend).supports_cuda_graphs:
+            return None
+        return f"attention backend {type(backend).name!r} does not support them"
+
+    def synchronize(self) -> None:
+        """Wait for the captured work (a device's queue) before timing or reading memory."""
+
+    def free_device_bytes(self) -> int | None:
+        """Free device memory, to report what the graphs took; None where there is no device memory."""
+        return None
+
+    def copy_done_event(self) -> Any:
+        """An event recorded after each replay's input copies (pinned copies are asynchronous), or None."""
+        return None
+
+    def kept_bytes(self) -> int | None:
+        """Bytes the captured graphs keep alive, where the capturer counts them itself."""
+        return None
 
 
-class CudaGraphCapture:
+class CudaGraphCapture(GraphCapturer):
     """Real capture: ``torch.cuda.CUDAGraph`` per size, one memory pool shared by all of them.
 
     Sizes are captured largest first so the smaller graphs fit in the pool memory
     the larger ones reserved; only one graph replays at a time, so sharing is safe.
     """
+
+    kind = "CUDA graphs"
+    warmup_runs = NUM_WARMUP_RUNS
 
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
@@ -84,14 +131,25 @@ class CudaGraphCapture:
             output = fn()
         return CapturedStep(graph.replay, output)
 
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
 
-class EagerReplay:
+    def free_device_bytes(self) -> int | None:
+        return int(torch.cuda.mem_get_info()[0])
+
+    def copy_done_event(self) -> Any:
+        return torch.cuda.Event()
+
+
+class EagerReplay(GraphCapturer):
     """A stand-in for capture on machines without CUDA: it records ``fn`` and
     each replay runs it again eagerly, copying the result into the output it
     returned at "capture". Not a graph and not faster: it exists so tests on CPU
     exercise the same bucketing, static-buffer filling and padding logic that
     real replays read.
     """
+
+    warmup_runs = NUM_WARMUP_RUNS
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> CapturedStep:
         output = fn()
@@ -102,18 +160,23 @@ class EagerReplay:
         return CapturedStep(replay, output)
 
 
-class KernelGraphCapture:
+class KernelGraphCapture(GraphCapturer):
     """CPU: the forward's kernel calls recorded once and replayed from C (``pagoda.cpp_extension.graph``).
 
     ``roots`` hold every tensor a recorded call may point into besides the capture's own (the
     model, the attention backend, the graph runner's static buffers and prepared metadata).
     """
 
+    kind = "kernel graphs"
+    # the capture is itself a forward, and the first decode follows a prefill that built every lazy table
+    captures_on_first_use = True
+    bakes_in_kv_scales = True
+
     def __init__(self, roots: list[object]) -> None:
         self.roots = roots
         self.kernel_calls = 0
         self.torch_calls = 0
-        self.kept_bytes = 0
+        self.own_bytes = 0
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> CapturedStep:
         from pagoda.cpp_extension import graph as kernel_graph
@@ -121,17 +184,32 @@ class KernelGraphCapture:
         graph, output = kernel_graph.capture(fn, self.roots)
         self.kernel_calls += graph.num_kernel_calls
         self.torch_calls += graph.num_torch_calls
-        self.kept_bytes += graph.own_bytes
+        self.own_bytes += graph.own_bytes
         return CapturedStep(graph.replay, output)
 
+    def unsupported_reason(self, backend: AttentionBackend) -> str | None:
+        if not type(backend).supports_kernel_graphs:
+            return f"attention backend {type(backend).name!r} does not support them"
+        if get_tensor_model_parallel_world_size() > 1:
+            return "tensor parallelism (a collective between ranks is not a recorded kernel call)"
+        return None
 
-def make_capturer(device: torch.device, roots: list[object] | None = None) -> Capturer | None:
-    """The capture mechanism for ``device``; None where there is none (the runner stays eager)."""
-    if device.type == "cuda" and torch.cuda.is_available():
-        return CudaGraphCapture()
-    if device.type == "cpu":
-        return KernelGraphCapture(roots or [])
-    return None
+    def kept_bytes(self) -> int | None:
+        return self.own_bytes
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    """What decode graphs are built over: the model and its bound attention, and the batch's limits."""
+
+    model: Any
+    attn_backend: AttentionBackend
+    attn_layers: Sequence[Any]
+    max_blocks_per_req: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    device: torch.device
 
 
 def capture_sizes_for(platform: Platform, config: EngineConfig) -> list[int]:
@@ -160,7 +238,7 @@ class DecodeGraphRunner:
         max_blocks_per_req: int,
         max_model_len: int,
         device: torch.device,
-        capturer: Capturer,
+        capturer: GraphCapturer,
         pin_memory: bool = False,
     ) -> None:
         if not sizes:
@@ -200,13 +278,13 @@ class DecodeGraphRunner:
             t.numpy() for t in (self._h_ids, self._h_pos, self._h_slots, self._h_seq, self._h_bt)
         )
         # Pinned copies are asynchronous: the staging may be rewritten only once they are done.
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._copied = capturer.copy_done_event()
         self.steps: dict[int, CapturedStep] = {}
         self.metadata: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
         self.capture_seconds = 0.0
         # Set where the capture must wait (kernel graphs bake in the fp8 KV scales calculate_kv_scales
-        # derives from the first step): the first pure-decode step after it returns True captures.
+        # derives from the first step): no size is captured, and every step runs eagerly, until it returns True.
         self.capture_when: Callable[[], bool] | None = None
         self.off = False
         self.capture_bytes = 0
@@ -239,30 +317,36 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        t0 = time.perf_counter()
-        free_before = _free_device_bytes(self.device)
-        self._reset_padding()
+        """Capture every size now, largest first (a CUDA graph pool is sized by the first capture)."""
         for size in reversed(self.sizes):
-            md = self.static_metadata(size)
-            ids, pos = self.input_ids[:size], self.positions[:size]
+            self.capture_size(size)
 
-            def forward(ids: torch.Tensor = ids, pos: torch.Tensor = pos, md: AttentionMetadata = md) -> torch.Tensor:
-                return self.model(ids, pos, md)
+    @torch.inference_mode()
+    def capture_size(self, size: int) -> None:
+        """Capture the ``size`` graph over padding rows (its forward writes no KV: every slot is -1)."""
+        t0 = time.perf_counter()
+        free_before = self.capturer.free_device_bytes()
+        self._reset_padding()
+        md = self.static_metadata(size)
+        ids, pos = self.input_ids[:size], self.positions[:size]
 
-            # (a kernel graph's capture is itself a forward; the CPU kernels are built by then)
-            for _ in range(0 if isinstance(self.capturer, KernelGraphCapture) else NUM_WARMUP_RUNS):
-                forward()
-            _synchronize(self.device)
-            # before the capture: a kernel graph keeps what the prepared metadata holds alive through it
-            self.metadata[size] = md
-            self.steps[size] = self.capturer.capture(forward)
-        _synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - t0
-        free_after = _free_device_bytes(self.device)
-        if isinstance(self.capturer, KernelGraphCapture):
-            self.capture_bytes = self.capturer.kept_bytes
-        else:
-            self.capture_bytes = max(free_before - free_after, 0) if free_before is not None and free_after is not None else 0
+        def forward(ids: torch.Tensor = ids, pos: torch.Tensor = pos, md: AttentionMetadata = md) -> torch.Tensor:
+            return self.model(ids, pos, md)
+
+        for _ in range(self.capturer.warmup_runs):
+            forward()
+        self.capturer.synchronize()
+        # before the capture: a kernel graph keeps what the prepared metadata holds alive through it
+        self.metadata[size] = md
+        self.steps[size] = self.capturer.capture(forward)
+        self.capturer.synchronize()
+        self.capture_seconds += time.perf_counter() - t0
+        kept = self.capturer.kept_bytes()
+        free_after = self.capturer.free_device_bytes()
+        if kept is not None:
+            self.capture_bytes = kept
+        elif free_before is not None and free_after is not None:
+            self.capture_bytes += max(free_before - free_after, 0)
 
     # -- per step -------------------------------------------------------------
     def bucket(self, num_tokens: int) -> int | None:
@@ -287,13 +371,15 @@ class DecodeGraphRunner:
         n = len(input_ids)
         if len(num_scheduled) != n or not (num_scheduled == 1).all():
             return None
-        if self.off or (self.capture_when is not None and not self._capture_deferred()):
+        if self.off or (self.capture_when is not None and not self._wait_over()):
             return None
         size = self.bucket(n)
         if size is None:
             return None
         w = block_tables.shape[1]
         if w > self.block_tables.shape[1]:
+            return None
+        if size not in self.steps and not self._capture_on_first_use(size):
             return None
         if self._copied is not None:
             self._copied.synchronize()
@@ -322,16 +408,24 @@ class DecodeGraphRunner:
         self.num_replays += 1
         return step.output[:n]
 
-    def _capture_deferred(self) -> bool:
-        """Capture now if the wait is over; False while it is not, or once a deferred capture failed."""
-        from pagoda.cpp_extension.graph import NotCapturable
-
+    def _wait_over(self) -> bool:
+        """True once ``capture_when`` holds (then it is dropped); an eager capturer captures every size then."""
         assert self.capture_when is not None
         if not self.capture_when():
             return False
         self.capture_when = None
+        if self.capturer.captures_on_first_use:
+            return True
+        self.capture()
+        logger.info("%s", self.describe())
+        return True
+
+    def _capture_on_first_use(self, size: int) -> bool:
+        """Capture ``size`` for the step about to replay it; False (graphs off for good) when it cannot be captured."""
+        from pagoda.cpp_extension.graph import NotCapturable
+
         try:
-            self.capture()
+            self.capture_size(size)
         except NotCapturable as exc:
             logger.info("kernel graphs off, every step runs eagerly: %s", exc)
             self.off = True
@@ -343,7 +437,7 @@ class DecodeGraphRunner:
         mib = self.capture_bytes / (1 << 20)
         if isinstance(self.capturer, KernelGraphCapture):
             return (
-                f"captured CPU kernel graphs for decode batch sizes {self.sizes} "
+                f"captured CPU kernel graphs for decode batch sizes {sorted(self.steps)} of {self.sizes} "
                 f"in {self.capture_seconds:.2f}s: {self.capturer.kernel_calls} kernel calls and "
                 f"{self.capturer.torch_calls} torch calls replayed, {mib:.1f} MiB of activations kept"
             )
@@ -353,70 +447,56 @@ class DecodeGraphRunner:
         )
 
 
-def create_decode_graphs(runner: ModelRunner) -> DecodeGraphRunner | None:
-    """Capture decode graphs for ``runner`` (after its KV cache is bound), or say why not and return None."""
-    sizes = capture_sizes_for(runner.platform, runner.config)
+def create_decode_graphs(platform: Platform, config: EngineConfig, inputs: GraphInputs) -> DecodeGraphRunner | None:
+    """Decode graphs over ``inputs`` (after the KV cache is bound), or say why not and return None."""
+    sizes = capture_sizes_for(platform, config)
     # A decode batch never exceeds these; larger graphs would never replay.
-    limit = min(runner.max_num_seqs, runner.max_num_batched_tokens)
+    limit = min(inputs.max_num_seqs, inputs.max_num_batched_tokens)
     sizes = [s for s in sizes if s <= limit]
-    kind = "CUDA graphs" if runner.device.type == "cuda" else "kernel graphs"
     if not sizes:
-        if runner.platform.supports_graphs:
-            logger.info("%s off (enforce_eager or no capture sizes): every step runs eagerly", kind)
+        if platform.supports_graphs:
+            logger.info("decode graphs off (enforce_eager or no capture sizes): every step runs eagerly")
         return None
+    capturer, why_not = platform.graph_capturer([inputs.model, inputs.attn_backend])
+    if capturer is None:
+        logger.info("decode graphs off: %s", why_not)
+        return None
+    kind = capturer.kind
     # A model class opts out with pagoda.models.interface.NoCudaGraphs: pagoda.layers.FusedMoE reads its
     # per-expert token counts on the host, which a graph cannot capture.
-    if not supports_cuda_graphs(runner.model):
-        logger.info("%s off: model %s does not support them", kind, type(runner.model).__name__)
+    if not supports_cuda_graphs(inputs.model):
+        logger.info("%s off: model %s does not support them", kind, type(inputs.model).__name__)
         return None
-    backend = runner.attn_backend
-    capturer = make_capturer(runner.device, [runner.model, backend])
-    if capturer is None:
-        logger.info("%s off: no graph runtime for device %s", kind, runner.device)
+    unsupported = capturer.unsupported_reason(inputs.attn_backend)
+    if unsupported is not None:
+        logger.info("%s off: %s", kind, unsupported)
         return None
-    kernel_graphs = isinstance(capturer, KernelGraphCapture)
-    if not (backend.supports_kernel_graphs if kernel_graphs else backend.supports_cuda_graphs):
-        logger.info("%s off: attention backend %r does not support them", kind, type(backend).name)
-        return None
-    if kernel_graphs and get_tensor_model_parallel_world_size() > 1:
-        # a collective between ranks is not a recorded kernel call
-        logger.info("kernel graphs off: tensor parallelism")
-        return None
-    return build_decode_graphs(runner, sizes, capturer)
+    return build_decode_graphs(platform, config, inputs, sizes, capturer)
 
 
-def build_decode_graphs(runner: ModelRunner, sizes: Sequence[int], capturer: Capturer) -> DecodeGraphRunner | None:
-    pin = runner.device.type == "cuda" and runner.platform.is_pin_memory_available(runner.config)
+def build_decode_graphs(platform: Platform, config: EngineConfig, inputs: GraphInputs, sizes: Sequence[int],
+                        capturer: GraphCapturer) -> DecodeGraphRunner | None:
     graphs = DecodeGraphRunner(
-        runner.model, runner.attn_backend.prepare, sizes, runner.batch.block_table.shape[1], runner.max_model_len,
-        runner.device, capturer, pin_memory=pin,
+        inputs.model, inputs.attn_backend.prepare, sizes, inputs.max_blocks_per_req, inputs.max_model_len,
+        inputs.device, capturer, pin_memory=platform.is_pin_memory_available(config),
     )
     if isinstance(capturer, KernelGraphCapture):
-        from pagoda.cpp_extension.graph import NotCapturable
-
         capturer.roots.append(graphs)  # its static buffers and prepared metadata
-        if runner.config.cache_config.calculate_kv_scales:
-            # the kernels take the fp8 scales as values: capture once the first step has derived them
-            graphs.capture_when = lambda: not any(layer.calculate_kv_scales for layer in runner.attn_layers)
-            logger.info("CPU kernel graphs captured after the first step (calculate_kv_scales)")
-            return graphs
-        try:
-            graphs.capture()
-        except NotCapturable as exc:
-            logger.info("kernel graphs off, every step runs eagerly: %s", exc)
-            return None
-    else:
+    if capturer.bakes_in_kv_scales and config.cache_config.calculate_kv_scales:
+        # the kernels take the fp8 scales as values: capture once the first step has derived them
+        layers = inputs.attn_layers
+        graphs.capture_when = lambda: not any(layer.calculate_kv_scales for layer in layers)
+        logger.info("%s captured after the first step (calculate_kv_scales)", capturer.kind)
+        return graphs
+    if capturer.captures_on_first_use:
+        logger.info("%s for decode batch sizes %s: each captured on its first decode step", capturer.kind, graphs.sizes)
+        return graphs
+    from pagoda.cpp_extension.graph import NotCapturable
+
+    try:
         graphs.capture()
+    except NotCapturable as exc:
+        logger.info("%s off, every step runs eagerly: %s", capturer.kind, exc)
+        return None
     logger.info("%s", graphs.describe())
     return graphs
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free_device_bytes(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    return int(torch.cuda.mem_get_info(device)[0])

@@ -28,9 +28,10 @@ from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
 from pagoda.quantization.model import checkpoint_module_filter, process_weights_after_loading, quantize_model
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from pagoda.worker.graphs import DecodeGraphRunner, create_decode_graphs
+from pagoda.worker.graphs import DecodeGraphRunner, GraphInputs, create_decode_graphs
 from pagoda.worker.host_memory import zeros_lazy
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.kv_cache_sizing import KVCacheLayout, check_holds_one_request, pooling_num_blocks
 from pagoda.worker.output_heads import GenerateHead, OutputHead, PoolingHead
 from pagoda.worker.pipeline_stage import send_to_next_stage, stage_inputs, take_scheduled_tokens
 from pagoda.worker.step_inputs import StepInputs, prepare_step_inputs
@@ -49,6 +50,8 @@ class MemoryReport:
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    # False where the platform's KV budget does not read the peak, so no dummy step measured it
+    activation_measured: bool = True
 
     @property
     def max_concurrent_tokens(self) -> int:
@@ -56,10 +59,11 @@ class MemoryReport:
 
     def describe(self) -> str:
         gib = 1 << 30
+        activation = (f"activation peak {self.activation_peak_bytes / gib:.3f} GiB (measured on a max-size dummy step)"
+                      if self.activation_measured else "activation peak not measured (the platform's KV budget is absolute)")
         return (
-            f"memory: weights {self.weights_bytes / gib:.3f} GiB, activation peak {self.activation_peak_bytes / gib:.3f} GiB "
-            f"(measured on a max-size dummy step), KV cache {self.kv_cache_bytes / gib:.3f} GiB = {self.num_blocks} blocks "
-            f"x {self.block_size} tokens = {self.max_concurrent_tokens} tokens"
+            f"memory: weights {self.weights_bytes / gib:.3f} GiB, {activation}, KV cache {self.kv_cache_bytes / gib:.3f} GiB = "
+            f"{self.num_blocks} blocks x {self.block_size} tokens = {self.max_concurrent_tokens} tokens"
         )
 
 
@@ -208,55 +212,86 @@ class ModelRunner:
         return None if dtype == self.dtype else dtype
 
     def init_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int, num_blocks: int | None = None) -> MemoryReport:
-        """Size (unless ``num_blocks`` is given: the ranks agreed on it) and allocate the KV cache."""
+        """Size (unless ``num_blocks`` is given: the ranks agreed on it) and allocate the KV cache, then
+        build what reads it: the persistent batch, the output head and the decode graphs."""
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        spec = self._select_attention_backend()
+        layout = KVCacheLayout.of(spec, len(self.attn_layers))
+        activation = self._activation_peak(max_num_batched_tokens, spec.cache_dtype)
+        self.num_blocks = self._num_kv_blocks(layout, activation, num_blocks)
+        self._allocate_kv_cache(spec, self.num_blocks)
+        self._build_batch_and_head(layout.blocks_for(self.max_model_len))
+        self.memory = MemoryReport(self.weights_bytes, activation, self.num_blocks * layout.bytes_per_block,
+                                   self.num_blocks, self.block_size, layout.bytes_per_block,
+                                   activation_measured=self.platform.measures_activation_peak)
+        self._log_memory(spec.cache_dtype, layout)
+        # Last: graphs bake in the bound KV caches and the batch's block-table width (pooling never decodes).
+        self.graphs = self._decode_graphs() if self.runner_type == "generate" and self.pp.world_size == 1 else None
+        # after the profile and any graph capture: the scales come from the first real step
+        for layer in self.attn_layers:
+            layer.calculate_kv_scales = self.config.cache_config.calculate_kv_scales
+        return self.memory
+
+    def _select_attention_backend(self) -> AttentionSpec:
+        """The attention backend for this model's layers (and the spec it was chosen for)."""
         spec = self.attention_spec()
         backend_cls = select_attention_backend(self.platform, spec, self.config.device_config.attention_backend)
         self.attn_backend = backend_cls(spec)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        cache_dtype = spec.cache_dtype
-        if self.config.cache_config.calculate_kv_scales and not is_fp8(cache_dtype):
+        if self.config.cache_config.calculate_kv_scales and not is_fp8(spec.cache_dtype):
             raise ValueError(f"calculate_kv_scales computes fp8 KV cache scales; kv_cache_dtype="
                              f"{self.config.cache_config.cache_dtype!r} is not fp8")
-        elem = torch.empty((), dtype=cache_dtype).element_size()
-        bytes_per_block = 2 * self.block_size * spec.num_kv_heads * spec.head_dim * elem * len(self.attn_layers)
+        return spec
 
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        activation = self._profile_activation_peak(max_num_batched_tokens, cache_dtype)
-        override = num_blocks if num_blocks is not None else self.config.cache_config.num_kv_blocks
+    def _activation_peak(self, max_num_batched_tokens: int, cache_dtype: torch.dtype) -> int:
+        """The activation peak the platform's KV budget subtracts; 0 where the budget does not read it.
+
+        A device whose memory the activations and the cache share (CUDA, ROCm, TPU) measures it on a
+        max-size dummy step: an estimate could under-size what a step really allocates. A host
+        platform's budget is absolute (``measures_activation_peak`` False): the step, a 2,048-token
+        batch through the model's kernels (~40% of the CPU start-up measured), would buy nothing.
+        """
+        if not self.platform.measures_activation_peak:
+            return 0
+        return self._profile_activation_peak(max_num_batched_tokens, cache_dtype)
+
+    def _num_kv_blocks(self, layout: KVCacheLayout, activation: int, agreed: int | None) -> int:
+        """The ranks' agreed count, else ``num_kv_blocks``, else the platform's budget (a pooling model's cut to a step)."""
+        override = agreed if agreed is not None else self.config.cache_config.num_kv_blocks
         if override is not None:
             num_blocks = override
         else:
             budget = self.platform.kv_cache_budget_bytes(self.config, self.weights_bytes, activation)
-            num_blocks = budget // bytes_per_block
+            num_blocks = budget // layout.bytes_per_block
             if self.runner_type == "pooling":
-                # a pooling request holds blocks for its one step only: one full step's worth is all that is used
-                step_blocks = -(-max_num_batched_tokens // self.block_size) + max_num_seqs
-                num_blocks = min(num_blocks, max(step_blocks, -(-self.max_model_len // self.block_size)))
-        needed = -(-self.max_model_len // self.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV cache budget holds {num_blocks} blocks ({num_blocks * self.block_size} tokens) but one "
-                f"max_model_len={self.max_model_len} request needs {needed} blocks ({needed * bytes_per_block} bytes); "
-                "raise kv_cache_memory_bytes / PAGODA_CPU_KVCACHE_SPACE / num_kv_blocks or lower max_model_len"
-            )
-        shape = backend_cls.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+                num_blocks = pooling_num_blocks(num_blocks, layout, self.max_num_batched_tokens, self.max_num_seqs,
+                                                self.max_model_len)
+        check_holds_one_request(num_blocks, layout, self.max_model_len)
+        return num_blocks
+
+    def _allocate_kv_cache(self, spec: AttentionSpec, num_blocks: int) -> None:
+        """One cache tensor per attention layer, bound to it, then faulted in where the platform does that."""
+        shape = type(self.attn_backend).kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
-        self.kv_caches = [zeros_lazy(shape, cache_dtype, self.device) for _ in self.attn_layers]
+        self.kv_caches = [zeros_lazy(shape, spec.cache_dtype, self.device) for _ in self.attn_layers]
         for layer, cache in zip(self.attn_layers, self.kv_caches):
             layer.bind(self.attn_backend, cache)
         self.platform.prefault_kv_cache(self.kv_caches)
-        self.num_blocks = num_blocks
-        max_blocks_per_req = needed
-        self.batch = InputBatch(max_num_seqs, self.max_model_len, max_blocks_per_req,
+
+    def _build_batch_and_head(self, max_blocks_per_req: int) -> None:
+        self.batch = InputBatch(self.max_num_seqs, self.max_model_len, max_blocks_per_req,
                                 with_token_type_ids=self.uses_token_type_ids)
         # a pooling model samples nothing: its pooler replaces the sampler
         self.head: OutputHead = (PoolingHead(self.model, self.batch) if self.runner_type == "pooling" else
                                  GenerateHead.build(self.model, self.batch, self.config, self.text_config, self.device))
-        self.memory = MemoryReport(self.weights_bytes, activation, num_blocks * bytes_per_block, num_blocks, self.block_size, bytes_per_block)
+
+    def _log_memory(self, cache_dtype: torch.dtype, layout: KVCacheLayout) -> None:
+        assert self.memory is not None
         logger.info("%s", self.memory.describe())
         if cache_dtype != self.dtype:
             model_elem = torch.empty((), dtype=self.dtype).element_size()
+            elem = layout.element_bytes
             logger.info("KV cache dtype %s (%s, %d byte(s) a value): the same budget holds %gx the blocks of a %s cache%s",
                         self.config.cache_config.cache_dtype, cache_dtype, elem, model_elem / elem, self.dtype,
                         self._kv_scales_source(cache_dtype))
@@ -264,12 +299,16 @@ class ModelRunner:
             # as vLLM: a checkpoint's fp8 scales apply to an fp8 cache only
             logger.info("checkpoint KV cache scales (%s) ignored: kv_cache_dtype=%r is not fp8",
                         self.checkpoint_kv_scales.describe(), self.config.cache_config.cache_dtype)
-        # Last: graphs bake in the bound KV caches and the batch's block-table width (pooling never decodes).
-        self.graphs = create_decode_graphs(self) if self.runner_type == "generate" and self.pp.world_size == 1 else None
-        # after the profile and any graph capture: the scales come from the first real step
-        for layer in self.attn_layers:
-            layer.calculate_kv_scales = self.config.cache_config.calculate_kv_scales
-        return self.memory
+
+    def _decode_graphs(self) -> DecodeGraphRunner | None:
+        """Decode graphs over the bound caches, or None (the reason is logged): every step runs eagerly."""
+        inputs = GraphInputs(
+            model=self.model, attn_backend=self.attn_backend, attn_layers=self.attn_layers,
+            max_blocks_per_req=self.batch.block_table.shape[1], max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            device=self.device,
+        )
+        return create_decode_graphs(self.platform, self.config, inputs)
 
     def _kv_scales_source(self, cache_dtype: torch.dtype) -> str:
         """Where an fp8 cache's k_scale / v_scale come from, for the log (vLLM's order of precedence)."""

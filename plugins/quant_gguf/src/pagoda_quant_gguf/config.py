@@ -51,6 +51,7 @@ class GGUFConfig(QuantizationConfig):
         extra = set(config) - {"quant_method"}
         if extra:
             raise ValueError(f"the gguf method takes no settings; got {sorted(extra)}")
+        kernels.start_build()
         return cls()
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
