@@ -22,9 +22,12 @@ from pagoda.sampling_params import SamplingParams
 
 try:  # the typed wire (pagoda.engine.messages)
     from pagoda.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+    from pagoda.scheduler.request import prompt_block_hashes
 
     def add_message(prompt: list[int], params: SamplingParams) -> Any:
-        return EngineCoreRequest("req-0", prompt, params, 2, time.time())
+        # as the Processor sends it: the prompt's block keys hashed by the front end
+        return EngineCoreRequest("req-0", prompt, params, 2, time.time(),
+                                 block_hashes=prompt_block_hashes(prompt, 16, None))
 except ImportError:  # before it: the scheduler's Request crossed whole
     from pagoda.engine.core_client import EngineCoreOutputs  # type: ignore[no-redef]
     from pagoda.scheduler.output import EngineCoreOutput  # type: ignore[no-redef]
