@@ -109,23 +109,25 @@ class RunningServer:
         started = time.monotonic()
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"pagoda serve exited with {self.proc.returncode}:\n{self.output()}")
+                raise RuntimeError(f"pagoda serve exited with {self.proc.returncode}:\n{self.output()[-5000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() - started > timeout:
-                log = self.output()  # before stop() closes the log
+                log = self.output()[-5000:]  # before stop() closes the log
                 self.stop()
                 raise RuntimeError(f"pagoda serve did not answer /health in {timeout} s:\n{log}")
             time.sleep(0.25)
         self.startup_seconds = time.monotonic() - started
 
     def output(self) -> str:
+        """Everything the server has logged so far (the start-up block of resolved config values alone is
+        several KB, so a tail would lose the lines tests look for)."""
         self.log.flush()
         self.log.seek(0)
-        return self.log.read()[-5000:]
+        return self.log.read()
 
     def stop(self) -> None:
         import signal
