@@ -85,7 +85,7 @@ def run_engine_core(
         core = EngineCore(config, platform)
         tasks = core.get_supported_tasks()
         # What start-up built lives as long as this process: the block pool alone is an object per KV block
-        # (524,288 for a tiny model in the default 4 GiB cache), linked both ways. Frozen out of the collector,
+        # (524,288 for a tiny test model in a 4 GiB cache), linked both ways. Frozen out of the collector,
         # a full collection during serving no longer walks it, nor does the one at exit (a pool of that size:
         # 1.9-2.5 s -> 0.15 s to exit, 2 vCPUs under load). vLLM's engine core freezes its start-up heap too.
         # Only here, in a process of the engine's own: frozen objects are never freed, and an in-process
