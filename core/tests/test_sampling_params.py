@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import msgspec
 import pytest
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -11,6 +12,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from pagoda.logprobs import Logprob
 from pagoda.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, SamplingType
+from pagoda.structured_output.params import StructuredOutputsParams
 
 
 def test_defaults_match_vllm() -> None:
@@ -149,3 +151,40 @@ def test_beam_search_params() -> None:
 def test_logprob_record() -> None:
     record = Logprob(logprob=-0.5, rank=1, decoded_token="hi")
     assert (record.logprob, record.rank, record.decoded_token) == (-0.5, 1, "hi")
+
+
+def test_structs_declared_as_vllm_declares_them() -> None:
+    # Libraries written for vLLM read the struct's configuration and fields, not just attributes.
+    for cls in (SamplingParams, BeamSearchParams):
+        assert issubclass(cls, msgspec.Struct)
+        info = cls.__struct_config__
+        assert info.omit_defaults and info.dict
+    assert {"n", "temperature", "structured_outputs", "_all_stop_token_ids", "output_text_buffer_length"} <= set(
+        SamplingParams.__struct_fields__
+    )
+
+
+def test_field_by_field_copy_with_a_constraint_added() -> None:
+    # What Outlines' vLLM offline model does to add a constraint to a user's params.
+    original = SamplingParams(temperature=0.0, max_tokens=7, stop=["\n"], seed=5)
+    original.update_from_generation_config({"eos_token_id": [2, 9]}, model_eos_token_id=2)
+    values = {name: getattr(original, name) for name in original.__struct_fields__}
+    rebuilt = SamplingParams(**{**values, "structured_outputs": StructuredOutputsParams(regex="[0-9]+")})
+    assert (rebuilt.temperature, rebuilt.max_tokens, rebuilt.stop, rebuilt.seed) == (0.0, 7, ["\n"], 5)
+    assert rebuilt.structured_outputs.regex == "[0-9]+"
+    assert rebuilt.all_stop_token_ids == {2, 9} and rebuilt.stop_token_ids == [9]
+    assert rebuilt.output_text_buffer_length == 0
+    # A field the copy carries is still validated.
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(**{**values, "top_p": 0.0, "temperature": 1.0})
+
+
+def test_msgspec_round_trip_runs_the_checks() -> None:
+    params = SamplingParams(n=2, temperature=0.7, stop="END", logit_bias={"3": 150.0})
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded == params and decoded.logit_bias == {3: 100.0} and decoded.output_text_buffer_length == 2
+    with pytest.raises(msgspec.ValidationError, match="top_p"):
+        msgspec.json.decode(b'{"top_p": 0.0}', type=SamplingParams)
+    beam = BeamSearchParams(beam_width=2, max_tokens=4)
+    assert msgspec.json.decode(msgspec.json.encode(beam), type=BeamSearchParams) == beam
+    assert msgspec.json.encode(beam) == b'{"beam_width":2,"max_tokens":4}'

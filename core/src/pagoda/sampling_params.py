@@ -1,8 +1,13 @@
 """Per-request sampling settings, with vLLM's field names, defaults and checks.
 
-``SamplingParams`` is a plain dataclass so it pickles (the engine core may live
-in another process); everything is validated once in ``__post_init__`` and a
-bad value raises ``ValueError`` naming the field and its allowed range.
+``SamplingParams`` and ``BeamSearchParams`` are ``msgspec.Struct``s declared as
+vLLM declares them (``omit_defaults=True, dict=True``): libraries written for
+vLLM walk ``__struct_fields__`` to copy a request's settings (Outlines rebuilds
+one with a constraint added), so the shape is part of the public interface.
+Structs pickle (the engine core may live in another process) and compare by
+field. Everything is validated once in ``__post_init__`` (which msgspec also
+runs after decoding) and a bad value raises ``ValueError`` naming the field and
+its allowed range.
 """
 
 from __future__ import annotations
@@ -10,8 +15,9 @@ from __future__ import annotations
 import copy
 import enum
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
 
 from pagoda.structured_output.params import GuidedDecodingParams, StructuredOutputsParams
 
@@ -47,8 +53,7 @@ def _field_error(name: str, requirement: str, value: Any) -> ValueError:
     return ValueError(f"{name} must be {requirement}, got {value!r}.")
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
     """How to sample the completion of one prompt (vLLM semantics)."""
 
     n: int = 1
@@ -87,10 +92,11 @@ class SamplingParams:
     # vLLM's older name; mapped onto structured_outputs.
     guided_decoding: GuidedDecodingParams | None = None
 
-    # Derived state (vLLM keeps the same private names).
-    _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
-    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
-    output_text_buffer_length: int = field(default=0, init=False, repr=False)
+    # Derived state, struct fields under vLLM's names so a copy made field by field keeps it
+    # (``__post_init__`` recomputes what derives from the public fields).
+    output_text_buffer_length: int = 0
+    _all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
+    _bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -101,7 +107,9 @@ class SamplingParams:
             self.top_k = 0
             self.min_p = 0.0
             self._verify_greedy_sampling()
-        self._all_stop_token_ids = set(self.stop_token_ids or [])
+        # A union, not a reset: a copy of params the engine already saw keeps the model's EOS ids.
+        self._all_stop_token_ids = set(self._all_stop_token_ids or ()) | set(self.stop_token_ids or [])
+        self.output_text_buffer_length = 0
         if self.stop and not self.include_stop_str_in_output:
             # The detokenizer holds back this many characters so a stop string
             # split across steps is never streamed before it is recognized.
@@ -282,8 +290,7 @@ def _bad_word_variants(word: str) -> Iterable[str]:
         yield " " + word.lstrip()
 
 
-@dataclass
-class BeamSearchParams:
+class BeamSearchParams(msgspec.Struct, omit_defaults=True, dict=True):
     """Beam search settings (vLLM's ``BeamSearchParams``)."""
 
     beam_width: int
