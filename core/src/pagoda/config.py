@@ -33,6 +33,7 @@ KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m
 class ModelConfig(_Config):
     model: str | None = Field(None, description="Path to a HF model directory or a .gguf file, or a Hugging Face hub id (org/name, org/name:QUANT for a GGUF repo); None = the embedded default model (SmolLM2-135M-Instruct).")
     tokenizer: str | None = Field(None, description="Tokenizer path or hub id; defaults to the model's.")
+    tokenizer_mode: Literal["auto"] = Field("auto", description="vLLM's tokenizer mode: pagoda loads the fast (tokenizers-backed) tokenizer, so only 'auto' is accepted; vLLM's 'slow', 'mistral' and 'custom' are refused.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a model given by hub id; None = main.")
     tokenizer_revision: str | None = Field(None, description="Hub revision of a tokenizer given by hub id; None = main.")
     generation_config: str = Field("auto", description="Default sampling parameters: 'auto' = the model's generation_config.json (or the embedded default model's recommended sampling), 'vllm' = pagoda's own defaults, or a directory holding a generation_config.json.")
@@ -248,6 +249,24 @@ _SECTIONS: dict[str, type[_Config]] = {
 }
 
 
+def _vllm_defaults_and_lora(data: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's None-means-default values, and its LoRA switches while LoRA is off.
+
+    Libraries written for vLLM pass every argument they know (lm-eval: ``max_num_seqs=None``,
+    ``enable_lora=False, max_lora_rank=16``). ``max_lora_rank`` shapes nothing without LoRA;
+    ``enable_lora=True`` would change the output, so it is refused until LoRA lands (issue 34).
+    """
+    data = dict(data)
+    if "max_num_seqs" in data and data["max_num_seqs"] is None:
+        del data["max_num_seqs"]
+    if data.get("enable_lora"):
+        raise ValueError("enable_lora: LoRA adapters are not supported by pagoda yet")
+    if "enable_lora" in data:
+        del data["enable_lora"]
+        data.pop("max_lora_rank", None)
+    return data
+
+
 # Bases in reverse so that pydantic, which takes the fields of the last base first, lists them
 # in section order (model, cache, scheduler, parallel, device, load): the CLI's --help order.
 class EngineArgs(LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, CacheConfig, ModelConfig):
@@ -287,6 +306,8 @@ class EngineArgs(LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, Cach
             data = dict(data)
             value = data.pop("num_gpu_blocks_override")
             data.setdefault("num_kv_blocks", value)
+        if isinstance(data, dict):
+            data = _vllm_defaults_and_lora(data)
         return data
 
     def create_engine_config(self) -> EngineConfig:

@@ -82,8 +82,12 @@ class LLM:
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        # vLLM's keyword (lm-eval passes lora_request=None on every call): None is the base model
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported by pagoda yet")
         if "generate" not in self.supported_tasks:
             raise ValueError(
                 f"LLM.generate needs a generative model; this one runs with the pooling runner (tasks: "

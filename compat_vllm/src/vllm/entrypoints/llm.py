@@ -1,0 +1,5 @@
+"""``vllm.entrypoints.llm``."""
+
+from pagoda.entrypoints.llm import LLM
+
+__all__ = ["LLM"]

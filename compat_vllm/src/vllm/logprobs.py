@@ -1,0 +1,5 @@
+"""``vllm.logprobs``: pagoda's per-token logprob record."""
+
+from pagoda.logprobs import Logprob
+
+__all__ = ["Logprob"]

@@ -1,0 +1,5 @@
+"""``vllm.lora.request``."""
+
+from pagoda.lora.request import LoRARequest
+
+__all__ = ["LoRARequest"]

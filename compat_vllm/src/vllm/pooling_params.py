@@ -1,0 +1,5 @@
+"""``vllm.pooling_params``."""
+
+from pagoda.pooling_params import PoolingParams
+
+__all__ = ["PoolingParams"]

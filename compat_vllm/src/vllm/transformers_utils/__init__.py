@@ -1,0 +1,1 @@
+"""``vllm.transformers_utils``."""
