@@ -163,3 +163,67 @@ def test_outlines_offline_batch_and_samples(outlines_results: dict[str, Any]) ->
     samples = outlines_results["samples"]
     assert isinstance(samples, list) and len(samples) == 3 and all(re.fullmatch(r"[0-9]", s) for s in samples)
     assert isinstance(outlines_results["unconstrained"], str) and outlines_results["unconstrained"]
+
+
+# -- lm-eval's vllm model -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random llama with the default model's tokenizer: lm-eval loads config and tokenizer from a HF directory."""
+    pytest.importorskip("lm_eval")
+    import torch
+    import transformers as tf
+
+    from pagoda.model_loader.source import resolve_model_path
+    from pagoda.model_loader.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path(None))
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         # a wide init keeps logits apart, so float rounding cannot flip a greedy argmax
+                         initializer_range=0.3, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-lm-eval")
+    tf.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def lm_eval_report(tiny_model_with_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # lm-eval is not in the test extra (it brings pandas, pyarrow, datasets, nltk, ...): this runs where it is installed
+    pytest.importorskip("lm_eval")
+    out = tmp_path_factory.mktemp("lm-eval") / "report.json"
+    env = {**_env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, str(HERE / "lm_eval_local.py"), str(tiny_model_with_tokenizer), str(out)],
+                         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("task", ["pagoda_capitals_mc", "pagoda_capitals_rolling"])
+def test_lm_eval_vllm_loglikelihoods_match_lm_evals_hf_model(lm_eval_report: dict[str, Any], task: str) -> None:
+    ours, reference = lm_eval_report["vllm"][task], lm_eval_report["hf"][task]
+    assert len(ours["responses"]) == len(reference["responses"]) == 8
+
+    def flat(responses: list[Any]) -> list[float]:
+        values: list[float] = []
+        for response in responses:
+            for item in response:
+                # multiple choice: [loglikelihood, is_greedy] per choice; rolling: one float per document
+                values.append(float(item[0]) if isinstance(item, list) else float(item))
+        return values
+
+    assert flat(ours["responses"]) == pytest.approx(flat(reference["responses"]), abs=1e-3)
+    greedy = [[c[1] for c in r] for r in ours["responses"]] if task.endswith("mc") else None
+    if greedy is not None:
+        assert greedy == [[c[1] for c in r] for r in reference["responses"]]
+    for metric, value in reference["metrics"].items():
+        assert ours["metrics"][metric] == pytest.approx(value, rel=1e-4), metric
+
+
+def test_lm_eval_vllm_generate_until_matches_lm_evals_hf_model(lm_eval_report: dict[str, Any]) -> None:
+    ours, reference = lm_eval_report["vllm"]["pagoda_capitals_gen"], lm_eval_report["hf"]["pagoda_capitals_gen"]
+    assert ours["responses"] == reference["responses"] and all(r[0] for r in ours["responses"])
