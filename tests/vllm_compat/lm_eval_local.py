@@ -40,8 +40,9 @@ def main() -> None:
     # the json task data lies beside the yaml files; datasets resolves data_files against the working directory
     os.chdir(TASKS_DIR)
     report = {
-        "vllm": _evaluate("vllm", f"pretrained={model_dir},dtype=float32,max_length=256,max_num_seqs=4,"
-                                  "num_kv_blocks=64,enforce_eager=True"),
+        # no max_length: lm-eval then reads the engine's llm_engine.model_config.max_model_len
+        "vllm": _evaluate("vllm", f"pretrained={model_dir},dtype=float32,max_num_seqs=4,"
+                                  "num_kv_blocks=128,enforce_eager=True"),
         "hf": _evaluate("hf", f"pretrained={model_dir},dtype=float32,max_length=256,device=cpu"),
     }
     Path(out).write_text(json.dumps(report))

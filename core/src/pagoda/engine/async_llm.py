@@ -147,12 +147,14 @@ class AsyncLLM:
         """``engine_core_process``: run a single-rank engine's core in its own process when
         PAGODA_ENABLE_V1_MULTIPROCESSING is unset (False: a thread of this process; `pagoda serve` passes True)."""
         self.config = config
-        self.model_config = config.model
         platform = prepare_engine_config(config)
         self.processor = Processor(config)
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = self.processor.max_model_len
         self.vocab_size = self.processor.vocab_size
+        # a copy with the context length decided, as vLLM's engines expose it (lm-eval reads
+        # model_config.max_model_len); the config itself keeps what the user gave
+        self.model_config = config.model.model_copy(update={"max_model_len": self.max_model_len})
         self.output_processor = OutputProcessor(self.tokenizer)
         # a thread of this process, or its own process(es): pagoda.engine.mp_client.make_async_client
         self.engine_core = make_async_client(config, platform, self._from_core_thread, self._core_died,

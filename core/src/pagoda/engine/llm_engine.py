@@ -26,7 +26,6 @@ from pagoda.sampling_params import BeamSearchParams, SamplingParams
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_config = config.model
         if config.parallel_config.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 runs engine-core replicas behind AsyncLLM (pagoda serve); "
                              "LLM / LLMEngine run one engine core")
@@ -35,6 +34,9 @@ class LLMEngine:
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = self.processor.max_model_len
         self.vocab_size = self.processor.vocab_size
+        # a copy with the context length decided, as vLLM's engines expose it (lm-eval reads
+        # model_config.max_model_len); the config itself keeps what the user gave
+        self.model_config = config.model.model_copy(update={"max_model_len": self.max_model_len})
         self.engine_core = InprocClient(config, platform)
         # what the loaded model serves: ("generate",) or its pooling tasks (vLLM's supported tasks)
         self.supported_tasks: tuple[str, ...] = self.engine_core.get_supported_tasks()
