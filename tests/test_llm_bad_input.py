@@ -58,3 +58,24 @@ def test_tool_call_turn_renders_with_the_default_template() -> None:
     with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
         normalize_messages([messages[0], {**messages[1], "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}])
+
+
+def test_lora_request_is_refused_by_name_and_none_is_the_base_model(llm: LLM) -> None:
+    from pagoda.lora.request import LoRARequest
+
+    with pytest.raises(ValueError, match="lora_request: LoRA adapters are not supported"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False,
+                     lora_request=LoRARequest("adapter", 1, "/nowhere"))
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=None)
+    assert len(out[0].outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("adapter", 0, "/nowhere")
+
+
+def test_engine_model_config_carries_the_decided_context_length(llm: LLM, tiny_model_dir: Any) -> None:
+    # vLLM's llm_engine.model_config.max_model_len is the length the engine runs with (lm-eval reads it)
+    assert llm.llm_engine.model_config.max_model_len == 128
+    path, _ = tiny_model_dir("llama")
+    own = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=128)
+    assert own.llm_engine.model_config.max_model_len == own.llm_engine.max_model_len == 1024
+    assert own.llm_engine.config.model.max_model_len is None  # the config keeps what the user gave

@@ -244,3 +244,17 @@ def test_kv_cache_dtype_is_vllms_engine_arg_for_cache_dtype() -> None:
     assert args.create_engine_config().cache_config.cache_dtype == "fp8_e4m3"
     with pytest.raises(ValidationError):
         EngineArgs(kv_cache_dtype="fp4")
+
+
+def test_vllms_none_defaults_and_lora_switches_while_lora_is_off() -> None:
+    # what lm-eval's vllm model passes to LLM(...) on every run
+    args = EngineArgs(max_num_seqs=None, enable_lora=False, max_lora_rank=16, tokenizer_mode="auto")
+    assert args.max_num_seqs == 256 and args.tokenizer_mode == "auto"
+    assert "max_num_seqs" not in args.model_fields_set  # None = "not given", so the default's source stays
+    with pytest.raises(ValidationError, match="enable_lora: LoRA adapters are not supported"):
+        EngineArgs(enable_lora=True)
+    with pytest.raises(ValidationError, match="tokenizer_mode"):
+        EngineArgs(tokenizer_mode="slow")
+    # without enable_lora, a LoRA knob is an unknown argument as before
+    with pytest.raises(ValidationError, match="max_lora_rank"):
+        EngineArgs(max_lora_rank=8)
