@@ -64,10 +64,12 @@ def real_vllm_distributions(paths: Iterable[str] | None = None) -> list[str]:
 
 
 def refusal(found: list[str], action: str) -> str:
+    keep_vllm = ("keep vLLM and leave this alias out" if action == "install"
+                 else f"`pip uninstall {DISTRIBUTION}` to run vLLM itself")
     return (
         f"{DISTRIBUTION} refuses to {action}: a real vLLM is installed ({'; '.join(found)}). Its `vllm` "
         f"package would be shadowed by pagoda's alias (or overwritten by it). Use one of the two: "
-        f"`pip uninstall {DISTRIBUTION}` to run vLLM itself, or `pip uninstall vllm` to run pagoda under vLLM's names."
+        f"{keep_vllm}, or `pip uninstall vllm` to run pagoda under vLLM's names."
     )
 
 
