@@ -80,6 +80,15 @@ class SchedulerConfig(_Config):
     cuda_graph_sizes: list[PositiveInt] | None = Field(None, description="Decode batch sizes to capture graphs for; None = the platform's default (GPU: 1, 2, 4, then every 8 up to max_num_seqs, at most 512; CPU: 1, 2, 4, 8, 16, 24, 32 up to max_num_seqs).")
 
 
+class LoRAConfig(_Config):
+    """vLLM's ``LoRAConfig``: built when ``enable_lora`` is set (docs/lora.md)."""
+
+    max_lora_rank: int = Field(16, gt=0, description="Largest rank (r) of an adapter the engine serves; each adapter slot holds this rank, a larger adapter is refused.")
+    max_loras: int = Field(1, gt=0, description="Adapter slots: the most distinct adapters in one step (a request whose adapter finds no slot waits).")
+    max_cpu_loras: int | None = Field(None, gt=0, description="Adapters kept loaded in host memory (an LRU); None = max_loras. Must be >= max_loras.")
+    lora_dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = Field("auto", description="Dtype of the adapter weights in the slots; auto = the model's dtype (a quantized base: its activation dtype).")
+
+
 class ParallelConfig(_Config):
     tensor_parallel_size: int = Field(1, gt=0, description="Tensor-parallel ranks: each linear layer, the attention heads and the vocabulary split across them.")
     pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline-parallel stages: the decoder layers split into consecutive groups, one per stage, activations passed from stage to stage (one micro-batch in flight).")
@@ -202,6 +211,8 @@ class EngineConfig(_Config):
     device_config: DeviceConfig
     load_config: LoadConfig
     structured_outputs_config: StructuredOutputsConfig = Field(default_factory=_default_structured_outputs_config)
+    # None: LoRA is off (vLLM's EngineConfig.lora_config); resolved by prepare_engine_config
+    lora_config: LoRAConfig | None = None
     # Decided once in the main process and replayed in workers.
     plugins: list[str] | None = None
     registered_models: dict[str, str] = Field(default_factory=dict)
@@ -250,13 +261,14 @@ _SECTIONS: dict[str, type[_Config]] = {
 
 # Bases in reverse so that pydantic, which takes the fields of the last base first, lists them
 # in section order (model, cache, scheduler, parallel, device, load): the CLI's --help order.
-class EngineArgs(LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, CacheConfig, ModelConfig):
+class EngineArgs(LoRAConfig, LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, CacheConfig, ModelConfig):
     """The flat list of engine arguments (what ``LLM(...)`` and the CLI take).
 
     Every section field is inherited, never re-declared: a field added to a section is an
     engine argument, a CLI option and an ``LLM(...)`` keyword at once.
     """
 
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (PEFT format) beside the base model: requests name one with lora_request (offline) or model (server); see docs/lora.md.")
     # vLLM's flat --reasoning-parser; lands in structured_outputs_config.reasoning_parser.
     reasoning_parser: str = Field("", description=StructuredOutputsConfig.model_fields["reasoning_parser"].description)
     # A whole section (as in vLLM), not flattened: --structured-outputs-config takes JSON.
@@ -302,7 +314,11 @@ class EngineArgs(LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, Cach
                 raise ValueError(f"reasoning_parser={self.reasoning_parser!r} and structured_outputs_config."
                                  f"reasoning_parser={structured.reasoning_parser!r} disagree; set one")
             structured = structured.model_copy(update={"reasoning_parser": self.reasoning_parser})
-        return EngineConfig(**sections, structured_outputs_config=structured)
+        lora_fields = {name: getattr(self, name) for name in LoRAConfig.model_fields if name in given}
+        if lora_fields and not self.enable_lora:
+            raise ValueError(f"{', '.join(sorted(lora_fields))} configure LoRA adapters: pass enable_lora=True too")
+        lora = LoRAConfig(**lora_fields) if self.enable_lora else None
+        return EngineConfig(**sections, structured_outputs_config=structured, lora_config=lora)
 
 
 class AsyncEngineArgs(EngineArgs):

@@ -24,6 +24,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagoda.executor import ExecutorFailedError
+from pagoda.lora.request import LoRARequest
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.platforms import Platform
 
@@ -88,6 +89,15 @@ class InprocClient:
 
     def get_output(self) -> EngineCoreOutputs:
         return EngineCoreOutputs(outputs=self.core.step())
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.core.list_loras()
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return self.core.get_supported_tasks()
