@@ -19,7 +19,7 @@ from pagoda.engine.config_resolution import prepare_engine_config  # noqa: F401 
 from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.executor import Executor
 from pagoda.kv_cache.manager import KVCacheManager
-from pagoda.lora.peft import LoRAAdapterError
+from pagoda.lora.peft import LoRAAdapterError, LoRAAdapterNotFoundError
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.model_loader import load_tokenizer
@@ -149,7 +149,8 @@ class EngineCore:
             return True
         errors = [e for e in self.model_executor.collective_rpc("add_lora", (lora_request,)) if e]
         if errors:
-            raise LoRAAdapterError(errors[0])
+            not_found, message = errors[0]
+            raise (LoRAAdapterNotFoundError if not_found else LoRAAdapterError)(message)
         self._loras[lora_request.lora_int_id] = lora_request
         return True
 

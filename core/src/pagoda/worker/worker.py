@@ -108,18 +108,18 @@ class Worker:
                 rows[rid].output_token_ids.extend(tokens)
 
     # -- LoRA adapters (enable_lora; vLLM's worker names) -------------------------------------
-    def add_lora(self, lora_request: Any) -> str | None:
-        """Read and check an adapter into the host cache; its refusal as text (None: loaded).
+    def add_lora(self, lora_request: Any) -> tuple[bool, str] | None:
+        """Read and check an adapter into the host cache; its refusal as (not found?, message); None: loaded.
 
-        A bad adapter is the caller's error, not the worker's: it comes back as a message, so the
-        executor (which marks itself failed on any raise) keeps serving.
+        A bad adapter is the caller's error, not the worker's: it comes back as data, so the executor
+        (which marks itself failed on any raise) keeps serving.
         """
-        from pagoda.lora.peft import LoRAAdapterError
+        from pagoda.lora.peft import LoRAAdapterError, LoRAAdapterNotFoundError
 
         try:
             self.runner.lora.add_adapter(lora_request)
         except LoRAAdapterError as e:
-            return str(e)
+            return isinstance(e, LoRAAdapterNotFoundError), str(e)
         return None
 
     def remove_lora(self, lora_int_id: int) -> bool:
