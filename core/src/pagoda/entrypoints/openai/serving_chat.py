@@ -58,7 +58,7 @@ async def chat_prompt_async(ctx: ServingContext, req: Any) -> tuple[str, list[in
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
-    ctx.check_model(req.model)
+    lora_request = ctx.check_model(req.model, allow_lora=True)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     check_limits(ctx, req, num_logprobs)
     tool_calls = prepare_tool_calls(ctx, req)
@@ -77,7 +77,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
     if req.cache_salt is not None:
         prompt["cache_salt"] = req.cache_salt
-    streams = start_streams(ctx, [prompt], params, request_id, req.priority)
+    streams = start_streams(ctx, [prompt], params, request_id, req.priority, lora_request)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
     echo_text = ""

@@ -53,7 +53,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | No
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_request: Request) -> Any:
-    ctx.check_model(req.model)
+    lora_request = ctx.check_model(req.model, allow_lora=True)
     if req.suffix is not None:
         raise APIError("suffix is not supported: this server does not do fill-in-the-middle completions", 400, "suffix")
     check_limits(ctx, req, req.logprobs)
@@ -75,7 +75,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
     if req.cache_salt is not None:
         for ep in engine_prompts:
             ep["cache_salt"] = req.cache_salt
-    streams = start_streams(ctx, engine_prompts, params, request_id, req.priority)
+    streams = start_streams(ctx, engine_prompts, params, request_id, req.priority, lora_request)
     created = int(time.time())
     renderer = _Renderer(ctx, req, prompts)
     if req.stream:
