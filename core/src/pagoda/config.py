@@ -315,8 +315,10 @@ class EngineArgs(LoRAConfig, LoadConfig, DeviceConfig, ParallelConfig, Scheduler
                                  f"reasoning_parser={structured.reasoning_parser!r} disagree; set one")
             structured = structured.model_copy(update={"reasoning_parser": self.reasoning_parser})
         lora_fields = {name: getattr(self, name) for name in LoRAConfig.model_fields if name in given}
-        if lora_fields and not self.enable_lora:
-            raise ValueError(f"{', '.join(sorted(lora_fields))} configure LoRA adapters: pass enable_lora=True too")
+        # (the CLI passes every option, its defaults too: only a value other than the default asks for LoRA)
+        asked = sorted(n for n, v in lora_fields.items() if v != LoRAConfig.model_fields[n].get_default())
+        if asked and not self.enable_lora:
+            raise ValueError(f"{', '.join(asked)} configure LoRA adapters: pass enable_lora=True too")
         lora = LoRAConfig(**lora_fields) if self.enable_lora else None
         return EngineConfig(**sections, structured_outputs_config=structured, lora_config=lora)
 
