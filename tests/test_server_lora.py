@@ -123,3 +123,10 @@ def test_bad_adapters_are_4xx_and_the_server_keeps_serving(server: Any, tiny, hf
 def test_an_adapter_on_a_base_only_endpoint_is_a_400(server: Any) -> None:
     r = httpx.post(server.url + "/v1/embeddings", json={"model": "sql", "input": [1, 2, 3]}, timeout=30)
     assert 400 <= r.status_code < 500
+
+
+def test_lora_requests_info_gauge(server: Any) -> None:
+    _ids(server, "sql", [1, 2, 3])
+    lines = [line for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
+             if line.startswith("pagoda:lora_requests_info{")]
+    assert len(lines) == 1 and 'max_lora="2"' in lines[0], lines

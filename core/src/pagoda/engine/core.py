@@ -246,5 +246,8 @@ class EngineCore:
             prefix_cache_hits=prefix.hits,
             num_preemptions=preemptions - self._reported_preemptions,
         )
+        if self.config.lora_config is not None:
+            stats.max_lora = self.config.lora_config.max_loras
+            stats.running_lora_adapters, stats.waiting_lora_adapters = self.scheduler.lora_adapter_counts()
         self._reported_preemptions = preemptions
         return stats

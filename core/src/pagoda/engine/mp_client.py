@@ -413,6 +413,9 @@ class DPLBAsyncMPClient:
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
             num_preemptions=stats.num_preemptions,
+            running_lora_adapters=_sum_counts(s.running_lora_adapters for s in latest),
+            waiting_lora_adapters=_sum_counts(s.waiting_lora_adapters for s in latest),
+            max_lora=stats.max_lora,
         )
 
     def _died(self, exc: BaseException) -> None:
@@ -446,6 +449,14 @@ class DPLBAsyncMPClient:
     def shutdown(self, timeout: float = 5.0) -> None:
         for engine in self.engines:
             engine.shutdown(timeout)
+
+
+def _sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for name, n in c.items():
+            total[name] = total.get(name, 0) + n
+    return total
 
 
 def make_async_client(

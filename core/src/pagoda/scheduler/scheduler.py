@@ -297,6 +297,18 @@ class Scheduler:
         """The adapters (lora_int_id) of the running requests."""
         return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
+    def lora_adapter_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(adapter name -> running requests, adapter name -> waiting requests): the lora_requests_info gauge."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for req in self.running:
+            if req.lora_request is not None:
+                running[req.lora_request.lora_name] = running.get(req.lora_request.lora_name, 0) + 1
+        for req in [*self.waiting, *self._compiling]:
+            if req.lora_request is not None:
+                waiting[req.lora_request.lora_name] = waiting.get(req.lora_request.lora_name, 0) + 1
+        return running, waiting
+
     def uses_lora(self, lora_int_id: int) -> bool:
         """Whether a live request (running or waiting) runs with this adapter."""
         return any(r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id
