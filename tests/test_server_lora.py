@@ -130,3 +130,19 @@ def test_lora_requests_info_gauge(server: Any) -> None:
     lines = [line for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
              if line.startswith("pagoda:lora_requests_info{")]
     assert len(lines) == 1 and 'max_lora="2"' in lines[0], lines
+
+
+def test_filesystem_resolver_serves_an_adapter_nobody_loaded(tiny, start_server, hf_greedy) -> None:
+    """PAGODA_LORA_RESOLVER_CACHE_DIR: a request naming <dir>/<name> gets it loaded and served."""
+    root, _, refs = tiny
+    cache = root / "resolver-cache"
+    cache.mkdir(exist_ok=True)
+    if not (cache / "found").exists():
+        shutil.copytree(root / "late", cache / "found")
+    server = start_server([str(root / "base"), "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256",
+                           "--num-kv-blocks", "64", "--enable-lora", "--max-lora-rank", "16"],
+                          env={"PAGODA_ALLOW_RUNTIME_LORA_UPDATING": "1", "PAGODA_LORA_RESOLVER_CACHE_DIR": str(cache)})
+    prompt = [9, 8, 7, 6, 5]
+    assert _ids(server, "found", prompt) == hf_greedy(refs["late"], prompt, NEW_TOKENS)
+    assert "found" in {c["id"] for c in httpx.get(server.url + "/v1/models", timeout=10).json()["data"]}
+    assert _complete(server, "not-there", prompt).status_code == 404

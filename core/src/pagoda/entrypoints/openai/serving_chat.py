@@ -58,7 +58,7 @@ async def chat_prompt_async(ctx: ServingContext, req: Any) -> tuple[str, list[in
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
-    lora_request = ctx.check_model(req.model, allow_lora=True)
+    lora_request = await ctx.resolve_model(req.model)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     check_limits(ctx, req, num_logprobs)
     tool_calls = prepare_tool_calls(ctx, req)

@@ -73,6 +73,12 @@ class ServingContext:
                            code="model_not_found")
         return None
 
+    async def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """``check_model`` for an endpoint that serves adapters, the LoRA resolvers asked for an unknown name."""
+        if self.models is not None:
+            return await self.models.resolve_async(model)
+        return self.check_model(model)
+
     def need_tokenizer(self) -> Any:
         tok = self.tokenizer
         if tok is None:

@@ -53,7 +53,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | No
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_request: Request) -> Any:
-    lora_request = ctx.check_model(req.model, allow_lora=True)
+    lora_request = await ctx.resolve_model(req.model)
     if req.suffix is not None:
         raise APIError("suffix is not supported: this server does not do fill-in-the-middle completions", 400, "suffix")
     check_limits(ctx, req, req.logprobs)

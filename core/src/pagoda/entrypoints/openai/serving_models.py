@@ -84,6 +84,25 @@ class ServingModels:
                            f"({self.base_model_names[0]})", 400, "model")
         return lora
 
+    async def resolve_async(self, model: str | None) -> LoRARequest | None:
+        """``resolve``, and for a name nobody loaded the LoRA resolvers (``pagoda.lora.resolver``), which are
+        asked only with PAGODA_ALLOW_RUNTIME_LORA_UPDATING (vLLM's rule); the first answer is loaded."""
+        try:
+            return self.resolve(model)
+        except APIError as missing:
+            from pagoda import envs
+            from pagoda.lora.resolver import load_resolvers
+
+            if model is None or not self.enable_lora or not envs.PAGODA_ALLOW_RUNTIME_LORA_UPDATING:
+                raise
+            for resolver in load_resolvers():
+                found = await resolver.resolve_lora(self.base_model_path, model)
+                if found is not None:
+                    if model not in self.lora_requests:  # (another request may have loaded it meanwhile)
+                        await self.load_lora_adapter(model, found.lora_path, found.base_model_name)
+                    return self.lora_requests[model]
+            raise missing from None
+
     async def load_static(self, modules: list[LoRAModulePath]) -> None:
         """The ``--lora-modules`` adapters, loaded before the server accepts requests (a bad one stops the start)."""
         for module in modules:
