@@ -227,3 +227,18 @@ def test_lora_request_without_enable_lora_is_refused(family) -> None:
                      use_tqdm=False)
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(model=str(base_dir), skip_tokenizer_init=True, max_loras=2)
+
+
+def test_pooling_with_an_adapter_matches_the_merged_model(family) -> None:
+    """LLM.embed under an adapter (a decoder converted to embeddings): the merged model's normalized last hidden state."""
+    base_dir, base, adapters = family("llama")
+    (l1, r1) = adapters[0]
+    llm = LLM(model=str(base_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=128, num_kv_blocks=64,
+              enable_lora=True, runner="pooling", convert="embed")
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    outs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False, lora_request=[l1, None])
+    for out, prompt, ref in zip(outs, prompts, [r1, base]):
+        with torch.no_grad():
+            hidden = ref.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), torch.nn.functional.normalize(hidden, dim=0),
+                                   atol=1e-4, rtol=1e-4)

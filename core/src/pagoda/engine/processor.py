@@ -62,6 +62,8 @@ class Processor:
         self.pooling = model.pooling
         # what the loaded model serves ("generate", or pooling tasks); set once the core has loaded it
         self.supported_tasks: tuple[str, ...] = ("generate",) if model.runner_type == "generate" else ()
+        # adapters whose config check_lora read already: lora_int_id -> (name, path)
+        self._checked_loras: dict[int, tuple[str, str]] = {}
 
     def _child_params(self, params: SamplingParams, prompt_len: int, rank_by_logprob: bool) -> SamplingParams:
         p = params.clone()
@@ -111,7 +113,10 @@ class Processor:
         if lora is None:
             raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine was started without "
                              "enable_lora=True, so it serves no LoRA adapters")
-        read_peft_config(lora_request.lora_name, lora_request.lora_path, lora.max_lora_rank)
+        if self._checked_loras.get(lora_request.lora_int_id) != (lora_request.lora_name, lora_request.lora_path):
+            # read once per adapter, not per request
+            read_peft_config(lora_request.lora_name, lora_request.lora_path, lora.max_lora_rank)
+            self._checked_loras[lora_request.lora_int_id] = (lora_request.lora_name, lora_request.lora_path)
         return lora_request
 
     def process(
