@@ -3,6 +3,7 @@ engine with enable_lora (base rows only: what the LoRA path costs a request with
 64 requests spread over 8 distinct rank-16 adapters (every projection adapted, max_loras=8).
 
 usage: python -m benchmarks.lora [--rounds 1] [--threads 2] [--configs base,lora-engine,lora8] [--num 64]
+       python -m benchmarks.lora --kernel   (one projection with and without the torch LoRA kernel)
 
 The adapters are written once under a temporary directory as PEFT files (random factors, every
 q/k/v/o/gate/up/down projection of every layer). Each configuration runs in its own process, round
@@ -81,15 +82,57 @@ def run_one(name: str, threads: int, num: int, adapters: list[str]) -> dict:
     return {"config": name, "elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
 
 
+def kernel_overhead(threads: int, repeats: int = 200) -> list[dict]:
+    """One projection's matmul alone and with the torch LoRA kernel added, interleaved in one process:
+    SmolLM2-135M's shapes (576 -> 576 q/o, 576 -> 3072 gate/up), 8 slots of rank 16, decode (64 rows) and
+    prefill (512 rows); rows mixed over the 8 adapters, and all rows on the base model (the skipped path)."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagoda.lora.punica import TORCH_LORA_KERNEL, build_step_mapping
+
+    torch.set_num_threads(threads)
+    out = []
+    for rows in (64, 512):
+        for d_in, d_out in ((576, 576), (576, 3072)):
+            x = torch.randn(rows, d_in)
+            w = torch.randn(d_out, d_in)
+            a = torch.randn(NUM_ADAPTERS * RANK, d_in) * 0.01
+            b = torch.randn(NUM_ADAPTERS * RANK, d_out) * 0.01
+            mixed = build_step_mapping(torch.arange(rows) % NUM_ADAPTERS, NUM_ADAPTERS, torch.float32, torch.device("cpu"))
+            times = {"base": [], "lora8": []}
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                F.linear(x, w)
+                t1 = time.perf_counter()
+                TORCH_LORA_KERNEL.add_lora_linear(F.linear(x, w), x, a, b, mixed)
+                t2 = time.perf_counter()
+                times["base"].append(t1 - t0)
+                times["lora8"].append(t2 - t1)
+            base, lora = statistics.median(times["base"]), statistics.median(times["lora8"])
+            out.append({"rows": rows, "shape": f"{d_in}->{d_out}", "base_us": base * 1e6, "lora8_us": lora * 1e6,
+                        "ratio": lora / base})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num", type=int, default=64)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--kernel", action="store_true", help="only the per-layer kernel overhead (seconds, not minutes)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--adapters", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.kernel:
+        print(f"# load average before: {os.getloadavg()}")
+        print("| rows | shape | F.linear us | + LoRA (8 adapters, r=16) us | ratio |")
+        print("|---|---|---|---|---|")
+        for r in kernel_overhead(args.threads):
+            print(f"| {r['rows']} | {r['shape']} | {r['base_us']:.0f} | {r['lora8_us']:.0f} | {r['ratio']:.2f} |")
+        print(f"# load average after: {os.getloadavg()}")
+        return
     if args.one:
         print(json.dumps(run_one(args.one, args.threads, args.num, json.loads(args.adapters))))
         return
