@@ -82,6 +82,7 @@ def test_model_field_names_the_adapter(server: Any, tiny, hf_greedy) -> None:
     for name, ref in [("tiny", base), ("sql", refs["sql"]), ("chat", refs["chat"])]:
         prompt = [rng.randrange(384) for _ in range(12)]
         assert _ids(server, name, prompt) == hf_greedy(ref, prompt, NEW_TOKENS), name
+    assert _complete(server, "sql", [1, 2]).json()["model"] == "sql"  # vLLM reports the adapter's name
 
 
 def test_runtime_load_and_unload(server: Any, tiny, hf_greedy) -> None:

@@ -110,7 +110,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             "stop_reason": o.stop_reason,
         })
     body = {
-        "id": request_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
+        "id": request_id, "object": "chat.completion", "created": created, "model": ctx.response_model(req.model),
         "choices": choices, "usage": usage(len(ids), completion_tokens), "system_fingerprint": None,
         "prompt_logprobs": prompt_logprobs_json(token_text, ro.prompt_logprobs) if req.prompt_logprobs is not None
         else None,
@@ -128,7 +128,7 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         c: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                             "model": ctx.model_name, "choices": choices}
+                             "model": ctx.response_model(req.model), "choices": choices}
         if include_usage and continuous:
             c["usage"] = usage(prompt_tokens, completion_tokens)
         return c
@@ -168,5 +168,5 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list
                 "stop_reason": o.stop_reason,
             }]))
     if include_usage:
-        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.response_model(req.model),
                    "choices": [], "usage": usage(prompt_tokens, completion_tokens)})

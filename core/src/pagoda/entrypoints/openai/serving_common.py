@@ -73,6 +73,12 @@ class ServingContext:
                            code="model_not_found")
         return None
 
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response reports: the adapter the request named, else the served name (vLLM's rule)."""
+        if model is not None and self.models is not None and model in self.models.lora_requests:
+            return model
+        return self.model_name
+
     async def resolve_model(self, model: str | None) -> LoRARequest | None:
         """``check_model`` for an endpoint that serves adapters, the LoRA resolvers asked for an unknown name."""
         if self.models is not None:

@@ -91,7 +91,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
             choices.append(renderer.choice(i, o, ro, first=True, final=True))
     choices.sort(key=lambda c: c["index"])
     body = {
-        "id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+        "id": request_id, "object": "text_completion", "created": created, "model": ctx.response_model(req.model),
         "choices": choices, "usage": usage(sum(len(ids) for _, ids in prompts), completion_tokens),
         "system_fingerprint": None,
     }
@@ -153,12 +153,12 @@ async def _events(ctx: ServingContext, req: CompletionRequest, streams: list[Any
             started.add(index)
             completion_tokens += len(o.token_ids)
             chunk: dict[str, Any] = {
-                "id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+                "id": request_id, "object": "text_completion", "created": created, "model": ctx.response_model(req.model),
                 "choices": [renderer.choice(i, o, ro, first=first, final=o.finish_reason is not None)],
             }
             if include_usage and continuous:
                 chunk["usage"] = usage(prompt_tokens, completion_tokens)
             yield sse(chunk)
     if include_usage:
-        yield sse({"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+        yield sse({"id": request_id, "object": "text_completion", "created": created, "model": ctx.response_model(req.model),
                    "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
