@@ -60,10 +60,10 @@ def test_tool_call_turn_renders_with_the_default_template() -> None:
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}])
 
 
-def test_lora_request_is_refused_by_name_and_none_is_the_base_model(llm: LLM) -> None:
+def test_lora_request_without_enable_lora_is_refused_and_none_is_the_base_model(llm: LLM) -> None:
     from pagoda.lora.request import LoRARequest
 
-    with pytest.raises(ValueError, match="lora_request: LoRA adapters are not supported"):
+    with pytest.raises(ValueError, match="enable_lora=True"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False,
                      lora_request=LoRARequest("adapter", 1, "/nowhere"))
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=None)

@@ -81,7 +81,7 @@ import vllm
 from vllm.tokenizers import get_tokenizer
 for call in (lambda: vllm.NoSuchThing, lambda: get_tokenizer("x", add_bos_token=True),
              lambda: get_tokenizer("x", tokenizer_mode="slow"),
-             lambda: vllm.EngineArgs(enable_lora=True), lambda: vllm.EngineArgs(tokenizer_mode="mistral")):
+             lambda: vllm.EngineArgs(fully_sharded_loras=True), lambda: vllm.EngineArgs(tokenizer_mode="mistral")):
     try:
         call()
     except Exception as exc:
@@ -94,7 +94,7 @@ for call in (lambda: vllm.NoSuchThing, lambda: get_tokenizer("x", add_bos_token=
     assert len(lines) == 5 and "ACCEPTED" not in run.stdout, run.stdout
     assert lines[0].startswith("AttributeError") and "NoSuchThing" in lines[0]
     assert "add_bos_token" in lines[1] and "tokenizer_mode" in lines[2]
-    assert "enable_lora" in lines[3] and "tokenizer_mode" in lines[4]
+    assert "fully_sharded_loras" in lines[3] and "tokenizer_mode" in lines[4]
 
 
 def _fake_real_vllm(root: Path) -> Path:

@@ -14,6 +14,7 @@ from pagoda.config import (
     CacheConfig,
     DeviceConfig,
     EngineArgs,
+    LoRAConfig,
     EngineConfig,
     LoadConfig,
     ModelConfig,
@@ -123,12 +124,13 @@ def test_engine_config_survives_pickling_for_worker_processes() -> None:
 
 
 def test_every_engine_arg_belongs_to_exactly_one_section() -> None:
-    sections = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig, LoadConfig)
+    sections = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig, LoadConfig, LoRAConfig)
     section_fields = [name for section in sections for name in section.model_fields]
     assert len(section_fields) == len(set(section_fields))
     # structured_outputs_config is a whole section (as in vLLM), passed as is; reasoning_parser (vLLM's flat
-    # --reasoning-parser) lands in it
-    assert set(section_fields) | {"structured_outputs_config", "reasoning_parser"} == set(EngineArgs.model_fields)
+    # --reasoning-parser) lands in it; enable_lora (vLLM's flag) decides whether lora_config exists
+    assert (set(section_fields) | {"structured_outputs_config", "reasoning_parser", "enable_lora"}
+            == set(EngineArgs.model_fields))
     # inherited, not re-declared: each EngineArgs field is its section's (default, bounds, description)
     for section in sections:
         assert issubclass(EngineArgs, section)
@@ -246,15 +248,19 @@ def test_kv_cache_dtype_is_vllms_engine_arg_for_cache_dtype() -> None:
         EngineArgs(kv_cache_dtype="fp4")
 
 
-def test_vllms_none_defaults_and_lora_switches_while_lora_is_off() -> None:
+def test_vllms_none_defaults_and_lora_switches() -> None:
     # what lm-eval's vllm model passes to LLM(...) on every run
     args = EngineArgs(max_num_seqs=None, enable_lora=False, max_lora_rank=16, tokenizer_mode="auto")
     assert args.max_num_seqs == 256 and args.tokenizer_mode == "auto"
     assert "max_num_seqs" not in args.model_fields_set  # None = "not given", so the default's source stays
-    with pytest.raises(ValidationError, match="enable_lora: LoRA adapters are not supported"):
-        EngineArgs(enable_lora=True)
+    assert args.create_engine_config().lora_config is None
     with pytest.raises(ValidationError, match="tokenizer_mode"):
         EngineArgs(tokenizer_mode="slow")
-    # without enable_lora, a LoRA knob is an unknown argument as before
-    with pytest.raises(ValidationError, match="max_lora_rank"):
-        EngineArgs(max_lora_rank=8)
+
+
+def test_lora_config_is_built_only_with_enable_lora() -> None:
+    assert EngineArgs().create_engine_config().lora_config is None
+    config = EngineArgs(enable_lora=True, max_loras=4, max_lora_rank=32).create_engine_config()
+    assert config.lora_config == LoRAConfig(max_loras=4, max_lora_rank=32)
+    with pytest.raises(ValueError, match="enable_lora"):
+        EngineArgs(max_loras=2).create_engine_config()

@@ -134,3 +134,19 @@ def test_prepare_engine_config_logs_one_block(monkeypatch: pytest.MonkeyPatch, c
     assert config.block_size == 8
     blocks = [r for r in caplog.records if r.getMessage().startswith("engine config (platform plain):")]
     assert len(blocks) == 1 and "cache_config.block_size = 8 (platform default)" in blocks[0].getMessage()
+
+
+def test_lora_resolution() -> None:
+    """max_cpu_loras follows max_loras; LoRA steps run eagerly; layouts it does not serve are refused by name."""
+    defaults = PlatformDefaults(graphs=True, graph_sizes=(1, 2, 4))
+    config = _config(enable_lora=True, max_loras=3)
+    apply_defaults(config, _Graphs(), defaults)
+    assert config.lora_config is not None and config.lora_config.max_cpu_loras == 3
+    assert config.sources["lora_config.max_cpu_loras"] == "derived: max_loras"
+    assert config.scheduler_config.cuda_graph_sizes == []
+    assert "enable_lora" in config.sources["scheduler_config.cuda_graph_sizes"]
+    assert "lora_config.max_loras = 3" in describe_engine_config(config, _Graphs(), defaults)
+    with pytest.raises(ValueError, match="max_cpu_loras=2 must be >= max_loras=3"):
+        apply_defaults(_config(enable_lora=True, max_loras=3, max_cpu_loras=2), _Graphs(), defaults)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        apply_defaults(_config(enable_lora=True, tensor_parallel_size=2), _Graphs(), defaults)

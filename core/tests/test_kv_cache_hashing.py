@@ -101,12 +101,15 @@ def test_request_hashes_reject_bad_arguments() -> None:
 
 
 def test_request_extra_keys() -> None:
+    from pagoda.lora.request import LoRARequest
+
     class Req:
         cache_salt = "abc"
-        lora_id = 3
+        lora_request = LoRARequest("sql", 3, "/adapters/sql")
 
     class Plain:
-        pass
+        cache_salt = None
+        lora_request = None
 
-    assert request_extra_keys(Req()) == (("salt", "abc"), ("lora", 3))
+    assert request_extra_keys(Req()) == (("salt", "abc"), ("lora", 3, "sql"))
     assert request_extra_keys(Plain()) is None

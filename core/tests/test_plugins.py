@@ -6,6 +6,8 @@ import types
 
 import pytest
 
+from pagoda.lora.request import LoRARequest
+from pagoda.lora.resolver import LoRAResolver
 from pagoda.plugins import (
     API_VERSION,
     API_VERSION_ATTR,
@@ -328,3 +330,36 @@ def test_a_wrapper_around_a_registration_hook_is_refused(isolated_plugin_manager
     assert info.status == "error"
     assert info.error is not None and "wrapper" in info.error
     assert not isolated_plugin_manager._pm.is_registered(plugin)
+
+
+def test_lora_resolver_plugins_are_found_through_the_hook() -> None:
+    """A plugin's pagoda_register_lora_resolvers spec becomes a resolver; the filesystem one joins with its directory."""
+    import asyncio
+
+    from pagoda.lora.resolver import LoRAResolverRegistry, load_resolvers
+    from pagoda.plugins import LoRAResolverSpec, get_plugin_manager, hookimpl
+
+    class Plugin:
+        PAGODA_PLUGIN_API_VERSION = "1.6"
+
+        @hookimpl
+        def pagoda_register_lora_resolvers(self) -> list[LoRAResolverSpec]:
+            return [LoRAResolverSpec(name="test-echo", cls=f"{__name__}:_EchoResolver")]
+
+    pm = get_plugin_manager()
+    info = pm.register(Plugin(), name="test-echo-resolver", kind="lora_resolver")
+    assert info.status == "loaded", info.error
+    try:
+        resolvers = load_resolvers()
+        echo = LoRAResolverRegistry.get_resolver("test-echo")
+        assert echo in resolvers and isinstance(echo, LoRAResolver)
+        found = asyncio.run(echo.resolve_lora("base", "sql"))
+        assert found == LoRARequest("sql", 1, "/adapters/sql")
+    finally:
+        LoRAResolverRegistry.resolvers.pop("test-echo", None)
+
+
+
+class _EchoResolver(LoRAResolver):
+    async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
+        return LoRARequest(lora_name, 1, f"/adapters/{lora_name}")

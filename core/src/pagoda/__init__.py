@@ -37,6 +37,7 @@ _LAZY: dict[str, str] = {
     "EngineArgs": "pagoda.config",
     "AsyncEngineArgs": "pagoda.config",
     "ModelRegistry": "pagoda.models.registry",
+    "LoRARequest": "pagoda.lora.request",
 }
 
 

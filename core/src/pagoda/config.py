@@ -81,6 +81,15 @@ class SchedulerConfig(_Config):
     cuda_graph_sizes: list[PositiveInt] | None = Field(None, description="Decode batch sizes to capture graphs for; None = the platform's default (GPU: 1, 2, 4, then every 8 up to max_num_seqs, at most 512; CPU: 1, 2, 4, 8, 16, 24, 32 up to max_num_seqs).")
 
 
+class LoRAConfig(_Config):
+    """vLLM's ``LoRAConfig``: built when ``enable_lora`` is set (docs/lora.md)."""
+
+    max_lora_rank: int = Field(16, gt=0, description="Largest rank (r) of an adapter the engine serves; each adapter slot holds this rank, a larger adapter is refused.")
+    max_loras: int = Field(1, gt=0, description="Adapter slots: the most distinct adapters in one step (a request whose adapter finds no slot waits).")
+    max_cpu_loras: int | None = Field(None, gt=0, description="Adapters kept loaded in host memory (an LRU); None = max_loras. Must be >= max_loras.")
+    lora_dtype: Literal["auto", "float32", "float", "bfloat16", "float16", "half"] = Field("auto", description="Dtype of the adapter weights in the slots; auto = the model's dtype (a quantized base: its activation dtype).")
+
+
 class ParallelConfig(_Config):
     tensor_parallel_size: int = Field(1, gt=0, description="Tensor-parallel ranks: each linear layer, the attention heads and the vocabulary split across them.")
     pipeline_parallel_size: int = Field(1, gt=0, description="Pipeline-parallel stages: the decoder layers split into consecutive groups, one per stage, activations passed from stage to stage (one micro-batch in flight).")
@@ -203,6 +212,8 @@ class EngineConfig(_Config):
     device_config: DeviceConfig
     load_config: LoadConfig
     structured_outputs_config: StructuredOutputsConfig = Field(default_factory=_default_structured_outputs_config)
+    # None: LoRA is off (vLLM's EngineConfig.lora_config); resolved by prepare_engine_config
+    lora_config: LoRAConfig | None = None
     # Decided once in the main process and replayed in workers.
     plugins: list[str] | None = None
     registered_models: dict[str, str] = Field(default_factory=dict)
@@ -249,33 +260,28 @@ _SECTIONS: dict[str, type[_Config]] = {
 }
 
 
-def _vllm_defaults_and_lora(data: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's None-means-default values, and its LoRA switches while LoRA is off.
+def _vllm_none_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's None-means-default values.
 
-    Libraries written for vLLM pass every argument they know (lm-eval: ``max_num_seqs=None``,
-    ``enable_lora=False, max_lora_rank=16``). ``max_lora_rank`` shapes nothing without LoRA;
-    ``enable_lora=True`` would change the output, so it is refused until LoRA lands (issue 34).
+    Libraries written for vLLM pass every argument they know (lm-eval: ``max_num_seqs=None``);
+    None there means "not given", so the default and its source stay.
     """
     data = dict(data)
     if "max_num_seqs" in data and data["max_num_seqs"] is None:
         del data["max_num_seqs"]
-    if data.get("enable_lora"):
-        raise ValueError("enable_lora: LoRA adapters are not supported by pagoda yet")
-    if "enable_lora" in data:
-        del data["enable_lora"]
-        data.pop("max_lora_rank", None)
     return data
 
 
 # Bases in reverse so that pydantic, which takes the fields of the last base first, lists them
 # in section order (model, cache, scheduler, parallel, device, load): the CLI's --help order.
-class EngineArgs(LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, CacheConfig, ModelConfig):
+class EngineArgs(LoRAConfig, LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, CacheConfig, ModelConfig):
     """The flat list of engine arguments (what ``LLM(...)`` and the CLI take).
 
     Every section field is inherited, never re-declared: a field added to a section is an
     engine argument, a CLI option and an ``LLM(...)`` keyword at once.
     """
 
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (PEFT format) beside the base model: requests name one with lora_request (offline) or model (server); see docs/lora.md.")
     # vLLM's flat --reasoning-parser; lands in structured_outputs_config.reasoning_parser.
     reasoning_parser: str = Field("", description=StructuredOutputsConfig.model_fields["reasoning_parser"].description)
     # A whole section (as in vLLM), not flattened: --structured-outputs-config takes JSON.
@@ -307,7 +313,7 @@ class EngineArgs(LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, Cach
             value = data.pop("num_gpu_blocks_override")
             data.setdefault("num_kv_blocks", value)
         if isinstance(data, dict):
-            data = _vllm_defaults_and_lora(data)
+            data = _vllm_none_defaults(data)
         return data
 
     def create_engine_config(self) -> EngineConfig:
@@ -323,7 +329,13 @@ class EngineArgs(LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, Cach
                 raise ValueError(f"reasoning_parser={self.reasoning_parser!r} and structured_outputs_config."
                                  f"reasoning_parser={structured.reasoning_parser!r} disagree; set one")
             structured = structured.model_copy(update={"reasoning_parser": self.reasoning_parser})
-        return EngineConfig(**sections, structured_outputs_config=structured)
+        lora_fields = {name: getattr(self, name) for name in LoRAConfig.model_fields if name in given}
+        # (the CLI passes every option, its defaults too: only a value other than the default asks for LoRA)
+        asked = sorted(n for n, v in lora_fields.items() if v != LoRAConfig.model_fields[n].get_default())
+        if asked and not self.enable_lora:
+            raise ValueError(f"{', '.join(asked)} configure LoRA adapters: pass enable_lora=True too")
+        lora = LoRAConfig(**lora_fields) if self.enable_lora else None
+        return EngineConfig(**sections, structured_outputs_config=structured, lora_config=lora)
 
 
 class AsyncEngineArgs(EngineArgs):

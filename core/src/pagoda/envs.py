@@ -141,6 +141,15 @@ _VARIABLES: list[EnvVar[Any]] = [
            "Seconds the mp executor waits for its workers to finish one step before it declares them hung, "
            "fails the requests in flight and stops every worker (as VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).",
            _CORE, parse_positive_int),
+    EnvVar("PAGODA_ALLOW_RUNTIME_LORA_UPDATING", "bool", False,
+           "1: the server offers /v1/load_lora_adapter and /v1/unload_lora_adapter (as "
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING); for local development only: anyone who reaches the API can load files.",
+           _CORE, parse_bool),
+    EnvVar("PAGODA_LORA_RESOLVER_CACHE_DIR", "path", None,
+           "Directory the built-in filesystem LoRA resolver looks in: a request whose model names no loaded adapter "
+           "is served <dir>/<name> when that is a PEFT LoRA adapter of the base model (as VLLM_LORA_RESOLVER_CACHE_DIR; "
+           "the server asks resolvers only with PAGODA_ALLOW_RUNTIME_LORA_UPDATING).",
+           _CORE, parse_path),
     EnvVar("PAGODA_ENABLE_V1_MULTIPROCESSING", "bool", False,
            "1: AsyncLLM runs the engine core in its own process (MPClient); 0: in a thread of the API "
            "process (as VLLM_ENABLE_V1_MULTIPROCESSING). Unset: `pagoda serve` uses the process for a "
@@ -196,6 +205,8 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns for core's own; a plugi
     PAGODA_CACHE_ROOT: Path | None
     PAGODA_DISABLE_CACHE: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS: int
+    PAGODA_ALLOW_RUNTIME_LORA_UPDATING: bool
+    PAGODA_LORA_RESOLVER_CACHE_DIR: Path | None
     PAGODA_ENABLE_V1_MULTIPROCESSING: bool
     PAGODA_KERNELS_IMPL: str
     PAGODA_BENCH_VLLM_PYTHON: str | None

@@ -15,6 +15,7 @@ from pagoda.beam_search.outputs import beams_to_request_output
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import BeamSearchParams
 from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagoda.lora.request import LoRARequest
 
 
 class BeamSearchFrontend:
@@ -41,6 +42,7 @@ class BeamSearchFrontend:
         eos_token_id: int | None,
         early_stopping: EarlyStopping,
         arrival_time: float | None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[BeamGroup, EngineCoreRequest]:
         """The group and its root beam (the prompt) to hand to the core."""
         if request_id in self.in_flight:
@@ -52,7 +54,8 @@ class BeamSearchFrontend:
             temperature=params.temperature, max_model_len=self.max_model_len,
         )
         root = EngineCoreRequest(group.new_beam_id(), prompt_token_ids, beam_request_params(), None,
-                                 time.time() if arrival_time is None else arrival_time, cache_salt=cache_salt)
+                                 time.time() if arrival_time is None else arrival_time, cache_salt=cache_salt,
+                                 lora_request=lora_request)
         self.in_flight[request_id] = (prompt, prompt_token_ids)
         return group, root
 

@@ -33,6 +33,7 @@ from pagoda.engine.messages import EngineCoreOutputs
 from pagoda.engine.mp_client import make_async_client
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor
+from pagoda.lora.request import LoRARequest
 from pagoda.metrics.requests import RequestMetrics
 from pagoda.metrics.stats import IterationStats, SchedulerStats, StatLogger
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
@@ -161,6 +162,8 @@ class AsyncLLM:
                                              engine_core_process)
         # what the loaded model serves: ("generate",) or its pooling tasks (vLLM's supported tasks)
         self.supported_tasks: tuple[str, ...] = self.engine_core.get_supported_tasks()
+        # adapters the core has loaded (add_lora): a request naming one goes straight in
+        self._loras: set[int] = set()
         self.processor.supported_tasks = self.supported_tasks
         self._tracked: dict[str, _Tracked] = {}
         # log_stats=False: stat loggers get no records
@@ -206,12 +209,14 @@ class AsyncLLM:
         prompt: Any,
         sampling_params: SamplingParams | PoolingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate, tokenize and queue a request; bad input raises ValueError here, before the core sees it.
 
         ``PoolingParams`` make a pooling request (prefill only, one ``PoolingRequestOutput``).
 
-        The caller must iterate the returned stream to its end or call ``abort()`` on it.
+        The caller must iterate the returned stream to its end or call ``abort()`` on it. A
+        ``lora_request`` must have been added first (``add_lora``; ``generate`` / ``encode`` do it).
         """
         if self.engine_core.dead_error is not None:
             raise EngineDeadError(f"the engine core died: {self.engine_core.dead_error!r}")
@@ -219,7 +224,9 @@ class AsyncLLM:
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
-        parent, requests = self.processor.process(request_id, prompt, sampling_params, arrival, priority)
+        if lora_request is not None and lora_request.lora_int_id not in self._loras:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} is not loaded: await add_lora first")
+        parent, requests = self.processor.process(request_id, prompt, sampling_params, arrival, priority, lora_request)
         for request in requests:
             self.engine_core.add_request(request)
         self.output_processor.add_request(parent)
@@ -233,10 +240,13 @@ class AsyncLLM:
         prompt: Any,
         sampling_params: SamplingParams,
         request_id: str,
+        lora_request: LoRARequest | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (vLLM's signature)."""
-        stream = self.add_request(request_id, prompt, sampling_params, priority)
+        if lora_request is not None:
+            await self.add_lora(lora_request)
+        stream = self.add_request(request_id, prompt, sampling_params, priority, lora_request)
         async for out in stream:
             yield out
 
@@ -258,8 +268,6 @@ class AsyncLLM:
         parameters the model refuses (``dimensions`` on a model without matryoshka support, a task it
         does not serve) raise ValueError before the core sees the request.
         """
-        if lora_request is not None:
-            raise ValueError("LoRA adapters are not supported by pagoda yet")
         if trace_headers is not None:
             raise ValueError("trace_headers (OpenTelemetry tracing) are not supported by pagoda yet")
         if not isinstance(pooling_params, PoolingParams):
@@ -276,9 +284,33 @@ class AsyncLLM:
             if limit is not None:
                 pooling_params.truncate_prompt_tokens = limit
                 pooling_params.__post_init__()
-        stream = self.add_request(request_id, prompt, pooling_params, priority)
+        if lora_request is not None:
+            await self.add_lora(lora_request)
+        stream = self.add_request(request_id, prompt, pooling_params, priority, lora_request)
         async for out in stream:
             yield out
+
+    # -- LoRA adapters (vLLM's AsyncLLM.add_lora / remove_lora / list_loras) -----------------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter in the core (its workers read it); LoRAAdapterError naming it and the
+        reason when it cannot be served. Already loaded: nothing to do."""
+        if lora_request.lora_int_id in self._loras:
+            return True
+        self.processor.check_lora(lora_request)
+        self._ensure_started()
+        result = await asyncio.wrap_future(self.engine_core.call_utility("add_lora", lora_request))
+        self._loras.add(lora_request.lora_int_id)
+        return bool(result)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self._ensure_started()
+        removed = await asyncio.wrap_future(self.engine_core.call_utility("remove_lora", lora_id))
+        self._loras.discard(lora_id)
+        return bool(removed)
+
+    async def list_loras(self) -> set[int]:
+        self._ensure_started()
+        return set(await asyncio.wrap_future(self.engine_core.call_utility("list_loras")))
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Stop requests; their streams end with a finished output (finish_reason "abort")."""

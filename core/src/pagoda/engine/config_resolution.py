@@ -56,7 +56,7 @@ class _Sources:
 
 
 _SECTION_NAMES = ("model_config", "cache_config", "scheduler_config", "parallel_config", "device_config",
-                  "load_config", "structured_outputs_config")
+                  "load_config", "structured_outputs_config", "lora_config")
 
 
 def _section(config: EngineConfig, name: str) -> Any:
@@ -95,6 +95,7 @@ def apply_defaults(config: EngineConfig, platform: Platform, defaults: PlatformD
     _resolve_cache(sources, defaults)
     _resolve_schedule(sources, defaults, platform.name)
     _resolve_graphs(sources, defaults, platform)
+    _resolve_lora(sources)
     config.sources = sources.by_field
 
 
@@ -144,6 +145,9 @@ def _resolve_graphs(sources: _Sources, defaults: PlatformDefaults, platform: Pla
     given = config.scheduler_config.cuda_graph_sizes if sources.given("scheduler_config", "cuda_graph_sizes") else None
     if config.model.enforce_eager:
         sizes, source = [], f"{USER}: enforce_eager"
+    elif config.lora_config is not None:
+        # the adapter slots and per-token slot index are static buffers, but no graph path is verified with them yet
+        sizes, source = [], f"{DERIVED}: enable_lora (LoRA steps run eagerly)"
     elif not (platform.supports_graphs and defaults.graphs):
         sizes, source = [], f"{PLATFORM}: {defaults.graphs_off_reason or f'no decode graphs on {platform.name}'}"
     elif given is not None:
@@ -152,6 +156,24 @@ def _resolve_graphs(sources: _Sources, defaults: PlatformDefaults, platform: Pla
     else:
         sizes, source = sorted({s for s in defaults.graph_sizes if s <= max_num_seqs}), PLATFORM
     sources.set("scheduler_config", "cuda_graph_sizes", sizes, source)
+
+
+def _resolve_lora(sources: _Sources) -> None:
+    """``max_cpu_loras`` (None = ``max_loras``), and the layouts LoRA does not serve yet, refused by name."""
+    config = sources.config
+    lora = config.lora_config
+    if lora is None:
+        return
+    parallel = config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise ValueError(f"enable_lora: tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
+                         f"{parallel.pipeline_parallel_size}; LoRA adapters are served on one rank only so far "
+                         "(run with tensor_parallel_size=1 and pipeline_parallel_size=1)")
+    if lora.max_cpu_loras is None:
+        sources.set("lora_config", "max_cpu_loras", lora.max_loras, f"{DERIVED}: max_loras")
+    elif lora.max_cpu_loras < lora.max_loras:
+        raise ValueError(f"max_cpu_loras={lora.max_cpu_loras} must be >= max_loras={lora.max_loras} (every adapter in a "
+                         "slot is also held in host memory)")
 
 
 # the model fields whose resolved value (resolved.*) the block states instead of what was asked
@@ -165,6 +187,8 @@ def describe_engine_config(config: EngineConfig, platform: Platform, defaults: P
     lines = [f"engine config (platform {platform.name}):"]
     for section in _SECTION_NAMES:
         obj = _section(config, section)
+        if obj is None:  # lora_config without enable_lora
+            continue
         for name in type(obj).model_fields:
             key = f"{section}.{name}"
             if key in _STATED_RESOLVED:

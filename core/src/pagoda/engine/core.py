@@ -19,6 +19,8 @@ from pagoda.engine.config_resolution import prepare_engine_config  # noqa: F401 
 from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.executor import Executor
 from pagoda.kv_cache.manager import KVCacheManager
+from pagoda.lora.peft import LoRAAdapterError, LoRAAdapterNotFoundError
+from pagoda.lora.request import LoRARequest
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.model_loader import load_tokenizer
 from pagoda.platforms import Platform
@@ -66,7 +68,10 @@ class EngineCore:
             policy=sc.scheduling_policy,
             structured_output_manager=self._structured_output_manager(config),
             use_pp=config.parallel_config.pipeline_parallel_size > 1,
+            max_loras=config.lora_config.max_loras if config.lora_config is not None else None,
         )
+        # adapters the workers have read and checked: lora_int_id -> its request (vLLM's add_lora registry)
+        self._loras: dict[int, LoRARequest] = {}
         self._reported_preemptions = 0
         # vLLM's batch queue: steps sent to the executor whose output is not applied yet, oldest first
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
@@ -124,9 +129,48 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.lora_request is not None:
+            # a bad adapter fails its request here, before the scheduler holds it
+            self.add_lora(request.lora_request)
         self.scheduler.add_request(Request.from_engine_core_request(request, self.block_size))
 
+    # -- LoRA adapters (vLLM's EngineCore.add_lora / remove_lora / list_loras) ---------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Have every worker read and check the adapter; ``LoRAAdapterError`` naming it and the reason if
+        it cannot be served (the engine keeps serving the rest)."""
+        if self.config.lora_config is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine was started without "
+                             "enable_lora=True, so it serves no LoRA adapters")
+        known = self._loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+                raise LoRAAdapterError(f"LoRA adapter {lora_request.lora_name!r}: lora_int_id={lora_request.lora_int_id} "
+                                       f"is already adapter {known.lora_name!r} ({known.lora_path})")
+            return True
+        errors = [e for e in self.model_executor.collective_rpc("add_lora", (lora_request,)) if e]
+        if errors:
+            not_found, message = errors[0]
+            raise (LoRAAdapterNotFoundError if not_found else LoRAAdapterError)(message)
+        self._loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests already running with it finish with it. False if it was not loaded."""
+        if lora_int_id not in self._loras:
+            return False
+        if self.scheduler.uses_lora(lora_int_id):
+            raise ValueError(f"LoRA adapter {self._loras[lora_int_id].lora_name!r} is in use by live requests; "
+                             "unload it once they finish")
+        del self._loras[lora_int_id]
+        self.model_executor.collective_rpc("remove_lora", (lora_int_id,))
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set(self._loras)
+
     def add_beam_search(self, group: BeamGroup, root: EngineCoreRequest) -> None:
+        if root.lora_request is not None:
+            self.add_lora(root.lora_request)
         self.scheduler.add_beam_search(group, Request.from_engine_core_request(root, self.block_size))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -202,5 +246,8 @@ class EngineCore:
             prefix_cache_hits=prefix.hits,
             num_preemptions=preemptions - self._reported_preemptions,
         )
+        if self.config.lora_config is not None:
+            stats.max_lora = self.config.lora_config.max_loras
+            stats.running_lora_adapters, stats.waiting_lora_adapters = self.scheduler.lora_adapter_counts()
         self._reported_preemptions = preemptions
         return stats

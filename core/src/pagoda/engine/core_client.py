@@ -17,17 +17,31 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 from pagoda.beam_search.group import BeamGroup
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagoda.executor import ExecutorFailedError
+from pagoda.lora.request import LoRARequest
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.platforms import Platform
 
 logger = logging.getLogger(__name__)
+
+# EngineCore methods a front end may call between steps (call_utility), with a result back.
+UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras"})
+
+
+def run_utility(core: EngineCore, method: str, args: tuple[Any, ...], future: Future[Any]) -> None:
+    """Run one utility call on ``core``; its error goes to the caller, never up the core loop."""
+    try:
+        future.set_result(getattr(core, method)(*args))
+    except Exception as exc:  # noqa: BLE001 - the caller's error (a bad adapter), not the engine's
+        future.set_exception(exc)
+
 
 # How long the idle core thread sleeps on its queue before re-checking shutdown.
 _IDLE_POLL_S = 0.5
@@ -88,6 +102,15 @@ class InprocClient:
 
     def get_output(self) -> EngineCoreOutputs:
         return EngineCoreOutputs(outputs=self.core.step())
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.core.list_loras()
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return self.core.get_supported_tasks()
@@ -150,6 +173,15 @@ class ThreadedClient:
         if ids:
             self._commands.put(("abort", ids))
 
+    def call_utility(self, method: str, *args: Any) -> Future[Any]:
+        """``EngineCore.<method>(*args)`` run by the core thread between steps (vLLM's utility calls): its
+        result, or its exception, in the future; the core thread goes on either way."""
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"{method!r} is not an engine-core utility ({', '.join(sorted(UTILITY_METHODS))})")
+        future: Future[Any] = Future()
+        self._commands.put(("utility", (future, method, args)))
+        return future
+
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -179,6 +211,9 @@ class ThreadedClient:
                 core.add_beam_search(*arg)  # type: ignore[misc]
             elif cmd == "abort":
                 core.abort_requests(arg)  # type: ignore[arg-type]
+            elif cmd == "utility":
+                future, method, args = arg  # type: ignore[misc]
+                run_utility(core, method, args, future)
             try:
                 cmd, arg = self._commands.get_nowait()
             except queue.Empty:

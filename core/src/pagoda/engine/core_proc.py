@@ -151,6 +151,8 @@ class EngineCoreProc:
                 core.add_request(payload)
             elif kind == "abort":
                 core.abort_requests(payload)
+            elif kind == "utility":
+                self._utility(*payload)
             elif kind == "shutdown":
                 self.stopping = True
                 return True
@@ -172,6 +174,21 @@ class EngineCoreProc:
                     self._send_outputs(EngineCoreOutputs(scheduler_stats=core.make_stats()))
                 continue
             step_and_hand_off(core, self._send_outputs, portable_error)
+
+    def _utility(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
+        """A front end's utility call (pagoda.engine.core_client.UTILITY_METHODS): (id, result, error) back."""
+        from concurrent.futures import Future
+
+        from pagoda.engine.core_client import UTILITY_METHODS, run_utility
+
+        future: Future[Any] = Future()
+        if method not in UTILITY_METHODS:
+            future.set_exception(ValueError(f"{method!r} is not an engine-core utility"))
+        else:
+            run_utility(self.core, method, args, future)
+        error = future.exception()
+        self.out.send(dumps("utility", (call_id, None if error else future.result(),
+                                        None if error is None else portable_error(error))))
 
     def _send_outputs(self, batch: Any) -> None:
         self.out.send(dumps("outputs", batch))

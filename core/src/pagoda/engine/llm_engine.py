@@ -17,6 +17,7 @@ from pagoda.engine.config_resolution import prepare_engine_config
 from pagoda.engine.core_client import InprocClient
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.processor import Processor
+from pagoda.lora.request import LoRARequest
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
@@ -62,13 +63,15 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request: ``SamplingParams`` generate, ``PoolingParams`` pool (one ``PoolingRequestOutput``)."""
+        """Queue a request: ``SamplingParams`` generate, ``PoolingParams`` pool (one ``PoolingRequestOutput``);
+        ``lora_request``: the adapter it runs with (enable_lora)."""
         params = params or SamplingParams()
         if self.output_processor.has(request_id) or request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time() if arrival_time is None else arrival_time
-        parent, requests = self.processor.process(request_id, prompt, params, arrival, priority)
+        parent, requests = self.processor.process(request_id, prompt, params, arrival, priority, lora_request)
         for request in requests:
             self.engine_core.add_request(request)
         self.output_processor.add_request(parent)
@@ -80,6 +83,7 @@ class LLMEngine:
         params: BeamSearchParams,
         arrival_time: float | None = None,
         early_stopping: EarlyStopping = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Beam search in the engine core: its beams fork, share KV blocks and step with everything else.
 
@@ -87,7 +91,8 @@ class LLMEngine:
         """
         if self.output_processor.has(request_id) or request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
-        group, root = self.processor.process_beam_search(request_id, prompt, params, arrival_time, early_stopping)
+        group, root = self.processor.process_beam_search(request_id, prompt, params, arrival_time, early_stopping,
+                                                         lora_request)
         self.engine_core.add_beam_search(group, root)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -110,6 +115,19 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.parents) + len(self.beam_searches)
+
+    # -- LoRA adapters (vLLM's LLMEngine.add_lora / remove_lora / list_loras) ----------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter ahead of its first request (LoRAAdapterError if it cannot be served)."""
+        lora = self.processor.check_lora(lora_request)
+        assert lora is not None
+        return self.engine_core.add_lora(lora)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.engine_core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine_core.list_loras()
 
     def get_stats(self) -> SchedulerStats:
         """The core's gauges (running, waiting, KV usage, prefix cache) as data."""

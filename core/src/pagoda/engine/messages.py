@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagoda.logprobs import Logprob
+    from pagoda.lora.request import LoRARequest
     from pagoda.metrics.stats import SchedulerStats
     from pagoda.pooling_params import PoolingParams
     from pagoda.sampling_params import SamplingParams
@@ -44,6 +45,8 @@ class EngineCoreRequest(msgspec.Struct, gc=False):
     # the prefix-cache keys of the prompt's full blocks (pagoda.scheduler.request.prompt_block_hashes), hashed
     # by the front end; empty: the core hashes them
     block_hashes: list[bytes] = msgspec.field(default_factory=list)
+    # the adapter to run with (multi-LoRA); None: the base model
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):

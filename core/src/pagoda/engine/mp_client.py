@@ -33,6 +33,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from pagoda.config import EngineConfig
@@ -103,6 +104,9 @@ class MPClient:
         self._stopping = threading.Event()
         self._send_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # utility calls waiting for the core's answer: id -> future
+        self._call_ids = itertools.count()
+        self._calls: dict[int, Future[Any]] = {}
         self._sockdir = tempfile.mkdtemp(prefix="pagoda-core-")
         in_addr = f"ipc://{os.path.join(self._sockdir, 'in')}"
         out_addr = f"ipc://{os.path.join(self._sockdir, 'out')}"
@@ -188,6 +192,15 @@ class MPClient:
         if ids and self.dead_error is None:
             self._send("abort", ids)
 
+    def call_utility(self, method: str, *args: Any) -> Future[Any]:
+        """``EngineCore.<method>(*args)`` in the core process between steps; result or error in the future."""
+        future: Future[Any] = Future()
+        with self._send_lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+        self._send("utility", (call_id, method, args))
+        return future
+
     @property
     def is_alive(self) -> bool:
         return self.proc.is_alive() and self.dead_error is None
@@ -231,6 +244,11 @@ class MPClient:
                             break
                         if kind == "outputs":
                             self._on_outputs(payload)
+                        elif kind == "utility":
+                            call_id, result, error = payload
+                            future = self._calls.pop(call_id, None)
+                            if future is not None:
+                                future.set_exception(error) if error is not None else future.set_result(result)
                         elif kind == "dead":
                             raise EngineCoreProcessDied(f"the engine core loop died:\n{payload}")
                     continue
@@ -243,6 +261,9 @@ class MPClient:
                 return
             logger.error("engine core %d is gone: %s", self.replica_rank, exc)
             self.dead_error = exc
+            for future in list(self._calls.values()):
+                future.set_exception(exc)
+            self._calls.clear()
             self._on_dead(exc)
             # the process may be a live husk (its loop died): stop it, so nothing is left behind
             if self.proc.is_alive():
@@ -343,6 +364,20 @@ class DPLBAsyncMPClient:
         # the core confirms nothing for an abort: the request stops counting now
         self._release(itertools.chain.from_iterable(by_rank.values()))
 
+    def call_utility(self, method: str, *args: Any) -> Future[Any]:
+        """The call on every replica (each holds its own adapters); the first replica's result, or the first error."""
+        futures = [engine.call_utility(method, *args) for engine in self.engines]
+        combined: Future[Any] = Future()
+
+        def done(_: Future[Any]) -> None:
+            if all(f.done() for f in futures) and not combined.done():
+                error = next((f.exception() for f in futures if f.exception() is not None), None)
+                combined.set_exception(error) if error is not None else combined.set_result(futures[0].result())
+
+        for f in futures:
+            f.add_done_callback(done)
+        return combined
+
     def _release(self, request_ids: Iterable[str]) -> None:
         with self._lock:
             for rid in request_ids:
@@ -378,6 +413,9 @@ class DPLBAsyncMPClient:
             prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits,
             num_preemptions=stats.num_preemptions,
+            running_lora_adapters=_sum_counts(s.running_lora_adapters for s in latest),
+            waiting_lora_adapters=_sum_counts(s.waiting_lora_adapters for s in latest),
+            max_lora=stats.max_lora,
         )
 
     def _died(self, exc: BaseException) -> None:
@@ -411,6 +449,14 @@ class DPLBAsyncMPClient:
     def shutdown(self, timeout: float = 5.0) -> None:
         for engine in self.engines:
             engine.shutdown(timeout)
+
+
+def _sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for c in counts:
+        for name, n in c.items():
+            total[name] = total.get(name, 0) + n
+    return total
 
 
 def make_async_client(

@@ -52,6 +52,8 @@ class ParentState:
     children: list[RequestState]
     kind: RequestOutputKind
     rank_by_logprob: bool = False
+    # the adapter the request ran with (RequestOutput.lora_request)
+    lora_request: Any = None
 
     @property
     def finished(self) -> bool:
@@ -217,4 +219,5 @@ class OutputProcessor:
             outputs=outs,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
+            lora_request=parent.lora_request,
         )

@@ -22,6 +22,8 @@ from pagoda.inputs import parse_prompt
 from pagoda.model_loader import load_tokenizer
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
+from pagoda.lora.peft import read_peft_config
+from pagoda.lora.request import LoRARequest
 from pagoda.scheduler.request import prompt_block_hashes
 from pagoda.structured_output.manager import load_backend_class
 
@@ -60,6 +62,8 @@ class Processor:
         self.pooling = model.pooling
         # what the loaded model serves ("generate", or pooling tasks); set once the core has loaded it
         self.supported_tasks: tuple[str, ...] = ("generate",) if model.runner_type == "generate" else ()
+        # adapters whose config check_lora read already: lora_int_id -> (name, path)
+        self._checked_loras: dict[int, tuple[str, str]] = {}
 
     def _child_params(self, params: SamplingParams, prompt_len: int, rank_by_logprob: bool) -> SamplingParams:
         p = params.clone()
@@ -98,12 +102,31 @@ class Processor:
             if bad:
                 raise ValueError(f"allowed_token_ids has token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
 
+    def check_lora(self, lora_request: Any) -> LoRARequest | None:
+        """A request's adapter, checked as far as the front end can (the config: rank, DoRA, files); the core
+        checks its weights against the model."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a pagoda.lora.request.LoRARequest, got {type(lora_request).__name__}")
+        lora = self.config.lora_config
+        if lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine was started without "
+                             "enable_lora=True, so it serves no LoRA adapters")
+        if self._checked_loras.get(lora_request.lora_int_id) != (lora_request.lora_name, lora_request.lora_path):
+            # read once per adapter, not per request
+            read_peft_config(lora_request.lora_name, lora_request.lora_path, lora.max_lora_rank)
+            self._checked_loras[lora_request.lora_int_id] = (lora_request.lora_name, lora_request.lora_path)
+        return lora_request
+
     def process(
-        self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, arrival_time: float, priority: int
+        self, request_id: str, prompt: Any, params: SamplingParams | PoolingParams, arrival_time: float, priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[ParentState, list[EngineCoreRequest]]:
         """-> (the output processor's state for the request, one core request per sequence)."""
+        lora_request = self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
-            return self.process_pooling(request_id, prompt, params, arrival_time, priority)
+            return self.process_pooling(request_id, prompt, params, arrival_time, priority, lora_request)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         if "generate" not in self.supported_tasks:
@@ -115,7 +138,7 @@ class Processor:
         rank = n_children > params.n
         states: list[RequestState] = []
         requests: list[EngineCoreRequest] = []
-        hashes = prompt_block_hashes(ids, self.block_size, salt)
+        hashes = prompt_block_hashes(ids, self.block_size, salt, lora_request)
         for i in range(n_children):
             child_id = request_id if n_children == 1 else f"{i}_{request_id}"
             p = self._child_params(params, len(ids), rank)
@@ -131,8 +154,9 @@ class Processor:
                                        wants_logprobs=params.logprobs is not None))
             requests.append(EngineCoreRequest(child_id, ids, p, None if p.ignore_eos else self.eos_token_id,
                                               arrival_time, priority=priority, cache_salt=salt,
-                                              block_hashes=hashes))
-        parent = ParentState(request_id, params.n, n_children, states, params.output_kind, rank_by_logprob=rank)
+                                              block_hashes=hashes, lora_request=lora_request))
+        parent = ParentState(request_id, params.n, n_children, states, params.output_kind, rank_by_logprob=rank,
+                             lora_request=lora_request)
         return parent, requests
 
     def pooling_task(self, params: PoolingParams) -> str:
@@ -152,7 +176,8 @@ class Processor:
         return task
 
     def process_pooling(
-        self, request_id: str, prompt: Any, params: PoolingParams, arrival_time: float, priority: int
+        self, request_id: str, prompt: Any, params: PoolingParams, arrival_time: float, priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[ParentState, list[EngineCoreRequest]]:
         """A pooling request: one core request, prefill only; its PoolingParams checked against the model."""
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
@@ -167,9 +192,9 @@ class Processor:
             params.requires_token_ids = True
         state = RequestState(request_id, request_id, 0, text, ids, params, None)
         request = EngineCoreRequest(request_id, ids, params, None, arrival_time, priority=priority, cache_salt=salt,
-                                    token_type_ids=token_type_ids,
-                                    block_hashes=prompt_block_hashes(ids, self.block_size, salt))
-        parent = ParentState(request_id, 1, 1, [state], params.output_kind)
+                                    token_type_ids=token_type_ids, lora_request=lora_request,
+                                    block_hashes=prompt_block_hashes(ids, self.block_size, salt, lora_request))
+        parent = ParentState(request_id, 1, 1, [state], params.output_kind, lora_request=lora_request)
         return parent, [request]
 
     def _pooling_prompt(self, prompt: Any, truncate: int | None) -> tuple[str | None, list[int], str | None, list[int] | None]:
@@ -216,13 +241,14 @@ class Processor:
 
     def process_beam_search(
         self, request_id: str, prompt: Any, params: BeamSearchParams, arrival_time: float | None,
-        early_stopping: EarlyStopping,
+        early_stopping: EarlyStopping, lora_request: LoRARequest | None = None,
     ) -> tuple[BeamGroup, EngineCoreRequest]:
         """-> (the group, its root beam); ``beam_searches`` tracks it until the core reports it done."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         if "generate" not in self.supported_tasks:
             raise ValueError("beam search needs a generative model; this model runs with the pooling runner")
+        lora_request = self.check_lora(lora_request)
         text, ids, salt = self.input_processor.process(prompt, None)
         return self.beam_searches.start(request_id, text, ids, salt, params, self.eos_token_id,
-                                        early_stopping, arrival_time)
+                                        early_stopping, arrival_time, lora_request)

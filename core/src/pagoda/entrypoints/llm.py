@@ -10,6 +10,7 @@ from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.chat_utils import is_conversation_list, render_chat_prompt
 from pagoda.entrypoints.log_config import configure_default_logging
+from pagoda.lora.request import LoRARequest
 from pagoda.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -72,6 +73,16 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one or one per prompt")
         return params
 
+    @staticmethod
+    def _lora_list(lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+        """One adapter per prompt: the one given for all of them, or one per prompt (vLLM's rule)."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} lora_request(s) for {n} prompts; pass one or one per prompt")
+        return loras
+
     @property
     def supported_tasks(self) -> tuple[str, ...]:
         """What the model serves: ("generate",), or its pooling tasks (embed, classify, score, token_embed, ...)."""
@@ -82,18 +93,16 @@ class LLM:
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        # vLLM's keyword (lm-eval passes lora_request=None on every call): None is the base model
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported by pagoda yet")
         if "generate" not in self.supported_tasks:
             raise ValueError(
                 f"LLM.generate needs a generative model; this one runs with the pooling runner (tasks: "
                 f"{', '.join(self.supported_tasks)}). Use LLM.embed / classify / score / reward / encode.")
         items = self._normalize(prompts)
         params = self._params_list(sampling_params, len(items))
+        loras = self._lora_list(lora_request, len(items))
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
         ids: list[str] = []
@@ -104,7 +113,8 @@ class LLM:
                     p.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(self._request_counter)
                 self._request_counter += 1
-                self.llm_engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+                self.llm_engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0,
+                                            lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             for rid in ids:
@@ -117,6 +127,7 @@ class LLM:
         messages: Sequence[Any],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -135,7 +146,7 @@ class LLM:
             # the template writes its own special tokens (BOS included)
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -143,6 +154,7 @@ class LLM:
         params: BeamSearchParams,
         use_tqdm: bool = False,
         early_stopping: EarlyStopping = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search over every prompt at once, inside the scheduler (beams fork and share KV blocks).
 
@@ -152,12 +164,14 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         items = self._normalize(prompts)
+        loras = self._lora_list(lora_request, len(items))
         ids: list[str] = []
         try:
-            for prompt in items:
+            for prompt, lora in zip(items, loras):
                 rid = str(self._request_counter)
                 self._request_counter += 1
-                self.llm_engine.add_beam_search_request(rid, prompt, params, early_stopping=early_stopping)
+                self.llm_engine.add_beam_search_request(rid, prompt, params, early_stopping=early_stopping,
+                                                        lora_request=lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:
@@ -174,7 +188,7 @@ class LLM:
         *,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         pooling_task: str | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
@@ -183,13 +197,12 @@ class LLM:
 
         A dict with ``"data"`` is a request for the IO processor plugin: one ``PoolingRequestOutput``
         whose ``outputs`` is the plugin's output (vLLM's behaviour)."""
-        if lora_request is not None:
-            raise ValueError("LoRA adapters are not supported by pagoda yet")
         self._require_pooling("LLM.encode")
         if isinstance(prompts, dict) and "data" in prompts:
             return [self._encode_with_io_processor(prompts, pooling_params, pooling_task, use_tqdm)]
         items = self._normalize(prompts)
         params = self._pooling_params_list(pooling_params, len(items))
+        loras = self._lora_list(lora_request, len(items))
         task = pooling_task
         if task is None:
             tasks = {p.task for p in params}
@@ -218,10 +231,10 @@ class LLM:
             ready.append(p)
         ids: list[str] = []
         try:
-            for prompt, p in zip(items, ready):
+            for prompt, p, lora in zip(items, ready, loras):
                 rid = str(self._request_counter)
                 self._request_counter += 1
-                self.llm_engine.add_request(rid, prompt, p)
+                self.llm_engine.add_request(rid, prompt, p, lora_request=lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:
@@ -252,7 +265,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (normalized unless ``PoolingParams(normalize=False)``)."""
         self._require_task("LLM.embed", "embed")
@@ -267,7 +280,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
         """Class probabilities per prompt (softmax, or sigmoid for one label; raw logits with use_activation=False)."""
         self._require_task("LLM.classify", "classify")
@@ -282,7 +295,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """Per-token outputs of a reward model (``convert="reward"``, or a token classifier): [tokens, ...] each."""
         self._require_task("LLM.reward", "token_classify")
@@ -298,7 +311,7 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
         pooling_params: PoolingParams | None = None,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ScoringRequestOutput]:
         """Scores of (data_1, data_2) pairs, paired 1:1, 1:N or N:N as vLLM pairs them.
 
@@ -306,8 +319,6 @@ class LLM:
         the tokenizer's pair encoding with its token type ids; an embedding model scores by the cosine
         similarity of the two embeddings.
         """
-        if lora_request is not None:
-            raise ValueError("LoRA adapters are not supported by pagoda yet")
         tasks = self.supported_tasks
         if "score" not in tasks and "embed" not in tasks:
             raise ValueError("LLM.score needs a cross-encoder (a one-label classifier: the 'score' task) or an embedding "
@@ -333,13 +344,16 @@ class LLM:
                 if enc.get("token_type_ids") is not None:
                     prompt["token_type_ids"] = list(enc["token_type_ids"])
                 prompts.append(prompt)
-            outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="score")
+            outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="score",
+                                  lora_request=lora_request)
             return [ScoringRequestOutput.from_base(o) for o in outputs]
         if pooling_params is not None and pooling_params.use_activation is not None:
             raise ValueError("use_activation applies to cross-encoder scores; this model scores by cosine similarity")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError("LLM.score with an embedding model takes one lora_request for all its texts, not a list")
         texts = list(dict.fromkeys(first + second))
         embedded = self.embed(texts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                              pooling_params=pooling_params)
+                              pooling_params=pooling_params, lora_request=lora_request)
         by_text = dict(zip(texts, embedded))
         import torch
 

@@ -26,7 +26,10 @@ import hashlib
 import struct
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pagoda.lora.request import LoRARequest
 
 BlockHash = bytes
 """A 32-byte SHA-256 digest identifying a full block and its whole prefix."""
@@ -137,13 +140,24 @@ def hash_request_blocks(
     return prev_hashes
 
 
-def request_extra_keys(request: Any) -> tuple[Any, ...] | None:
-    """Extra keys of a request from its optional ``cache_salt`` and ``lora_id`` attributes."""
+class _CacheKeyed(Protocol):
+    """What a request carries that keys its blocks beside their tokens (``pagoda.scheduler.request.Request``)."""
+
+    cache_salt: str | None
+    lora_request: LoRARequest | None
+
+
+def extra_keys(cache_salt: str | None, lora_request: LoRARequest | None) -> tuple[Any, ...] | None:
+    """The extra keys of a request with this salt and adapter: blocks computed under another adapter
+    (or the base model) hold other K/V and never match."""
     keys: list[Any] = []
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        keys.append(("salt", salt))
-    lora_id = getattr(request, "lora_id", None)
-    if lora_id is not None:
-        keys.append(("lora", lora_id))
+    if cache_salt:
+        keys.append(("salt", cache_salt))
+    if lora_request is not None:
+        keys.append(("lora", lora_request.lora_int_id, lora_request.lora_name))
     return tuple(keys) if keys else None
+
+
+def request_extra_keys(request: _CacheKeyed) -> tuple[Any, ...] | None:
+    """Extra keys of a request from its ``cache_salt`` and its ``lora_request`` record."""
+    return extra_keys(request.cache_salt, request.lora_request)

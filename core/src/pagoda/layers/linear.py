@@ -20,6 +20,7 @@ from torch import nn
 from pagoda.layers.activation import SiluAndMul
 
 if TYPE_CHECKING:
+    from pagoda.lora.layers import LoRASlots
     from pagoda.quantization.base_config import LinearMethodBase
 
 
@@ -78,6 +79,8 @@ class Linear(nn.Module):
         # A gated activation applied to the output (``activation``); fused: the kernel computes it in its matmul.
         self.act: nn.Module | None = None
         self.fused_activation = False
+        # Set by pagoda.lora.model_manager (enable_lora): the adapter slots added to the matmul's output.
+        self.lora: LoRASlots | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_activation:
@@ -89,6 +92,8 @@ class Linear(nn.Module):
             y = F.linear(x, self.weight, self.bias)
         else:
             y = self.kernel.apply(x, self.prepared, self.bias)
+        if self.lora is not None:
+            y = self.lora(x, y)
         return y if self.act is None else self.act(y)
 
     def prepare(self, kernel: LinearKernel, *, keep_weight: bool) -> bool:
@@ -99,7 +104,8 @@ class Linear(nn.Module):
         """
         if self.quant_method is not None or not kernel.supports(self.weight.data):
             return False
-        if (isinstance(self.act, SiluAndMul) and isinstance(kernel, SiluAndMulLinearKernel)
+        # an adapter adds to the projection before the activation: no fused activation under LoRA
+        if (self.lora is None and isinstance(self.act, SiluAndMul) and isinstance(kernel, SiluAndMulLinearKernel)
                 and kernel.supports_silu_and_mul(self.weight.data)):
             self.prepared = kernel.prepare_silu_and_mul(self.weight.data)
             self.fused_activation = True

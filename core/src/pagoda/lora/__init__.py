@@ -1,4 +1,10 @@
-"""LoRA adapters (vLLM's ``vllm.lora``): the request-side record; the engine refuses adapters until LoRA lands."""
+"""Multi-LoRA: PEFT adapters served beside the base model, many per step (docs/lora.md).
+
+``request`` (LoRARequest) is what a caller names; ``peft`` reads and checks an adapter's files;
+``layers`` holds each linear's fixed adapter slots; ``punica`` is the batched shrink/expand kernel
+interface (a torch implementation the platform may replace); ``model_manager`` (worker side) maps
+adapters into slots from a host LRU; ``resolver`` finds adapters nobody loaded yet.
+"""
 
 from pagoda.lora.request import LoRARequest
 

@@ -1,8 +1,8 @@
-"""Which adapter a request runs with (vLLM's ``LoRARequest``: same fields, same Struct declaration).
+"""``LoRARequest``: which adapter a request runs with (vLLM's ``vllm.lora.request.LoRARequest``).
 
-Libraries written for vLLM import it unconditionally (lm-eval's vllm model builds one only when
-given an adapter path) and pass ``lora_request=None`` otherwise; pagoda's engine refuses a
-non-None one with an error naming ``lora_request`` until adapters are served (issue 34).
+A msgspec Struct, as vLLM's is: it travels inside ``EngineCoreRequest`` to the core and inside
+``NewRequestData`` to the workers. Two requests name the same adapter when their ``lora_name`` is
+the same (vLLM's equality); ``lora_int_id`` (>= 1) keys the adapter's slot and prefix-cache blocks.
 """
 
 from __future__ import annotations
@@ -10,18 +10,20 @@ from __future__ import annotations
 import msgspec
 
 
-class LoRARequest(msgspec.Struct, omit_defaults=True, array_like=True):
+class LoRARequest(msgspec.Struct, omit_defaults=True, frozen=True, gc=False):
     lora_name: str
-    # 1-based: vLLM reserves 0 for "no adapter".
     lora_int_id: int
     lora_path: str = ""
+    # the model the adapter was trained on (vLLM's field; the server lists it as the adapter's parent)
     base_model_name: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an int of at least 1, got {self.lora_int_id!r}.")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"LoRARequest {self.lora_name!r}: lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
         if not self.lora_name:
-            raise ValueError("lora_name must not be empty.")
+            raise ValueError("LoRARequest: lora_name must not be empty")
+        if not self.lora_path:
+            raise ValueError(f"LoRARequest {self.lora_name!r}: lora_path (the adapter's directory) is required")
 
     @property
     def adapter_id(self) -> int:
@@ -34,3 +36,9 @@ class LoRARequest(msgspec.Struct, omit_defaults=True, array_like=True):
     @property
     def path(self) -> str:
         return self.lora_path
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)

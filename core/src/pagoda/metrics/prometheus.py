@@ -48,6 +48,10 @@ class _Same:
         for m in self.metrics:
             m.observe(value)
 
+    def set_to_current_time(self) -> None:
+        for m in self.metrics:
+            m.set_to_current_time()
+
 
 class PrometheusStatLogger:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
@@ -88,6 +92,10 @@ class PrometheusStatLogger:
             "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets).labels(model_name)
         self.generation_tokens_per_request = histogram(
             "request_generation_tokens", "Number of generation tokens processed.", token_buckets).labels(model_name)
+        # vLLM's LoRA gauge: the labels carry the adapters, the value the time they were read
+        self.lora_info = _Same([Gauge(f"{p}:lora_requests_info", "Running stats on lora requests.",
+                                      ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+                                for p in prefixes])
 
     def record_iteration(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         self.num_requests_running.set(scheduler.num_running_reqs)
@@ -103,6 +111,12 @@ class PrometheusStatLogger:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
         if iteration.num_generation_tokens:
             self.generation_tokens.inc(iteration.num_generation_tokens)
+        if scheduler.max_lora:
+            # one series, the latest (vLLM keeps every combination ever seen; a scrape wants the current one)
+            for gauge in self.lora_info.metrics:
+                gauge.clear()
+            self.lora_info.labels(str(scheduler.max_lora), ",".join(sorted(scheduler.waiting_lora_adapters)),
+                                  ",".join(sorted(scheduler.running_lora_adapters))).set_to_current_time()
 
     def record_finished(self, finished: FinishedRequestStats) -> None:
         reason = finished.finish_reason if finished.finish_reason in self.request_success else "error"

@@ -16,6 +16,10 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # enable_lora: adapter name -> requests running / waiting with it, and the slots (vLLM's lora_requests_info)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    max_lora: int = 0
 
 
 @dataclass

@@ -19,6 +19,7 @@ class                      helper (what core reads)    what the model then does
 ``SupportsQuant``          ``supports_quant``          loads quantized weights (vLLM's name)
 ``SupportsOutputRows``     ``supports_output_rows``    returns only the rows that sample
 ``SupportsTokenTypeIds``   ``supports_token_type_ids`` reads token type ids (BERT's segment ids)
+``SupportsLoRA``           ``supports_lora``           serves LoRA adapters on its linears (vLLM's name)
 ``NoCudaGraphs``           ``supports_cuda_graphs``    (opts out) decode steps stay eager
 ``PoolingModel``           ``is_pooling_model``        pools hidden states (vLLM's name)
 =========================  ==========================  ============================================
@@ -135,6 +136,23 @@ class SupportsQuant:
         return name
 
 
+class SupportsLoRA:
+    """Serves LoRA adapters (vLLM's ``SupportsLoRA``): every projection is a core ``Linear`` (or parallel
+    subclass), whose LoRA wrapper (``pagoda.lora.layers``) adds each token's adapter to its output.
+
+    ``packed_modules_mapping`` (vLLM's name) says which checkpoint projections a fused layer stacks, in row
+    order, so an adapter's ``q_proj`` / ``k_proj`` / ``v_proj`` factors land in their rows of ``qkv_proj``;
+    ``map_checkpoint_name`` turns an adapter's (Hugging Face) module names into the model's. The LM head
+    and the embeddings take no adapter.
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
+
+    def map_checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name under the model's parameter names."""
+        return name
+
+
 class SupportsOutputRows:
     """``forward`` takes ``output_rows`` and returns only those rows (beyond vLLM, whose models return every row).
 
@@ -183,6 +201,11 @@ def quant_unsupported_reason(model: object) -> str:
     if isinstance(model, SupportsQuant) and model.quant_unsupported_reason is not None:
         return model.quant_unsupported_reason
     return "its model family does not declare SupportsQuant"
+
+
+def supports_lora(model: object) -> TypeIs[SupportsLoRA]:
+    """``model`` declares ``SupportsLoRA`` (vLLM's name)."""
+    return _declares(model, SupportsLoRA)
 
 
 def supports_output_rows(model: object) -> TypeIs[SupportsOutputRows]:

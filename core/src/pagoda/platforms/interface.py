@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from pagoda.config import EngineConfig
     from pagoda.layers import LayerOps, LinearKernel
+    from pagoda.lora.punica import LoRAKernel
     from pagoda.worker.graphs import GraphCapturer
 
 
@@ -129,6 +130,11 @@ class Platform:
 
         Asked once after the weights are loaded; the kernel may re-lay-out each weight.
         """
+        return None
+
+    def lora_kernel(self, dtype: torch.dtype) -> LoRAKernel | None:
+        """The batched LoRA shrink/expand (``pagoda.lora.punica.LoRAKernel``) here, or None for core's
+        vectorised torch one. Asked once when an engine with enable_lora loads its model."""
         return None
 
     def layer_ops(self, dtype: torch.dtype) -> LayerOps | None:

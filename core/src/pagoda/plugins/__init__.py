@@ -16,6 +16,7 @@ from pagoda.plugins.manager import (
 from pagoda.plugins.specs import (
     AttentionBackendSpec,
     IOProcessorSpec,
+    LoRAResolverSpec,
     LogitsProcessorSpec,
     ModelFallbackSpec,
     ModelSpec,
@@ -63,6 +64,7 @@ __all__ = [
     "PLUGINS_ENV",
     "AttentionBackendSpec",
     "IOProcessorSpec",
+    "LoRAResolverSpec",
     "LogitsProcessorSpec",
     "ModelFallbackSpec",
     "ModelSpec",

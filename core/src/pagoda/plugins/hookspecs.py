@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         AttentionBackendSpec,
         IOProcessorSpec,
         LogitsProcessorSpec,
+        LoRAResolverSpec,
         ModelFallbackSpec,
         ModelSpec,
         PlatformSpec,
@@ -159,6 +160,25 @@ def pagoda_register_quantization_methods() -> list[QuantizationSpec]:
         @hookimpl
         def pagoda_register_quantization_methods() -> list[QuantizationSpec]:
             return [QuantizationSpec(name="myq", cls="my_quant.config:MyQuantConfig")]
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def pagoda_register_lora_resolvers() -> list[LoRAResolverSpec]:
+    """LoRA resolvers this plugin provides (plugin API 1.6; vLLM's ``LoRAResolver``).
+
+    :return: ``LoRAResolverSpec`` records: ``name``, ``cls`` (``"module:Class"`` of a
+        ``pagoda.lora.resolver.LoRAResolver`` subclass, built with no arguments).
+
+    Read by the server when a request's ``model`` names no loaded adapter and
+    ``PAGODA_ALLOW_RUNTIME_LORA_UPDATING`` is set: each resolver is asked in turn.
+
+    Example::
+
+        @hookimpl
+        def pagoda_register_lora_resolvers() -> list[LoRAResolverSpec]:
+            return [LoRAResolverSpec(name="s3", cls="my_resolvers.s3:S3Resolver")]
     """
     raise NotImplementedError
 

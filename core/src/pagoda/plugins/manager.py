@@ -23,6 +23,7 @@ from pagoda.plugins.specs import (
     AttentionBackendSpec,
     IOProcessorSpec,
     LogitsProcessorSpec,
+    LoRAResolverSpec,
     ModelFallbackSpec,
     ModelSpec,
     PlatformSpec,
@@ -39,8 +40,8 @@ logger = logging.getLogger(__name__)
 # core adds hooks and hook arguments only additively within a major version.
 # 1.1: pagoda_register_model_fallbacks. 1.2: pagoda_register_structured_output_backends.
 # 1.3: pagoda_register_tool_parsers. 1.4: pagoda_register_reasoning_parsers. 1.5: pagoda_add_env_vars
-# (and pagoda_startup became historic: a plugin registered late is called too).
-API_VERSION = "1.5"
+# (and pagoda_startup became historic: a plugin registered late is called too). 1.6: pagoda_register_lora_resolvers.
+API_VERSION = "1.6"
 API_VERSION_ATTR = "PAGODA_PLUGIN_API_VERSION"
 PLUGINS_ENV = "PAGODA_PLUGINS"
 
@@ -56,6 +57,7 @@ ENTRY_POINT_GROUPS: dict[str, str] = {
     "tool_parser": "pagoda.tool_parsers",
     "reasoning_parser": "pagoda.reasoning_parsers",
     "logits_processor": "pagoda.logits_processors",
+    "lora_resolver": "pagoda.lora_resolvers",
     "general": "pagoda.general",
 }
 
@@ -71,6 +73,7 @@ _REGISTER_HOOKS: dict[str, tuple[type, str]] = {
     "pagoda_register_tool_parsers": (ToolParserSpec, "name"),
     "pagoda_register_reasoning_parsers": (ReasoningParserSpec, "name"),
     "pagoda_register_logits_processors": (LogitsProcessorSpec, "name"),
+    "pagoda_register_lora_resolvers": (LoRAResolverSpec, "name"),
 }
 
 
@@ -411,6 +414,9 @@ class PluginManager:
 
     def quantization_methods(self) -> dict[str, QuantizationSpec]:
         return self._by_name("pagoda_register_quantization_methods", "name")
+
+    def lora_resolvers(self) -> dict[str, LoRAResolverSpec]:
+        return self._by_name("pagoda_register_lora_resolvers", "name")
 
     def io_processors(self) -> dict[str, IOProcessorSpec]:
         return self._by_name("pagoda_register_io_processors", "name")

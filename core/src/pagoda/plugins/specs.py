@@ -144,6 +144,17 @@ class IOProcessorSpec:
 
 
 @dataclass(frozen=True)
+class LoRAResolverSpec:
+    """A LoRA resolver (vLLM's ``LoRAResolver``): finds an adapter a request names that nobody loaded yet."""
+
+    name: str
+    cls: str  # "module:Class" of a pagoda.lora.resolver.LoRAResolver, built with no arguments
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+
+@dataclass(frozen=True)
 class LogitsProcessorSpec:
     """A logits processor that requests can ask for by name."""
 

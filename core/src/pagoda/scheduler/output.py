@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagoda.logprobs import Logprob
+    from pagoda.lora.request import LoRARequest
     from pagoda.pooling_params import PoolingParams
     from pagoda.sampling_params import SamplingParams
     from pagoda.scheduler.request import Request
@@ -54,12 +55,15 @@ class NewRequestData(msgspec.Struct, gc=False):
     beam: BeamCandidates | None = None
     # the prompt's token type ids (BERT-style pair encodings), if the request has them
     token_type_ids: list[int] | None = None
+    # the adapter the request runs with (the runner puts it in a slot); None: the base model
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_request(cls, req: Request, block_ids: list[int], beam: BeamCandidates | None) -> NewRequestData:
         return cls(req_id=req.request_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
                    params=req.params, block_ids=block_ids, num_computed_tokens=req.num_computed_tokens,
-                   output_token_ids=req.output_token_ids, beam=beam, token_type_ids=req.token_type_ids)
+                   output_token_ids=req.output_token_ids, beam=beam, token_type_ids=req.token_type_ids,
+                   lora_request=req.lora_request)
 
 
 class CachedRequestData(msgspec.Struct, gc=False):

@@ -7,13 +7,14 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
-from pagoda.kv_cache.hashing import BlockHash, hash_request_blocks
+from pagoda.kv_cache.hashing import BlockHash, extra_keys, hash_request_blocks
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagoda.beam_search.group import BeamGroup
     from pagoda.engine.messages import EngineCoreRequest
+    from pagoda.lora.request import LoRARequest
     from pagoda.structured_output.manager import RequestStructuredOutput
 
 
@@ -39,15 +40,16 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 }
 
 
-def block_extra_keys(cache_salt: str | None) -> tuple[Any, ...] | None:
-    """What a request mixes into its blocks' prefix-cache keys beside their tokens."""
-    return (cache_salt,) if cache_salt else None
+def block_extra_keys(cache_salt: str | None, lora_request: LoRARequest | None = None) -> tuple[Any, ...] | None:
+    """What a request mixes into its blocks' prefix-cache keys beside their tokens (salt, adapter)."""
+    return extra_keys(cache_salt, lora_request)
 
 
-def prompt_block_hashes(prompt_token_ids: list[int], block_size: int, cache_salt: str | None) -> list[BlockHash]:
+def prompt_block_hashes(prompt_token_ids: list[int], block_size: int, cache_salt: str | None,
+                        lora_request: LoRARequest | None = None) -> list[BlockHash]:
     """The keys of a prompt's full blocks: the front end computes them once, off the engine loop (the data
     parallel balancer routes by them; the core's ``Request`` takes them as they are)."""
-    return hash_request_blocks([], prompt_token_ids, block_size, block_extra_keys(cache_salt))
+    return hash_request_blocks([], prompt_token_ids, block_size, block_extra_keys(cache_salt, lora_request))
 
 
 class TypedParams:
@@ -87,6 +89,7 @@ class Request(TypedParams):
         pooling_params: PoolingParams | None = None,
         token_type_ids: list[int] | None = None,
         block_hashes: list[BlockHash] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         params = sampling_params if pooling_params is None else pooling_params
         if not isinstance(params, (SamplingParams, PoolingParams)) or (sampling_params is not None
@@ -110,7 +113,9 @@ class Request(TypedParams):
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first schedule
         self.num_preemptions = 0
-        self.extra_keys = block_extra_keys(cache_salt)
+        # the adapter the request runs with (None: the base model); keys its blocks and its slot
+        self.lora_request = lora_request
+        self.extra_keys = block_extra_keys(cache_salt, lora_request)
         # the prompt's, when the front end hashed them already (an EngineCoreRequest's)
         self.block_hashes: list[BlockHash] = list(block_hashes or [])
         self._update_block_hashes()
@@ -137,7 +142,8 @@ class Request(TypedParams):
         hashes = req.block_hashes if len(req.block_hashes) == len(req.prompt_token_ids) // block_size else None
         return cls(req.request_id, req.prompt_token_ids, sampling, req.eos_token_id, block_size,
                    arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
-                   pooling_params=pooling, token_type_ids=req.token_type_ids, block_hashes=hashes)
+                   pooling_params=pooling, token_type_ids=req.token_type_ids, block_hashes=hashes,
+                   lora_request=req.lora_request)
 
     @property
     def num_tokens(self) -> int:

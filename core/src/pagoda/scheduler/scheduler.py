@@ -68,6 +68,7 @@ class Scheduler:
         policy: str = "fcfs",
         structured_output_manager: StructuredOutputManager | None = None,
         use_pp: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.structured_output_manager = structured_output_manager
@@ -103,6 +104,8 @@ class Scheduler:
         # How many batches the engine keeps in flight (its batch queue); above 1, a step takes at most
         # its share of the live requests, so a burst does not fill one batch and leave the others empty.
         self.num_micro_batches = 1
+        # enable_lora: the most distinct adapters among the running requests (vLLM's max_loras rule)
+        self.max_loras = max_loras
 
     # -- intake ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -290,10 +293,45 @@ class Scheduler:
             i += 1
         return preempted
 
+    def running_loras(self) -> set[int]:
+        """The adapters (lora_int_id) of the running requests."""
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def lora_adapter_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(adapter name -> running requests, adapter name -> waiting requests): the lora_requests_info gauge."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for req in self.running:
+            if req.lora_request is not None:
+                running[req.lora_request.lora_name] = running.get(req.lora_request.lora_name, 0) + 1
+        for req in [*self.waiting, *self._compiling]:
+            if req.lora_request is not None:
+                waiting[req.lora_request.lora_name] = waiting.get(req.lora_request.lora_name, 0) + 1
+        return running, waiting
+
+    def uses_lora(self, lora_int_id: int) -> bool:
+        """Whether a live request (running or waiting) runs with this adapter."""
+        return any(r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id
+                   for r in self.requests.values())
+
     def _schedule_waiting(self, step: _StepBuilder) -> None:
-        """Admit waiting requests in policy order (after a prefix-cache lookup) while budget and rows allow."""
+        """Admit waiting requests in policy order (after a prefix-cache lookup) while budget and rows allow;
+        a request whose adapter would exceed ``max_loras`` distinct adapters waits, the ones behind it do not."""
+        skipped: list[Request] = []
+        try:
+            self._admit_waiting(step, skipped)
+        finally:
+            for req in reversed(skipped):
+                self.waiting.prepend(req)
+
+    def _lora_blocked(self, req: Request, loras: set[int] | None) -> bool:
+        return (loras is not None and req.lora_request is not None and self.max_loras is not None
+                and req.lora_request.lora_int_id not in loras and len(loras) >= self.max_loras)
+
+    def _admit_waiting(self, step: _StepBuilder, skipped: list[Request]) -> None:
         beams = self.beam_search
         now = time.time()
+        loras = self.running_loras() if self.max_loras is not None else None
         while len(self.waiting) and step.has_room():
             free_rows = self.max_num_seqs - len(self.running) - beams.reserved_rows()
             admissible = beams.admissible(self.waiting.peek(), free_rows, self.waiting)
@@ -302,6 +340,11 @@ class Scheduler:
             if admissible.request_id in self._in_flight:
                 break  # preempted (or its id reused) while a batch holding it runs: after that batch
             req = admissible
+            if self._lora_blocked(req, loras):
+                if req is not self.waiting.peek():
+                    break  # (a beam the group picked) it waits for a slot as the queue's head would
+                skipped.append(self.waiting.pop())
+                continue
             grammar = req.structured_output
             if grammar is not None and grammar.error is not None:
                 self._fail_constraint(req, grammar.error)
@@ -334,6 +377,8 @@ class Scheduler:
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if loras is not None and req.lora_request is not None:
+                loras.add(req.lora_request.lora_int_id)
             self._in_runner.add(req.request_id)
             step.take(req.request_id, num_new)
             step.new_reqs.append(self._new_request_data(req))

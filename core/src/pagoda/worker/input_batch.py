@@ -12,6 +12,7 @@ import numpy as np
 
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
+from pagoda.lora.request import LoRARequest
 from pagoda.scheduler.output import BeamCandidates, NewRequestData
 from pagoda.scheduler.request import TypedParams
 
@@ -25,6 +26,7 @@ class RowState(TypedParams):
     output_token_ids: list[int]
     # a beam search row reports candidates instead of sampling
     beam: BeamCandidates | None = None
+    lora_request: LoRARequest | None = None
 
 
 class InputBatch:
@@ -41,6 +43,8 @@ class InputBatch:
         # -1: the row wants no prompt logprobs; else how many top alternatives per prompt token
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.num_beam_candidates = np.zeros(max_num_reqs, dtype=np.int64)
+        # multi-LoRA: the adapter slot each row's tokens read (-1: the base model); the runner sets it
+        self.lora_slot = np.full(max_num_reqs, -1, dtype=np.int64)
         # BERT-style models: each prompt token's type id (0 where a request gives none)
         self.token_type_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64) if with_token_type_ids else None
         self.rows: dict[str, RowState] = {}
@@ -65,7 +69,9 @@ class InputBatch:
         self.num_beam_candidates[row] = new.beam.num_candidates if new.beam is not None else 0
         if self.token_type_ids is not None:
             self.token_type_ids[row, :n] = new.token_type_ids if new.token_type_ids is not None else 0
-        state = RowState(new.req_id, row, params, new.num_prompt_tokens, new.output_token_ids, new.beam)
+        self.lora_slot[row] = -1
+        state = RowState(new.req_id, row, params, new.num_prompt_tokens, new.output_token_ids, new.beam,
+                         new.lora_request)
         self.rows[new.req_id] = state
         return state
 

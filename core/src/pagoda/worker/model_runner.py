@@ -20,6 +20,7 @@ from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.distributed import get_pp_group
 from pagoda.layers import bind_layer_ops, check_tensor_parallel_support, prepare_linear_layers
+from pagoda.lora.model_manager import LoRAModelManager, lora_dtype
 from pagoda.model_loader import iter_weights
 from pagoda.model_loader.kv_scales import CheckpointKVScales
 from pagoda.models.adapters import as_pooling_model
@@ -98,6 +99,8 @@ class ModelRunner:
         self.model_choice: ModelChoice | None = None
         # this rank's pipeline group (one rank without pipeline parallelism)
         self.pp = get_pp_group()
+        # enable_lora: the adapters' host cache and slots (pagoda.lora.model_manager), set by load_model
+        self.lora_manager: LoRAModelManager | None = None
 
     # -- set-up --------------------------------------------------------------
     def load_model(self) -> None:
@@ -109,7 +112,27 @@ class ModelRunner:
         self._load_weights(model)
         self.model = model.to(device=self.device).eval()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # before the kernels: a layer with an adapter keeps its activation out of the matmul
+        self.lora_manager = self._lora_manager(arch)
         self._bind_kernels(arch, time.perf_counter() - t0)
+
+    def _lora_manager(self, arch: str) -> LoRAModelManager | None:
+        lora = self.config.lora_config
+        if lora is None:
+            return None
+        assert lora.max_cpu_loras is not None  # resolved by prepare_engine_config
+        manager = LoRAModelManager(self.model, arch, max_loras=lora.max_loras, max_cpu_loras=lora.max_cpu_loras,
+                                   max_lora_rank=lora.max_lora_rank, dtype=lora_dtype(lora.lora_dtype, self.dtype),
+                                   device=self.device, kernel=self.platform.lora_kernel(self.dtype))
+        logger.info("%s", manager.describe())
+        return manager
+
+    @property
+    def lora(self) -> LoRAModelManager:
+        """The adapters of an engine with enable_lora (ValueError without it)."""
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        return self.lora_manager
 
     def _model_class(self) -> tuple[type, dict[str, Any], str]:
         """-> (the class that serves the model, its extra constructor arguments, the architecture)."""
@@ -367,6 +390,9 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput.empty([])
         step = prepare_step_inputs(self.batch, so, self.block_size)
+        if self.lora_manager is not None:
+            slots = self.batch.lora_slot[step.token_rows]
+            self.lora_manager.set_step(slots if slots.max() >= 0 else None)
         hidden, only_sampled_rows = self._forward(step)
         self.batch.num_computed[step.rows] = step.seq_lens
         if not self.pp.is_last_rank:
@@ -400,8 +426,9 @@ class ModelRunner:
     def _output_rows(self, step: StepInputs) -> np.ndarray | None:
         """The rows an eager step's model may return alone (each sampling request's last token), or None
         for all of them: only where the model supports it and no caller reads other rows."""
+        # (LoRA: the step's token -> slot mapping covers every row, so every layer computes every row)
         if (self.runner_type != "generate" or step.wants_prompt_logprobs or not self.pp.is_last_rank
-                or not supports_output_rows(self.model)):
+                or not supports_output_rows(self.model) or self.lora_manager is not None):
             return None
         rows = step.last_token_rows
         return rows if len(rows) < step.num_tokens else None
@@ -414,6 +441,8 @@ class ModelRunner:
                 sampler.remove(state)
         for new in so.scheduled_new_reqs:
             state = self.batch.add(new)
+            if new.lora_request is not None:
+                self._activate_lora(state.row, new.lora_request)
             if sampler is not None and state.beam is None:
                 # beam rows never sample: the scheduler picks their tokens
                 sampler.add(state)
@@ -435,6 +464,11 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in so.block_copies], device=self.device)
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
+
+    def _activate_lora(self, row: int, lora_request: Any) -> None:
+        """Put the row's adapter in a slot (the adapters of the other rows keep theirs)."""
+        pinned = {s.lora_request.lora_int_id for s in self.batch.rows.values() if s.lora_request is not None}
+        self.batch.lora_slot[row] = self.lora.activate(lora_request, pinned)
 
     @property
     def uses_token_type_ids(self) -> bool:

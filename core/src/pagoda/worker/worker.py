@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 from collections import deque
 
 from pagoda.config import EngineConfig
@@ -105,6 +106,27 @@ class Worker:
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids):
             if tokens:
                 rows[rid].output_token_ids.extend(tokens)
+
+    # -- LoRA adapters (enable_lora; vLLM's worker names) -------------------------------------
+    def add_lora(self, lora_request: Any) -> tuple[bool, str] | None:
+        """Read and check an adapter into the host cache; its refusal as (not found?, message); None: loaded.
+
+        A bad adapter is the caller's error, not the worker's: it comes back as data, so the executor
+        (which marks itself failed on any raise) keeps serving.
+        """
+        from pagoda.lora.peft import LoRAAdapterError, LoRAAdapterNotFoundError
+
+        try:
+            self.runner.lora.add_adapter(lora_request)
+        except LoRAAdapterError as e:
+            return isinstance(e, LoRAAdapterNotFoundError), str(e)
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.runner.lora.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.runner.lora.list_adapters()
 
     def get_step_times(self, reset: bool = True) -> list[tuple[float, float]]:
         """This rank's (start, end) monotonic times of its recent steps, oldest first."""

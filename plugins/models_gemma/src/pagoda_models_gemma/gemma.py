@@ -35,7 +35,7 @@ from pagoda.layers import (
     VocabParallelEmbedding,
     gated_activation,
 )
-from pagoda.models.interface import SupportsQuant, config_for
+from pagoda.models.interface import SupportsLoRA, SupportsQuant, config_for
 from pagoda_models_gemma.arch import GemmaOptions, gemma2_options, gemma3_options, gemma_options, head_dim
 from pagoda_models_gemma.norm import GemmaRMSNorm
 from pagoda_models_gemma.weights import FUSED_PROJECTIONS, load_gemma_weights
@@ -131,7 +131,7 @@ class GemmaModel(nn.Module):
         return hidden
 
 
-class GemmaForCausalLM(nn.Module, SupportsQuant):
+class GemmaForCausalLM(nn.Module, SupportsQuant, SupportsLoRA):
     """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``).
 
     SupportsQuant: every projection is a core Linear filled through its weight_loader.

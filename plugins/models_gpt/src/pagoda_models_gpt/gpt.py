@@ -47,7 +47,7 @@ from pagoda.layers import (
     rope_config_from_hf,
 )
 from pagoda.model_loader.auto_weights_loader import substitute
-from pagoda.models.interface import SupportsQuant, config_for
+from pagoda.models.interface import SupportsLoRA, SupportsQuant, config_for
 from pagoda_models_gpt.arch import GPTOptions, falcon_options, gpt2_options, opt_options
 from pagoda_models_gpt.weights import (
     FALCON_RENAMES,
@@ -219,7 +219,9 @@ class GPTFamilyForCausalLM(nn.Module, SupportsQuant):
 _GPT2_CONV1D = (".self_attn.qkv_proj.weight", ".self_attn.o_proj.weight", ".mlp.fc1.weight", ".mlp.fc2.weight")
 
 
-class GPT2LMHeadModel(GPTFamilyForCausalLM):
+# SupportsLoRA: GPT-2's and OPT's checkpoint rows are the model's rows (Falcon's fused q/k/v are regrouped at
+# load, which an adapter's B would need too: not declared there)
+class GPT2LMHeadModel(GPTFamilyForCausalLM, SupportsLoRA):
     checkpoint_renames = GPT2_RENAMES
     # Quantizers target nn.Linear (compressed-tensors' "Linear", GPTQ, AWQ): GPT-2's Conv1D projections are
     # none, so no quantized GPT-2 layout is in use to be read; the [in, out] transpose below would also
@@ -241,7 +243,7 @@ class GPT2LMHeadModel(GPTFamilyForCausalLM):
         return tensor.t() if name.endswith(_GPT2_CONV1D) and tensor.ndim == 2 else tensor
 
 
-class OPTForCausalLM(GPTFamilyForCausalLM):
+class OPTForCausalLM(GPTFamilyForCausalLM, SupportsLoRA):
     packed_modules_mapping = QKV_PROJ
     checkpoint_renames = OPT_RENAMES
 

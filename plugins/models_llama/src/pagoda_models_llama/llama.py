@@ -30,7 +30,14 @@ from pagoda.layers import (
     VocabParallelEmbedding,
     rope_config_from_hf,
 )
-from pagoda.models.interface import NoCudaGraphs, SupportsOutputRows, SupportsPP, SupportsQuant, config_for
+from pagoda.models.interface import (
+    NoCudaGraphs,
+    SupportsLoRA,
+    SupportsOutputRows,
+    SupportsPP,
+    SupportsQuant,
+    config_for,
+)
 from pagoda_models_llama.arch import (
     DecoderOptions,
     llama_options,
@@ -174,11 +181,13 @@ def _with_lm_head_from_embedding(weights: Iterable[tuple[str, torch.Tensor]]) ->
             yield "lm_head.weight", tensor
 
 
-class LlamaForCausalLM(nn.Module, SupportsPP, SupportsQuant, SupportsOutputRows):
+class LlamaForCausalLM(nn.Module, SupportsPP, SupportsQuant, SupportsLoRA, SupportsOutputRows):
     """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``).
 
     SupportsPP: make_layers, PPMissingLayer, IntermediateTensors. SupportsQuant: load_weights calls a
-    quantization method's weight_loader. SupportsOutputRows: forward(output_rows=...) returns only those rows.
+    quantization method's weight_loader. SupportsLoRA: every projection is a core linear, q/k/v and
+    gate/up packed as ``packed_modules_mapping`` says. SupportsOutputRows: forward(output_rows=...)
+    returns only those rows.
     """
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)

@@ -37,6 +37,10 @@ def serve(
                                        help="Require 'Authorization: Bearer KEY' on /v1/* (or PAGODA_API_KEY)."),
     served_model_name: list[str] | None = typer.Option(None, "--served-model-name",
                                                        help="Model name(s) the API answers to; repeatable."),
+    lora_modules: list[str] | None = typer.Option(
+        None, "--lora-modules",
+        help="LoRA adapter to serve (needs --enable-lora): name=path, or vLLM's JSON "
+             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; repeat the flag for several."),
     chat_template: str | None = typer.Option(None, "--chat-template", help="Chat template file or inline Jinja."),
     trust_request_chat_template: bool = typer.Option(
         False, "--trust-request-chat-template",
@@ -91,9 +95,16 @@ def serve(
             "--swap-space %g has no effect: pagoda preempts by recomputing the request, as vLLM's V1 engine "
             "(which ignores it too)", swap_space)
     try:
+        from pagoda.entrypoints.openai.serving_models import LoRAModulePath
+
+        for module in lora_modules or []:
+            LoRAModulePath.parse(module)  # a malformed entry fails before the model loads
+        if lora_modules and not engine_args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         load_chat_template(chat_template)
         server_args = ServerArgs(
             host=host, port=port, api_key=api_key, served_model_name=served_model_name or None,
+            lora_modules=lora_modules or None,
             chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
             chat_template_render_timeout=chat_template_render_timeout,
             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,

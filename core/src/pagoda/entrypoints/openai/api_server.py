@@ -13,9 +13,10 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from pagoda import envs
 from pagoda.config import EngineArgs
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.chat_template import load_chat_template
@@ -32,16 +33,20 @@ from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagoda.entrypoints.openai.server_args import ServerArgs
 from pagoda.entrypoints.openai.serving_chat import chat_prompt_async, create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServingContext
 from pagoda.entrypoints.openai.serving_completion import create_completion
+from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from pagoda.entrypoints.openai.serving_pooling import require_generate
 from pagoda.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagoda.entrypoints.openai.tool_calls import resolve_tool_parser
+from pagoda.model_loader import ModelLoadError
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagoda.metrics.prometheus import PrometheusStatLogger
 from pagoda.plugins.io_processors import IOProcessor, get_io_processor
@@ -112,6 +117,8 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
         tool_parser=resolve_tool_parser(server_args.enable_auto_tool_choice, server_args.tool_call_parser,
                                         server_args.tool_parser_plugin),
     )
+    ctx.models = ServingModels(engine, model_names, engine.model_config.model or "SmolLM2-135M-Instruct",
+                               engine.max_model_len, created=ctx.created)
     app.state.ctx = ctx
     metrics = PrometheusStatLogger(ctx.model_name,
                                    prefixes=("pagoda", "vllm") if server_args.vllm_metric_names else ("pagoda",))
@@ -159,12 +166,7 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": ctx.created, "owned_by": "pagoda",
-             "root": engine.model_config.model or "SmolLM2-135M-Instruct", "parent": None,
-             "max_model_len": ctx.max_model_len, "permission": []}
-            for name in ctx.served_model_names
-        ]}
+        return {"object": "list", "data": ctx.models.cards()}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict[str, Any]:
@@ -174,6 +176,21 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
                 return card
         raise APIError(f"The model `{model_id}` does not exist; this server serves {ctx.served_model_names}.", 404,
                        "model", code="model_not_found")
+
+    if envs.PAGODA_ALLOW_RUNTIME_LORA_UPDATING:
+        # vLLM's rule and warning: these load files named by whoever reaches the API
+        logger.warning("LoRA dynamic loading & unloading is enabled in the API server (PAGODA_ALLOW_RUNTIME_LORA_UPDATING). "
+                       "This should ONLY be used for local development!")
+
+        @route("/v1/load_lora_adapter", LoadLoRAAdapterRequest)
+        async def load_lora_adapter(raw_request: Request) -> Any:
+            req = await _parse(raw_request, LoadLoRAAdapterRequest)
+            return PlainTextResponse(await ctx.models.load_lora_adapter(req.lora_name, req.lora_path))
+
+        @route("/v1/unload_lora_adapter", UnloadLoRAAdapterRequest)
+        async def unload_lora_adapter(raw_request: Request) -> Any:
+            req = await _parse(raw_request, UnloadLoRAAdapterRequest)
+            return PlainTextResponse(await ctx.models.unload_lora_adapter(req.lora_name))
 
     if server_args.enable_tokenizer_info_endpoint:
         @app.get("/tokenizer_info")
@@ -201,7 +218,7 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
             req: Any = model.model_validate(data)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        ctx.check_model(req.model)
+        ctx.check_model(req.model, allow_lora=True)  # an adapter shares its base model's tokenizer
         tok = ctx.need_tokenizer()
         if is_chat:
             _, ids = await chat_prompt_async(ctx, req)
@@ -215,7 +232,7 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
     @route("/detokenize", DetokenizeRequest)
     async def detokenize(raw_request: Request) -> Any:
         req = await _parse(raw_request, DetokenizeRequest)
-        ctx.check_model(req.model)
+        ctx.check_model(req.model, allow_lora=True)
         tok = ctx.need_tokenizer()
         vocab = engine.vocab_size
         bad = [t for t in req.tokens if t < 0 or t >= vocab]
@@ -276,6 +293,12 @@ async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str
     import uvicorn
 
     app = build_app(engine, server_args, model_names, io_processor)
+    try:
+        # --lora-modules: loaded (and checked) before the first request
+        await app.state.ctx.models.load_static([LoRAModulePath.parse(m) for m in server_args.lora_modules or []])
+    except (APIError, ValueError) as exc:
+        engine.shutdown()
+        raise ModelLoadError(f"--lora-modules: {exc}") from exc
     config = uvicorn.Config(app, log_level=server_args.uvicorn_log_level, access_log=not server_args.disable_log_requests,
                             timeout_graceful_shutdown=max(1, int(server_args.shutdown_timeout)) if server_args.shutdown_timeout else None)
     server = uvicorn.Server(config)

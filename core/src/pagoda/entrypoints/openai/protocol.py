@@ -329,3 +329,17 @@ class TokenizeChatRequest(_Body):
 class DetokenizeRequest(_Body):
     model: StrictStr | None = None
     tokens: list[StrictInt]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """``POST /v1/load_lora_adapter`` (vLLM's body; PAGODA_ALLOW_RUNTIME_LORA_UPDATING)."""
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and not needed: names are unique)."""
+
+    lora_name: StrictStr
+    lora_int_id: StrictInt | None = None

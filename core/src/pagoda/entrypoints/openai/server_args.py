@@ -18,6 +18,9 @@ class ServerArgs(BaseModel):
     uds: str | None = Field(None, description="Unix domain socket path to serve on instead of host/port (vLLM's).")
     api_key: str | None = Field(None, description="Require 'Authorization: Bearer KEY' on /v1/* (or PAGODA_API_KEY).")
     served_model_name: list[str] | None = Field(None, description="Names the API answers to; the first is reported.")
+    lora_modules: list[str] | None = Field(
+        None, description="LoRA adapters served at start (needs --enable-lora): name=path, or vLLM's JSON "
+                          "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model names one.")
     chat_template: str | None = Field(None, description="Chat template file or inline Jinja for every request.")
     trust_request_chat_template: bool = Field(
         False, description="Accept a request's own chat_template (arbitrary Jinja run on the server's CPU), as vLLM.")

@@ -58,7 +58,7 @@ async def chat_prompt_async(ctx: ServingContext, req: Any) -> tuple[str, list[in
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
-    ctx.check_model(req.model)
+    lora_request = await ctx.resolve_model(req.model)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     check_limits(ctx, req, num_logprobs)
     tool_calls = prepare_tool_calls(ctx, req)
@@ -77,7 +77,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
     if req.cache_salt is not None:
         prompt["cache_salt"] = req.cache_salt
-    streams = start_streams(ctx, [prompt], params, request_id, req.priority)
+    streams = start_streams(ctx, [prompt], params, request_id, req.priority, lora_request)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
     echo_text = ""
@@ -110,7 +110,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             "stop_reason": o.stop_reason,
         })
     body = {
-        "id": request_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
+        "id": request_id, "object": "chat.completion", "created": created, "model": ctx.response_model(req.model),
         "choices": choices, "usage": usage(len(ids), completion_tokens), "system_fingerprint": None,
         "prompt_logprobs": prompt_logprobs_json(token_text, ro.prompt_logprobs) if req.prompt_logprobs is not None
         else None,
@@ -128,7 +128,7 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         c: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                             "model": ctx.model_name, "choices": choices}
+                             "model": ctx.response_model(req.model), "choices": choices}
         if include_usage and continuous:
             c["usage"] = usage(prompt_tokens, completion_tokens)
         return c
@@ -168,5 +168,5 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list
                 "stop_reason": o.stop_reason,
             }]))
     if include_usage:
-        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.response_model(req.model),
                    "choices": [], "usage": usage(prompt_tokens, completion_tokens)})

@@ -17,6 +17,7 @@ from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateErr
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import _SamplingFields
 from pagoda.entrypoints.openai.structured_outputs import structured_outputs_of
+from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
@@ -51,6 +52,8 @@ class ServingContext:
     # tool_choice "auto": vLLM's --enable-auto-tool-choice, and the --tool-call-parser class (a ToolParser)
     enable_auto_tool_choice: bool = False
     tool_parser: Any = None
+    # the base model's names and the LoRA adapters (pagoda.entrypoints.openai.serving_models.ServingModels)
+    models: Any = None
 
     @property
     def model_name(self) -> str:
@@ -60,10 +63,27 @@ class ServingContext:
     def tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, allow_lora: bool = False) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for a model nobody serves, 400 for an
+        adapter on an endpoint that serves the base model only (``allow_lora`` False)."""
+        if self.models is not None:
+            return self.models.resolve(model, allow_lora)
         if model is not None and model not in self.served_model_names:
             raise APIError(f"The model `{model}` does not exist; this server serves {self.served_model_names}.", 404, "model",
                            code="model_not_found")
+        return None
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response reports: the adapter the request named, else the served name (vLLM's rule)."""
+        if model is not None and self.models is not None and model in self.models.lora_requests:
+            return model
+        return self.model_name
+
+    async def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """``check_model`` for an endpoint that serves adapters, the LoRA resolvers asked for an unknown name."""
+        if self.models is not None:
+            return await self.models.resolve_async(model)
+        return self.check_model(model)
 
     def need_tokenizer(self) -> Any:
         tok = self.tokenizer
@@ -173,13 +193,13 @@ def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
 
 
 def start_streams(ctx: ServingContext, prompts: list[dict[str, Any]], params: SamplingParams, request_id: str,
-                  priority: int) -> list[RequestStream]:
+                  priority: int, lora_request: LoRARequest | None = None) -> list[RequestStream]:
     """Queue one engine request per prompt; all or none (a bad prompt aborts the ones already queued)."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(ctx.engine.add_request(rid, prompt, params, priority))
+            streams.append(ctx.engine.add_request(rid, prompt, params, priority, lora_request))
     except ValueError as exc:
         for s in streams:
             s.abort()

@@ -53,7 +53,7 @@ def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | No
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_request: Request) -> Any:
-    ctx.check_model(req.model)
+    lora_request = await ctx.resolve_model(req.model)
     if req.suffix is not None:
         raise APIError("suffix is not supported: this server does not do fill-in-the-middle completions", 400, "suffix")
     check_limits(ctx, req, req.logprobs)
@@ -75,7 +75,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
     if req.cache_salt is not None:
         for ep in engine_prompts:
             ep["cache_salt"] = req.cache_salt
-    streams = start_streams(ctx, engine_prompts, params, request_id, req.priority)
+    streams = start_streams(ctx, engine_prompts, params, request_id, req.priority, lora_request)
     created = int(time.time())
     renderer = _Renderer(ctx, req, prompts)
     if req.stream:
@@ -91,7 +91,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
             choices.append(renderer.choice(i, o, ro, first=True, final=True))
     choices.sort(key=lambda c: c["index"])
     body = {
-        "id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+        "id": request_id, "object": "text_completion", "created": created, "model": ctx.response_model(req.model),
         "choices": choices, "usage": usage(sum(len(ids) for _, ids in prompts), completion_tokens),
         "system_fingerprint": None,
     }
@@ -153,12 +153,12 @@ async def _events(ctx: ServingContext, req: CompletionRequest, streams: list[Any
             started.add(index)
             completion_tokens += len(o.token_ids)
             chunk: dict[str, Any] = {
-                "id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+                "id": request_id, "object": "text_completion", "created": created, "model": ctx.response_model(req.model),
                 "choices": [renderer.choice(i, o, ro, first=first, final=o.finish_reason is not None)],
             }
             if include_usage and continuous:
                 chunk["usage"] = usage(prompt_tokens, completion_tokens)
             yield sse(chunk)
     if include_usage:
-        yield sse({"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+        yield sse({"id": request_id, "object": "text_completion", "created": created, "model": ctx.response_model(req.model),
                    "choices": [], "usage": usage(prompt_tokens, completion_tokens)})

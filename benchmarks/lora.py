@@ -1,0 +1,169 @@
+"""W1 (offline, 64 x 128 -> 128, greedy, EOS ignored) on the default model: the base alone, the base in an
+engine with enable_lora (base rows only: what the LoRA path costs a request without an adapter), and the
+64 requests spread over 8 distinct rank-16 adapters (every projection adapted, max_loras=8).
+
+usage: python -m benchmarks.lora [--rounds 1] [--threads 2] [--configs base,lora-engine,lora8] [--num 64]
+       python -m benchmarks.lora --kernel   (one projection with and without the torch LoRA kernel)
+
+The adapters are written once under a temporary directory as PEFT files (random factors, every
+q/k/v/o/gate/up/down projection of every layer). Each configuration runs in its own process, round
+robin over the rounds, and prints one JSON line; then a median table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = ("base", "lora-engine", "lora8")
+INPUT_LEN, OUTPUT_LEN, NUM_ADAPTERS, RANK = 128, 128, 8, 16
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapters(root: Path, hf_config: object) -> list[Path]:
+    """NUM_ADAPTERS PEFT adapters of rank RANK on every projection of the model ``hf_config`` describes."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg: object = hf_config
+    hidden = cfg.hidden_size  # type: ignore[attr-defined]
+    heads = cfg.num_attention_heads  # type: ignore[attr-defined]
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    kv = (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim
+    inter = cfg.intermediate_size  # type: ignore[attr-defined]
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    paths = []
+    for n in range(NUM_ADAPTERS):
+        path = root / f"adapter{n}"
+        path.mkdir(parents=True, exist_ok=True)
+        gen = torch.Generator().manual_seed(n)
+        tensors = {}
+        for layer in range(cfg.num_hidden_layers):  # type: ignore[attr-defined]
+            for name in TARGETS:
+                fan_in, fan_out = shapes[name]
+                prefix = f"base_model.model.model.layers.{layer}.{'self_attn' if name.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{name}"
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=gen) * 0.01
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen) * 0.01
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": RANK, "lora_alpha": 32,
+                                                             "target_modules": list(TARGETS)}))
+        paths.append(path)
+    return paths
+
+
+def run_one(name: str, threads: int, num: int, adapters: list[str]) -> dict:
+    os.environ.setdefault("PAGODA_CPU_THREADS", str(threads))
+    from pagoda import LLM, LoRARequest, SamplingParams
+    from pagoda.benchmarks.datasets import random_requests
+
+    lora = {} if name == "base" else dict(enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=RANK)
+    llm = LLM(model=None, dtype="float32", max_model_len=INPUT_LEN + OUTPUT_LEN + 16, **lora)
+    requests = random_requests(num, INPUT_LEN, OUTPUT_LEN, llm.llm_engine.vocab_size)
+    loras = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(adapters)]
+    per_prompt = [loras[i % len(loras)] for i in range(num)] if name == "lora8" else None
+    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    # warm-up (and the adapters read once): a short pass over the same mix
+    llm.generate(prompts[:NUM_ADAPTERS], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False,
+                 lora_request=per_prompt[:NUM_ADAPTERS] if per_prompt else None)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"config": name, "elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
+
+
+def kernel_overhead(threads: int, repeats: int = 200) -> list[dict]:
+    """One projection's matmul alone and with the torch LoRA kernel added, interleaved in one process:
+    SmolLM2-135M's shapes (576 -> 576 q/o, 576 -> 3072 gate/up), 8 slots of rank 16, decode (64 rows) and
+    prefill (512 rows); rows mixed over the 8 adapters, and all rows on the base model (the skipped path)."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagoda.lora.punica import TORCH_LORA_KERNEL, build_step_mapping
+
+    torch.set_num_threads(threads)
+    out = []
+    for rows in (64, 512):
+        for d_in, d_out in ((576, 576), (576, 3072)):
+            x = torch.randn(rows, d_in)
+            w = torch.randn(d_out, d_in)
+            a = torch.randn(NUM_ADAPTERS * RANK, d_in) * 0.01
+            b = torch.randn(NUM_ADAPTERS * RANK, d_out) * 0.01
+            mixed = build_step_mapping(torch.arange(rows) % NUM_ADAPTERS, NUM_ADAPTERS, torch.float32, torch.device("cpu"))
+            times = {"base": [], "lora8": []}
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                F.linear(x, w)
+                t1 = time.perf_counter()
+                TORCH_LORA_KERNEL.add_lora_linear(F.linear(x, w), x, a, b, mixed)
+                t2 = time.perf_counter()
+                times["base"].append(t1 - t0)
+                times["lora8"].append(t2 - t1)
+            base, lora = statistics.median(times["base"]), statistics.median(times["lora8"])
+            out.append({"rows": rows, "shape": f"{d_in}->{d_out}", "base_us": base * 1e6, "lora8_us": lora * 1e6,
+                        "ratio": lora / base})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num", type=int, default=64)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--kernel", action="store_true", help="only the per-layer kernel overhead (seconds, not minutes)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--adapters", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.kernel:
+        print(f"# load average before: {os.getloadavg()}")
+        print("| rows | shape | F.linear us | + LoRA (8 adapters, r=16) us | ratio |")
+        print("|---|---|---|---|---|")
+        for r in kernel_overhead(args.threads):
+            print(f"| {r['rows']} | {r['shape']} | {r['base_us']:.0f} | {r['lora8_us']:.0f} | {r['ratio']:.2f} |")
+        print(f"# load average after: {os.getloadavg()}")
+        return
+    if args.one:
+        print(json.dumps(run_one(args.one, args.threads, args.num, json.loads(args.adapters))))
+        return
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    from pagoda.config import EngineArgs, resolve_model
+    from pagoda.platforms import resolve_platform
+
+    hf_config = resolve_model(EngineArgs().create_engine_config().model, resolve_platform("cpu")).hf_config
+    root = Path(tempfile.mkdtemp(prefix="pagoda-lora-bench-"))
+    adapters = json.dumps([str(p) for p in write_adapters(root, hf_config)])
+    print(f"# load average before: {os.getloadavg()}")
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names:
+            out = subprocess.run([sys.executable, "-m", "benchmarks.lora", "--one", name, "--threads", str(args.threads),
+                                  "--num", str(args.num), "--adapters", adapters],
+                                 capture_output=True, text=True, check=True)
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            result.update(round=r, loadavg=os.getloadavg()[0])
+            print(json.dumps(result), flush=True)
+            runs[name].append(result)
+    print(f"# load average after: {os.getloadavg()}")
+    print("| config | output tok/s (median; runs) |")
+    print("|---|---|")
+    for name, rs in runs.items():
+        rates = [x["output_tokens_per_s"] for x in rs]
+        print(f"| {name} | {statistics.median(rates):.1f} ({', '.join(f'{x:.1f}' for x in rates)}) |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The LoRA pieces on their own: the request record, the PEFT reader's refusals, the torch shrink/expand
+kernel against a per-token loop, slot writes of packed layers, and the server's --lora-modules parser."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda.lora.layers import LoRASlots, LoRAStepState
+from pagoda.lora.peft import LoRAAdapterError, LoRAAdapterNotFoundError, read_peft_config
+from pagoda.lora.punica import TORCH_LORA_KERNEL, build_step_mapping
+from pagoda.lora.request import LoRARequest
+
+
+def test_lora_request_checks_and_equality() -> None:
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0, "/x")
+    with pytest.raises(ValueError, match="lora_path"):
+        LoRARequest("a", 1, "")
+    assert LoRARequest("a", 1, "/x") == LoRARequest("a", 2, "/y")  # vLLM: same name, same adapter
+    assert len({LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/x")}) == 2
+
+
+def _config(tmp_path: Path, **fields) -> Path:
+    cfg = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **fields}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize(("fields", "text"), [
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "all"}, "bias"),
+    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+    ({"r": 64}, "max_lora_rank=16"),
+    ({"peft_type": "IA3"}, "peft_type"),
+    ({"target_modules": []}, "target_modules"),
+])
+def test_peft_config_refusals(tmp_path: Path, fields: dict, text: str) -> None:
+    with pytest.raises(LoRAAdapterError, match=text) as info:
+        read_peft_config("mine", _config(tmp_path, **fields), 16)
+    assert "'mine'" in str(info.value)
+
+
+def test_peft_config_scaling_and_missing(tmp_path: Path) -> None:
+    assert read_peft_config("a", _config(tmp_path), 16).scaling == 2.0
+    assert read_peft_config("a", _config(tmp_path, use_rslora=True, r=4), 16).scaling == 8.0
+    assert read_peft_config("a", _config(tmp_path, target_modules=r".*\.q_proj"), 16).targets("model.layers.0.q_proj")
+    with pytest.raises(LoRAAdapterNotFoundError):
+        read_peft_config("a", tmp_path / "nowhere", 16)
+
+
+@pytest.mark.parametrize("all_rows", [True, False])
+def test_torch_kernel_equals_a_per_token_loop(all_rows: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    slots, rank, d_in, d_out, tokens = 3, 4, 16, 12, 10
+    a = torch.randn(slots * rank, d_in, generator=gen)
+    b = torch.randn(slots * rank, d_out, generator=gen)
+    x = torch.randn(tokens, d_in, generator=gen)
+    y = torch.randn(tokens, d_out, generator=gen)
+    token_slots = torch.tensor([0, 1, 2, 1, 0, 2, 2, 1, 0, 1] if all_rows else [0, -1, 2, -1, 0, 2, -1, 1, -1, 1])
+    mapping = build_step_mapping(token_slots, slots, torch.float32, torch.device("cpu"))
+    assert mapping is not None and (mapping.rows is None) == all_rows
+    expected = y.clone()
+    for t, s in enumerate(token_slots.tolist()):
+        if s >= 0:
+            expected[t] += (x[t] @ a[s * rank:(s + 1) * rank].T) @ b[s * rank:(s + 1) * rank]
+    got = TORCH_LORA_KERNEL.add_lora_linear(y.clone(), x, a, b, mapping)
+    torch.testing.assert_close(got, expected)
+    assert build_step_mapping(torch.full((4,), -1), slots, torch.float32, torch.device("cpu")) is None
+
+
+def test_packed_layer_slot_holds_each_projection_in_its_rows() -> None:
+    """q/k/v factors each get their own rank block and their rows of B (the scaling folded in)."""
+    widths = [8, 4, 4]
+    layer = LoRASlots("qkv", 6, widths, max_loras=2, max_rank=3, dtype=torch.float32, device=torch.device("cpu"),
+                      state=LoRAStepState())
+    gen = torch.Generator().manual_seed(1)
+    factors = [(torch.randn(2, 6, generator=gen), torch.randn(w, 2, generator=gen)) for w in widths]
+    for i, (a, b) in enumerate(factors):
+        assert layer.check(i, a, b) is None
+        layer.write(1, i, a, b, scaling=0.5)
+    assert layer.check(0, factors[1][0], factors[1][1]) is not None  # k's B has 4 rows, q's slice 8
+    x = torch.randn(5, 6, generator=gen)
+    layer.state.mapping = build_step_mapping(torch.tensor([1, 1, -1, 1, 0]), 2, torch.float32, torch.device("cpu"))
+    y = layer(x, torch.zeros(5, 16))
+    expected = torch.cat([(x @ a.T) @ b.T * 0.5 for a, b in factors], dim=1)
+    torch.testing.assert_close(y[[0, 1, 3]], expected[[0, 1, 3]])
+    assert y[[2, 4]].abs().max() == 0  # the base row and slot 0 (empty) add nothing
+
+
+def test_lora_modules_parser() -> None:
+    from pagoda.entrypoints.openai.serving_models import LoRAModulePath
+
+    assert LoRAModulePath.parse("sql=/a/b") == LoRAModulePath("sql", "/a/b")
+    assert LoRAModulePath.parse('{"name": "c", "path": "/p", "base_model_name": "m"}') == LoRAModulePath("c", "/p", "m")
+    for bad in ("sql", "=/x", '{"name": "c"}', '{"name": "c", "path": "/p", "extra": 1}'):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            LoRAModulePath.parse(bad)
