@@ -149,14 +149,21 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model
         platform = prepare_engine_config(config)
-        self.processor = Processor(config)
+        # a thread of this process, or its own process(es): pagoda.engine.mp_client.make_async_client.
+        # A core process has its config from here on and loads the model while this process loads the
+        # tokenizer; it is waited for below.
+        self.engine_core = make_async_client(config, platform, self._from_core_thread, self._core_died,
+                                             engine_core_process, wait_ready=False)
+        try:
+            self.processor = Processor(config)
+            self.engine_core.wait_ready()
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = self.processor.max_model_len
         self.vocab_size = self.processor.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
-        # a thread of this process, or its own process(es): pagoda.engine.mp_client.make_async_client
-        self.engine_core = make_async_client(config, platform, self._from_core_thread, self._core_died,
-                                             engine_core_process)
         # what the loaded model serves: ("generate",) or its pooling tasks (vLLM's supported tasks)
         self.supported_tasks: tuple[str, ...] = self.engine_core.get_supported_tasks()
         self.processor.supported_tasks = self.supported_tasks
