@@ -4,7 +4,8 @@ config so its imports overlap the API process's, then resolve, load and serve.
 - a busy address fails the second server in well under a second of work, before any engine process exists;
 - the standby engine core is spawned before the API process's heavy imports end, and it is the process that
   serves (not a second spawn);
-- a standby nobody takes (the core runs in a thread) is stopped, and one whose parent dies exits by itself.
+- a standby nobody takes (the core runs in a thread) is stopped, and one whose parent dies exits by itself;
+- the CPU step budget is measured in the engine core, not in the API process before the core can start.
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ def test_the_standby_core_starts_before_the_api_imports_end_and_is_the_one_that_
     assert any("[engine core 0] pagoda.engine.core_proc: engine core imports took" in line for line in log)
     # exactly one engine-core process was spawned
     assert sum("spawned as process" in line for line in log) == 1
+    # the step budget is decided (and logged) in the engine core, the process that runs the matmul; the API
+    # process's start-up block says it left it there, and the API process never measures the matmul
+    assert any("[engine core 0] pagoda.engine.config_resolution: scheduler_config.max_num_batched_tokens = " in line
+               and "decided in the engine core" in line for line in log), "\n".join(log)
+    assert any("scheduler_config.max_num_batched_tokens = None (platform default: decided in the engine core" in line
+               for line in log)
+    assert not any("pagoda_platform_cpu.gemm_tuning: " in line and "[engine core" not in line for line in log)
 
 
 def test_a_standby_core_nobody_takes_is_stopped(tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
