@@ -17,6 +17,7 @@ dies (it watches the same parent pipe as a serving core).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -119,6 +120,9 @@ def start_standby_core() -> CoreProcess:
     global _standby
     if _standby is None:
         _standby = CoreProcess(0)
+        # before multiprocessing's own exit hook (atexit runs last-registered first), which joins every
+        # non-daemon child: a standby nobody took (the start failed before the config) would be waited for
+        atexit.register(discard_standby_core)
         logger.info("engine core 0 spawned as process %d ahead of the config (it imports while this process "
                     "resolves the config)", _standby.proc.pid)
     return _standby

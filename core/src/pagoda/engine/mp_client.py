@@ -1,7 +1,8 @@
 """Engine-core clients for cores in their own processes (vLLM V1's ``MPClient`` / ``DPLBAsyncMPClient``).
 
-``MPClient`` spawns one engine-core process (``pagoda.engine.core_proc``) and
-talks to it over two ZMQ IPC sockets: commands (new requests, aborts) go in
+``MPClient`` spawns one engine-core process (``pagoda.engine.core_process``;
+replica 0 takes the standby core `pagoda serve` spawned ahead of the config
+instead), sends it the config and talks to it over two ZMQ IPC sockets: commands (new requests, aborts) go in
 pickled, each step's ``EngineCoreOutputs`` come back pickled. A receiver
 thread in the API process waits on the output socket and on the process's
 sentinel at once, so outputs and the process's death are both noticed at
