@@ -62,6 +62,9 @@ def _standby_imports() -> None:
     """What every engine core imports before it can build anything: done before its config arrives, so
     they overlap the API process's own imports and config resolution (``pagoda.engine.core_process``)."""
     import torch  # noqa: F401 - the bulk of the time
+    # the config's model section holds transformers' config objects: unpickling it imports transformers
+    # (seconds; py-spy showed it inside loads() when the config came, on the critical path)
+    import transformers.configuration_utils  # noqa: F401
 
     import pagoda.engine.core  # noqa: F401 - the scheduler, KV cache, worker and model runner
 
