@@ -58,15 +58,28 @@ def portable_error(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+_TRANSFORMERS_CONFIG_IMPORTS = ("transformers.configuration_utils", "transformers.modeling_rope_utils",
+                                "transformers.utils.type_validators")
+
+
 def _standby_imports() -> None:
     """What every engine core imports before it can build anything: done before its config arrives, so
     they overlap the API process's own imports and config resolution (``pagoda.engine.core_process``)."""
+    import importlib
+
     import torch  # noqa: F401 - the bulk of the time
-    # the config's model section holds transformers' config objects: unpickling it imports transformers
-    # (seconds; py-spy showed it inside loads() when the config came, on the critical path)
-    import transformers.configuration_utils  # noqa: F401
 
     import pagoda.engine.core  # noqa: F401 - the scheduler, KV cache, worker and model runner
+
+    # The config's model section holds transformers' config objects: unpickling it imports their modules,
+    # and what those import (activations, hub kernels, torch.distributed.tensor: seconds; py-spy showed it
+    # inside loads() when the config came, on the critical path). Module names of this transformers: one
+    # another version lacks is skipped.
+    for name in _TRANSFORMERS_CONFIG_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 def _wait_config(inp: Any, parent_alive: Connection) -> tuple[EngineConfig, Platform] | None:
