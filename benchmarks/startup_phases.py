@@ -10,10 +10,12 @@ completion (first token) and reads the resident memory of the server's processes
 reported; ``fresh``: a new empty cache root every run (every kernel library compiled, every GGUF
 conversion made again). Trees alternate order every round, since the machine is shared.
 
-A phase ends at a log line: the API process's imports (platform selected), its config (its last line
-before the engine core's first), the engine core's spawn and imports (its thread count line), the
-weights (loaded ... in), the attention backend, the KV cache (memory: ...) and the graphs (the graph
-runner's line), then /health.
+A phase ends at a log line: the API process's imports (platform selected), its config (the start-up
+block of resolved values), the tokenizer with the engine core's spawn and whatever of its imports is not
+done by then (its thread count line; a standby core spawned first thing has done most), the weights
+(loaded ... in), the attention backend, the KV cache (memory: ...) and the graphs (the graph runner's
+line), then /health. The notes carry the engine core's own import time (a standby core's runs beside
+the API phases).
 """
 
 from __future__ import annotations
@@ -36,16 +38,16 @@ CORE = "[engine core 0]"
 # (phase, the log line that ends it, whose process it is in)
 MARKS = [
     ("API imports", r"pagoda\.platforms: platform \w+ selected", "api"),
-    ("API config", None, "api"),  # to the API process's last line before the engine core's first
-    ("engine-core spawn + imports", r"pagoda_platform_cpu\.platform: CPU platform: \d+ torch threads", "core"),
+    ("API config", r"pagoda\.engine\.config_resolution: engine config \(platform", "api"),  # its start-up block
+    # the tokenizer, the core's spawn and the imports it has not done by then (all of them before the standby core)
+    ("engine-core spawn + imports (not overlapped)", r"pagoda_platform_cpu\.platform: CPU platform: \d+ torch threads",
+     "core"),
     ("load weights (+ build waits)", r"pagoda\.worker\.model_runner: loaded ", "core"),
     ("attention backend (+ build wait)", r"pagoda_attn_cpu\.backend: cpu_paged attention", "core"),
     ("activation profile + KV cache + prefault", r"pagoda\.worker\.model_runner: memory: ", "core"),
     ("decode graphs", r"pagoda\.worker\.graphs: ", "core"),
 ]
-NOTES = r"compiled in|loaded \(built by|faulted in|captured|memory: "
-# kernel builds log from their own threads, whenever they finish: no phase ends at one
-BUILD = "pagoda.cpp_extension.build:"
+NOTES = r"compiled in|loaded \(built by|faulted in|captured|memory: |imports took|spawned as process"
 
 
 def pythonpath(root: str) -> str:
@@ -74,14 +76,9 @@ def resident_bytes(pids: list[int]) -> int:
 def phases(lines: list[tuple[float, str]], healthy: float | None) -> dict[str, float]:
     out: dict[str, float] = {}
     prev = 0.0
-    first_core = next((t for t, line in lines if CORE in line), None)
     for name, rx, where in MARKS:
-        if rx is None:  # the API config: up to its last line before the engine core's first (not a build thread's)
-            hit = max((t for t, line in lines if CORE not in line and BUILD not in line and t >= prev
-                       and (first_core is None or t <= first_core)), default=None)
-        else:
-            hit = next((t for t, line in lines if t >= prev and (CORE in line) == (where == "core") and re.search(rx, line)),
-                       None)
+        hit = next((t for t, line in lines if t >= prev and (CORE in line) == (where == "core") and re.search(rx, line)),
+                   None)
         if hit is not None:
             out[name] = round(hit - prev, 2)
             prev = hit

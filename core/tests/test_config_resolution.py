@@ -13,6 +13,7 @@ from pagoda.engine.config_resolution import (
     POOLING_MAX_NUM_BATCHED_TOKENS,
     apply_defaults,
     describe_engine_config,
+    resolve_in_engine_core,
 )
 from pagoda.platforms import Platform, PlatformDefaults
 
@@ -59,6 +60,38 @@ def test_the_engines_own_step_budget_when_the_platform_has_none() -> None:
     apply_defaults(whole, _NoGraphs(), PlatformDefaults())
     assert whole.max_num_batched_tokens == 4096  # a whole prompt per step
     assert whole.sources["scheduler_config.max_num_batched_tokens"].startswith("derived")
+
+
+class _MeasuresInCore(Platform):
+    name = "measuring"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def engine_core_step_budget(self, config: EngineConfig) -> int:
+        self.calls += 1
+        return 768
+
+
+def test_a_budget_the_platform_defers_is_decided_in_the_engine_core_once_and_only_where_open() -> None:
+    defaults = PlatformDefaults(max_num_batched_tokens_in_engine_core=True, max_num_batched_tokens_source="its curve")
+    platform = _MeasuresInCore()
+    config = _config()
+    apply_defaults(config, platform, defaults)
+    assert config.scheduler_config.max_num_batched_tokens is None and platform.calls == 0  # not in the API process
+    source = "platform default: decided in the engine core (its curve)"
+    assert config.sources["scheduler_config.max_num_batched_tokens"] == source
+    assert f"scheduler_config.max_num_batched_tokens = None ({source})" in describe_engine_config(config, platform, defaults)
+    resolve_in_engine_core(config, platform)
+    resolve_in_engine_core(config, platform)
+    assert (config.max_num_batched_tokens, platform.calls) == (768, 1)
+    # the user's budget, a pooling model's, and one without chunked prefill are never deferred
+    for cfg in (_config(max_num_batched_tokens=300), _config(runner_type="pooling"),
+                _config(enable_chunked_prefill=False)):
+        apply_defaults(cfg, platform, defaults)
+        resolve_in_engine_core(cfg, platform)
+        assert cfg.max_num_batched_tokens in (300, POOLING_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    assert platform.calls == 1
 
 
 def test_without_chunked_prefill_a_budget_below_the_context_is_refused() -> None:

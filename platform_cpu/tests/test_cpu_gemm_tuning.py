@@ -111,18 +111,17 @@ def test_the_real_measurement_returns_choices_it_has_or_says_it_was_too_busy() -
 
 
 @needs_bf16_kernel
-def test_platform_takes_the_step_budget_unless_the_user_set_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemm_tuning, "measure",
-                        lambda dtype: GemmTuning(dtype="bfloat16", threads=1, max_num_batched_tokens=2048, measured=True))
+def test_the_api_process_leaves_the_step_budget_to_the_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    # config_defaults runs in the API process: it neither measures nor waits for the matmul's build
+    monkeypatch.setattr(gemm_tuning, "measure", lambda dtype: pytest.fail("measured in the API process"))
     monkeypatch.setattr("pagoda_platform_cpu.platform.start_kernel_builds", lambda: None)
     config = EngineArgs(model="unused", dtype="bfloat16").create_engine_config()
-    assert CpuPlatform().config_defaults(config).max_num_batched_tokens == 2048
-    config = EngineArgs(model="unused", dtype="bfloat16", max_num_batched_tokens=300).create_engine_config()
-    assert CpuPlatform().config_defaults(config).max_num_batched_tokens is None  # not measured: the user's wins
+    defaults = CpuPlatform().config_defaults(config)
+    assert defaults.max_num_batched_tokens is None and defaults.max_num_batched_tokens_in_engine_core
 
 
 @needs_bf16_kernel
-def test_each_dtype_takes_its_own_measured_budget_and_start_up_logs_it(
+def test_each_dtype_takes_its_own_budget_measured_in_the_engine_core_and_both_processes_log_it(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from pagoda.config import ResolvedModel
@@ -135,29 +134,39 @@ def test_each_dtype_takes_its_own_measured_budget_and_start_up_logs_it(
         measured.append(dtype)
         return GemmTuning(dtype=str(dtype), threads=1, max_num_batched_tokens=budgets[dtype], measured=True)
 
-    def resolved(model: object, platform: CpuPlatform, download_dir: object) -> ResolvedModel:
-        return ResolvedModel(source=None, hf_config=None, text_config=None, dtype=torch.float32,
-                             max_model_len=256, vocab_size=0)
-
     monkeypatch.setattr(gemm_tuning, "measure", measure)
     monkeypatch.setattr("pagoda_platform_cpu.platform.start_kernel_builds", lambda: None)
-    monkeypatch.setattr(config_resolution, "resolve_model", resolved)
     for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        def resolved(model: object, platform: CpuPlatform, download_dir: object, dtype: torch.dtype = dtype) -> ResolvedModel:
+            return ResolvedModel(source=None, hf_config=None, text_config=None, dtype=dtype,
+                                 max_model_len=256, vocab_size=0)
+
+        monkeypatch.setattr(config_resolution, "resolve_model", resolved)
         config = EngineArgs(model="unused", dtype=name, device="cpu").create_engine_config()
         caplog.clear()
         with caplog.at_level("INFO", logger="pagoda.engine.config_resolution"):
-            config_resolution.prepare_engine_config(config)
-        assert config.scheduler_config.max_num_batched_tokens == budgets[dtype]
-        assert (f"scheduler_config.max_num_batched_tokens = {budgets[dtype]} (platform default: this CPU's "
-                "measured matmul curve") in caplog.text
+            platform = config_resolution.prepare_engine_config(config)
+        assert measured == list(budgets)[:len(measured)] and len(measured) == list(budgets).index(dtype)
+        assert config.scheduler_config.max_num_batched_tokens is None
+        assert ("scheduler_config.max_num_batched_tokens = None (platform default: decided in the engine core "
+                "(this CPU's measured matmul curve") in caplog.text
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pagoda.engine.config_resolution"):
+            config_resolution.resolve_in_engine_core(config, platform)  # what EngineCore does first
+        assert config.max_num_batched_tokens == budgets[dtype]
+        assert (f"scheduler_config.max_num_batched_tokens = {budgets[dtype]} (platform default: decided in the "
+                "engine core (this CPU's measured matmul curve") in caplog.text
+        config_resolution.resolve_in_engine_core(config, platform)  # once only
     assert measured == [torch.bfloat16, torch.float32]
-    # the user's value is not the platform's: the log says whose it is
+    # the user's value is not the platform's: nothing is left to the engine core, the log says whose it is
     config = EngineArgs(model="unused", dtype="bfloat16", device="cpu", max_num_batched_tokens=300).create_engine_config()
     caplog.clear()
     with caplog.at_level("INFO", logger="pagoda.engine.config_resolution"):
-        config_resolution.prepare_engine_config(config)
+        platform = config_resolution.prepare_engine_config(config)
+        config_resolution.resolve_in_engine_core(config, platform)
     assert config.scheduler_config.max_num_batched_tokens == 300
     assert "scheduler_config.max_num_batched_tokens = 300 (user)" in caplog.text
+    assert measured == [torch.bfloat16, torch.float32]
 
 
 @needs_bf16_kernel

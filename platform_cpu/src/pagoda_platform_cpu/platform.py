@@ -211,18 +211,16 @@ class CpuPlatform(Platform):
         return default_kv_cache_bytes(config, model_bytes)
 
     def config_defaults(self, config: EngineConfig) -> PlatformDefaults:
-        # first: the other libraries compile while the budget below waits for the matmul's
+        # first: the libraries compile in the background while the config resolves and the engine core starts
         start_kernel_builds()
-        budget: int | None = None
-        if config.scheduler_config.max_num_batched_tokens is None and config.scheduler_config.enable_chunked_prefill:
-            # The smallest step at which this CPU's matmul is near its best rate (gemm_tuning):
-            # 512 where it is there already (a bigger step only stalls the running decodes longer),
-            # more where the curve still climbs (full-512-bit AVX-512 cores). Cached after the
-            # first start; on a fresh cache it waits for the matmul's build (~2 s) and measures.
-            budget = self._step_budget(config)
         gib = envs.PAGODA_CPU_KVCACHE_SPACE
         return PlatformDefaults(
-            max_num_batched_tokens=budget,
+            # The smallest step at which this CPU's matmul is near its best rate (gemm_tuning): 512 where
+            # it is there already (a bigger step only stalls the running decodes longer), more where the
+            # curve still climbs (full-512-bit AVX-512 cores). Measured in the engine core, the process
+            # that runs the matmul (engine_core_step_budget): on a fresh cache the measurement waits for
+            # the matmul's build, which this process would otherwise wait for before the core could start.
+            max_num_batched_tokens_in_engine_core=True,
             max_num_batched_tokens_source="this CPU's measured matmul curve (pagoda_platform_cpu.gemm_tuning)",
             # Kernel graphs (pagoda.cpp_extension.graph) for decode batches of 1-32: a graph keeps its
             # activations, and above ~32 rows a decode step's matmuls outweigh the per-call Python it saves.
@@ -233,18 +231,14 @@ class CpuPlatform(Platform):
                                   else f"{DEFAULT_KVCACHE_GIB} GiB (PAGODA_CPU_KVCACHE_SPACE unset)"),
         )
 
-    def _step_budget(self, config: EngineConfig) -> int:
+    def engine_core_step_budget(self, config: EngineConfig) -> int:
         import torch
 
         from pagoda_platform_cpu.gemm_tuning import tuning
 
         if not (envs.PAGODA_CPU_PACKED_LINEAR and envs.PAGODA_CPU_GEMM and has_avx512f()):
             return DEFAULT_MAX_NUM_BATCHED_TOKENS
-        # the dtype the model will get (resolved, and logged, with the checkpoint once the model is found)
-        try:
-            dtype = self._auto_dtype() if config.model.dtype == "auto" else self.resolve_dtype(config.model.dtype, None)
-        except ValueError:
-            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        dtype = config.resolved.dtype  # the model's, resolved with its checkpoint
         from pagoda_platform_cpu.gemm import unavailable_reason
 
         if dtype not in (torch.float32, torch.bfloat16) or unavailable_reason(dtype) is not None:

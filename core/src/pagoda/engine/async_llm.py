@@ -149,7 +149,17 @@ class AsyncLLM:
         PAGODA_ENABLE_V1_MULTIPROCESSING is unset (False: a thread of this process; `pagoda serve` passes True)."""
         self.config = config
         platform = prepare_engine_config(config)
-        self.processor = Processor(config)
+        # a thread of this process, or its own process(es): pagoda.engine.mp_client.make_async_client.
+        # A core process has its config from here on and loads the model while this process loads the
+        # tokenizer; it is waited for below.
+        self.engine_core = make_async_client(config, platform, self._from_core_thread, self._core_died,
+                                             engine_core_process, wait_ready=False)
+        try:
+            self.processor = Processor(config)
+            self.engine_core.wait_ready()
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
         self.tokenizer = self.processor.tokenizer
         self.max_model_len = self.processor.max_model_len
         self.vocab_size = self.processor.vocab_size
@@ -157,9 +167,6 @@ class AsyncLLM:
         # model_config.max_model_len); the config itself keeps what the user gave
         self.model_config = config.model.model_copy(update={"max_model_len": self.max_model_len})
         self.output_processor = OutputProcessor(self.tokenizer)
-        # a thread of this process, or its own process(es): pagoda.engine.mp_client.make_async_client
-        self.engine_core = make_async_client(config, platform, self._from_core_thread, self._core_died,
-                                             engine_core_process)
         # what the loaded model serves: ("generate",) or its pooling tasks (vLLM's supported tasks)
         self.supported_tasks: tuple[str, ...] = self.engine_core.get_supported_tasks()
         # adapters the core has loaded (add_lora): a request naming one goes straight in

@@ -36,6 +36,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 POOLING_MAX_NUM_BATCHED_TOKENS = 2048
 
 USER, DEFAULT, PLATFORM, MODEL, DERIVED = "user", "default", "platform default", "model config", "derived"
+# how the start-up block names a value the engine-core process decides (resolve_in_engine_core)
+ENGINE_CORE_DECIDES = "decided in the engine core"
 
 
 @dataclass
@@ -118,7 +120,15 @@ def _resolve_schedule(sources: _Sources, defaults: PlatformDefaults, platform_na
         sources.set("scheduler_config", "enable_chunked_prefill", False, f"{DERIVED}: a pooling model")
     elif defaults.requires_chunked_prefill and not sc.enable_chunked_prefill:
         sources.set("scheduler_config", "enable_chunked_prefill", True, f"{PLATFORM}: required by {platform_name}")
-    if not sources.given("scheduler_config", "max_num_batched_tokens"):
+    if sources.given("scheduler_config", "max_num_batched_tokens"):
+        pass
+    elif defaults.max_num_batched_tokens_in_engine_core and sc.enable_chunked_prefill and not pooling:
+        # measured where the kernels run (resolve_in_engine_core); the start-up block says so. Chunked
+        # prefill is on, so whatever budget comes runs: nothing to check here.
+        sources.set("scheduler_config", "max_num_batched_tokens", None,
+                    f"{PLATFORM}: {ENGINE_CORE_DECIDES} ({defaults.max_num_batched_tokens_source or 'measured'})")
+        return
+    else:
         if pooling:
             # pooling steps are all prefill: the platform's budget (sized for decodes beside chunks) is dropped
             budget, source = max(POOLING_MAX_NUM_BATCHED_TOKENS, max_model_len), f"{DERIVED}: a pooling model"
@@ -136,6 +146,23 @@ def _resolve_schedule(sources: _Sources, defaults: PlatformDefaults, platform_na
             f"max_num_batched_tokens={budget} is smaller than max_model_len={max_model_len}: "
             "without chunked prefill a whole prompt must fit in one step"
         )
+
+
+def resolve_in_engine_core(config: EngineConfig, platform: Platform) -> None:
+    """Decide, in the engine-core process, what ``prepare_engine_config`` left to it, and log each value.
+
+    The step budget, where the platform measures it on the kernels this process runs
+    (``PlatformDefaults.max_num_batched_tokens_in_engine_core``); the API process logged it as
+    ``None (platform default: decided in the engine core ...)``. Idempotent: a resolved value stays.
+    """
+    key = "scheduler_config.max_num_batched_tokens"
+    sc = config.scheduler_config
+    source = config.sources.get(key, "")
+    if sc.max_num_batched_tokens is not None or ENGINE_CORE_DECIDES not in source:
+        return
+    sc.max_num_batched_tokens = platform.engine_core_step_budget(config)
+    config.sources[key] = source
+    logger.info("%s = %d (%s)", key, sc.max_num_batched_tokens, source)
 
 
 def _resolve_graphs(sources: _Sources, defaults: PlatformDefaults, platform: Platform) -> None:

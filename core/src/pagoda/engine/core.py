@@ -16,6 +16,7 @@ from typing import Any
 from pagoda.beam_search.group import BeamGroup
 from pagoda.config import EngineConfig
 from pagoda.engine.config_resolution import prepare_engine_config  # noqa: F401 - where callers have imported it from
+from pagoda.engine.config_resolution import resolve_in_engine_core
 from pagoda.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagoda.executor import Executor
 from pagoda.kv_cache.manager import KVCacheManager
@@ -39,13 +40,15 @@ class EngineCore:
         self.config = config
         self.platform = platform
         replay_main_process_decisions(config)
+        # what the API process left to the process that runs the kernels (the CPU step budget)
+        resolve_in_engine_core(config, platform)
         self.max_model_len = config.resolved.max_model_len
         sc = config.scheduler_config
         enable_caching = config.cache_config.enable_prefix_caching
         if config.resolved.runner_type == "pooling" and (sc.enable_chunked_prefill or enable_caching):
             # prepare_engine_config turned both off; a config built another way must not bring them back
             raise ValueError("a pooling model runs without chunked prefill and prefix caching")
-        budget = config.max_num_batched_tokens  # decided by prepare_engine_config
+        budget = config.max_num_batched_tokens  # decided by prepare_engine_config, or just above
         self.max_num_batched_tokens = budget
         # the workers (this process's, or one process per rank) load their model slices here
         self.model_executor = Executor.get_class(config)(config, platform)

@@ -152,6 +152,9 @@ class ThreadedClient:
         self._stopping = threading.Event()
         self.dead_error: BaseException | None = None
 
+    def wait_ready(self) -> None:
+        """Nothing to wait for: the core was built in the constructor (the process clients' face)."""
+
     # -- front-end side --------------------------------------------------------------
     def get_supported_tasks(self) -> tuple[str, ...]:
         # fixed once the core loaded its model (before the thread starts), so read directly

@@ -1,13 +1,15 @@
 """The engine core in its own process (vLLM V1's ``EngineCoreProc``).
 
 ``run_engine_core`` is the target of a spawned process: it builds an
-``EngineCore`` from the (pickled) engine config and runs schedule -> execute ->
+``EngineCore`` from the engine config it is sent and runs schedule -> execute ->
 update, taking commands from one ZMQ socket and pushing each step's
 ``EngineCoreOutputs`` to another. Tokenization, detokenization and everything
 HTTP stay in the API process (``pagoda.engine.mp_client.MPClient``).
 
 Wire format: every message is one pickled tuple ``(kind, payload)`` (protocol
-5). Commands in: ``("add", EngineCoreRequest)``, ``("abort", [ids])``, ``("shutdown",
+5). Commands in: first ``("config", (EngineConfig, Platform))`` (the process is
+spawned before its config exists and imports meanwhile: ``pagoda.engine.core_process``),
+then ``("add", EngineCoreRequest)``, ``("abort", [ids])``, ``("shutdown",
 None)``. Messages out: ``("ready", supported_tasks)`` once the model is
 loaded, ``("startup_failed", traceback text)``, ``("outputs",
 EngineCoreOutputs)`` after every step, ``("dead", traceback text)`` if the
@@ -56,20 +58,71 @@ def portable_error(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+_TRANSFORMERS_CONFIG_IMPORTS = ("transformers.configuration_utils", "transformers.modeling_rope_utils",
+                                "transformers.utils.type_validators")
+
+
+def _standby_imports() -> None:
+    """What every engine core imports before it can build anything: done before its config arrives, so
+    they overlap the API process's own imports and config resolution (``pagoda.engine.core_process``)."""
+    import importlib
+
+    import torch  # noqa: F401 - the bulk of the time
+
+    import pagoda.engine.core  # noqa: F401 - the scheduler, KV cache, worker and model runner
+
+    # The config's model section holds transformers' config objects: unpickling it imports their modules,
+    # and what those import (activations, hub kernels, torch.distributed.tensor: seconds; py-spy showed it
+    # inside loads() when the config came, on the critical path). Module names of this transformers: one
+    # another version lacks is skipped.
+    for name in _TRANSFORMERS_CONFIG_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def _wait_config(inp: Any, parent_alive: Connection) -> tuple[EngineConfig, Platform] | None:
+    """Block until the API process sends ``("config", (config, platform))``; None: it stopped us or died."""
+    import zmq
+
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    poller.register(parent_alive.fileno(), zmq.POLLIN)
+    while True:
+        events = dict(poller.poll())
+        if inp in events:
+            kind, payload = loads(inp.recv())
+            if kind == "config":
+                config, platform = payload
+                return config, platform
+            if kind == "shutdown":
+                return None
+            raise RuntimeError(f"the engine core got {kind!r} before its config")
+        if parent_alive.fileno() in events:
+            # the parent never writes to this pipe: readable means it closed (the parent is gone)
+            return None
+
+
 def run_engine_core(
-    config: EngineConfig,
-    platform: Platform,
     input_address: str,
     output_address: str,
     parent_alive: Connection,
     replica_rank: int = 0,
     log_level: int = logging.WARNING,
 ) -> None:
-    """Entry point of the engine-core process (spawned; every argument is pickled)."""
+    """Entry point of the engine-core process (spawned; every argument is pickled).
+
+    The engine config is not an argument: it comes as the first command, so the process can be spawned
+    (and import) before the API process has resolved it.
+    """
+    import time
+
     import zmq
 
     from pagoda.platforms import set_current_platform
 
+    spawned = time.perf_counter()
     # the parent's logging level travels with the spawn; the prefix tells replicas apart
     logging.basicConfig(level=log_level,
                         format=f"%(levelname)s %(asctime)s [engine core {replica_rank}] %(name)s: %(message)s")
@@ -79,6 +132,17 @@ def run_engine_core(
     inp.connect(input_address)
     out.connect(output_address)
     try:
+        _standby_imports()
+        imported = time.perf_counter()
+        got = _wait_config(inp, parent_alive)
+        if got is None:
+            out.close(linger=0)
+            inp.close(linger=0)
+            ctx.term()
+            return
+        config, platform = got
+        logger.info("engine core imports took %.2f s; its config came %.2f s after them",
+                    imported - spawned, time.perf_counter() - imported)
         set_current_platform(platform)
         from pagoda.engine.core import EngineCore
 
@@ -95,6 +159,7 @@ def run_engine_core(
     except BaseException:  # noqa: BLE001 - the parent reports it as the start-up error
         out.send(dumps("startup_failed", traceback.format_exc()))
         out.close(linger=2000)
+        inp.close(linger=0)
         ctx.term()
         return
     out.send(dumps("ready", tasks))

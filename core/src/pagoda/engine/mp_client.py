@@ -1,7 +1,8 @@
 """Engine-core clients for cores in their own processes (vLLM V1's ``MPClient`` / ``DPLBAsyncMPClient``).
 
-``MPClient`` spawns one engine-core process (``pagoda.engine.core_proc``) and
-talks to it over two ZMQ IPC sockets: commands (new requests, aborts) go in
+``MPClient`` spawns one engine-core process (``pagoda.engine.core_process``;
+replica 0 takes the standby core `pagoda serve` spawned ahead of the config
+instead), sends it the config and talks to it over two ZMQ IPC sockets: commands (new requests, aborts) go in
 pickled, each step's ``EngineCoreOutputs`` come back pickled. A receiver
 thread in the API process waits on the output socket and on the process's
 sentinel at once, so outputs and the process's death are both noticed at
@@ -26,11 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
-import os
-import shutil
-import tempfile
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -38,7 +35,7 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from pagoda.engine.core_proc import dumps, loads, run_engine_core
+from pagoda.engine.core_proc import dumps, loads
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.platforms import Platform
 
@@ -74,15 +71,6 @@ def _reap(proc: multiprocessing.process.BaseProcess, timeout: float) -> None:
         proc.join(2.0)
 
 
-def _cleanup(proc: multiprocessing.process.BaseProcess, ctx: Any, sockdir: str) -> None:
-    # the finalizer's body: it must not reference the client, or the client is never collected
-    if proc.is_alive():
-        proc.kill()
-        proc.join(2.0)
-    ctx.destroy(linger=0)
-    shutil.rmtree(sockdir, ignore_errors=True)
-
-
 class MPClient:
     """One engine core in a spawned process; the same face as ``ThreadedClient``."""
 
@@ -95,7 +83,7 @@ class MPClient:
         replica_rank: int = 0,
         wait_ready: bool = True,
     ) -> None:
-        import zmq
+        from pagoda.engine.core_process import CoreProcess, take_standby_core
 
         self._on_outputs = on_outputs
         self._on_dead = on_dead
@@ -107,28 +95,19 @@ class MPClient:
         # utility calls waiting for the core's answer: id -> future
         self._call_ids = itertools.count()
         self._calls: dict[int, Future[Any]] = {}
-        self._sockdir = tempfile.mkdtemp(prefix="pagoda-core-")
-        in_addr = f"ipc://{os.path.join(self._sockdir, 'in')}"
-        out_addr = f"ipc://{os.path.join(self._sockdir, 'out')}"
-        self._ctx = zmq.Context(io_threads=1)
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._out = self._ctx.socket(zmq.PULL)
-        self._in.bind(in_addr)
-        self._out.bind(out_addr)
-        mp = multiprocessing.get_context("spawn")
-        # the core only reads its end; it sees EOF when every copy of ours is closed (we exited)
-        child_end, self._parent_end = mp.Pipe(duplex=False)
-        # not a daemon: a core may start worker processes of its own (the mp executor)
-        self.proc = mp.Process(
-            target=run_engine_core,
-            args=(config, platform, in_addr, out_addr, child_end, replica_rank, logging.getLogger("pagoda").getEffectiveLevel()),
-            name=f"pagoda-engine-core-{replica_rank}",
-            daemon=False,
-        )
-        self.proc.start()
-        child_end.close()
-        self._finalizer = weakref.finalize(self, _cleanup, self.proc, self._ctx, self._sockdir)
+        # the standby core `pagoda serve` spawned first thing (already importing), else a new one
+        self._core = take_standby_core(replica_rank) or CoreProcess(replica_rank)
+        self.proc = self._core.proc
+        self._in = self._core.inp
+        self._out = self._core.out
+        self._parent_end = self._core.parent_end
+        self._sockdir = self._core.sockdir
         self.supported_tasks: tuple[str, ...] = ()
+        try:
+            self._core.send_config(config, platform, STARTUP_TIMEOUT_S)
+        except BaseException:
+            self._core.close()
+            raise
         if wait_ready:
             self.wait_ready()
 
@@ -137,7 +116,7 @@ class MPClient:
         try:
             self.supported_tasks = tuple(self._wait_ready())
         except BaseException:
-            self._finalizer()
+            self._core.close()
             raise
         logger.info("engine core %d runs in process %d", self.replica_rank, self.proc.pid)
 
@@ -222,7 +201,7 @@ class MPClient:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._parent_end.close()
-        self._finalizer()
+        self._core.close()
 
     # -- the receiver thread -------------------------------------------------------------
     def _receive(self) -> None:
@@ -279,6 +258,7 @@ class DPLBAsyncMPClient:
         platform: Platform,
         on_outputs: Callable[[EngineCoreOutputs], None],
         on_dead: Callable[[BaseException], None],
+        wait_ready: bool = True,
     ) -> None:
         size = config.parallel_config.data_parallel_size
         self._on_outputs = on_outputs
@@ -293,11 +273,21 @@ class DPLBAsyncMPClient:
         self._seen_blocks: list[OrderedDict[Any, None]] = [OrderedDict() for _ in range(size)]
         self._dead_reported = False
         self.engines: list[MPClient] = []
+        self.supported_tasks: tuple[str, ...] = ()
         try:
             # all start at once (imports and model loads overlap), then each is waited for
             for rank in range(size):
                 self.engines.append(MPClient(config, platform, self._outputs_of(rank), self._died, replica_rank=rank,
                                              wait_ready=False))
+        except BaseException:
+            self.shutdown(1.0)
+            raise
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every replica has loaded its model; one failed start stops them all."""
+        try:
             for engine in self.engines:
                 engine.wait_ready()
         except BaseException:
@@ -465,22 +455,35 @@ def make_async_client(
     on_outputs: Callable[[EngineCoreOutputs], None],
     on_dead: Callable[[BaseException], None],
     engine_core_process: bool = False,
+    wait_ready: bool = True,
 ) -> Any:
     """AsyncLLM's client: a thread, a process, or one process per DP replica.
 
     PAGODA_ENABLE_V1_MULTIPROCESSING decides when it is set; else ``engine_core_process`` (the
     caller's default: `pagoda serve` asks for the process), else a thread. A multi-rank executor
     (tensor or pipeline parallel) keeps the thread unless the variable asks for the process.
+    ``wait_ready=False``: a process client returns once its core has the config (it loads the model
+    meanwhile); the caller then calls ``wait_ready()``. A thread client is ready when built.
     """
-    from pagoda import envs
     from pagoda.engine.core_client import ThreadedClient
+    from pagoda.engine.core_process import discard_standby_core
 
-    if config.parallel_config.data_parallel_size > 1:
-        return DPLBAsyncMPClient(config, platform, on_outputs, on_dead)
-    if envs.is_set("PAGODA_ENABLE_V1_MULTIPROCESSING"):
-        use_process = envs.PAGODA_ENABLE_V1_MULTIPROCESSING
-    else:
-        use_process = engine_core_process and config.parallel_config.world_size == 1
-    if use_process:
-        return MPClient(config, platform, on_outputs, on_dead)
+    if engine_core_in_process(config.parallel_config.world_size, config.parallel_config.data_parallel_size,
+                              engine_core_process):
+        if config.parallel_config.data_parallel_size > 1:
+            return DPLBAsyncMPClient(config, platform, on_outputs, on_dead, wait_ready=wait_ready)
+        return MPClient(config, platform, on_outputs, on_dead, wait_ready=wait_ready)
+    # a standby core `pagoda serve` spawned ahead of the config has nothing to do
+    discard_standby_core()
     return ThreadedClient(config, platform, on_outputs, on_dead)
+
+
+def engine_core_in_process(world_size: int, data_parallel_size: int, engine_core_process: bool) -> bool:
+    """Whether the engine core runs in a process of its own (``make_async_client``'s rule)."""
+    from pagoda import envs
+
+    if data_parallel_size > 1:
+        return True
+    if envs.is_set("PAGODA_ENABLE_V1_MULTIPROCESSING"):
+        return bool(envs.PAGODA_ENABLE_V1_MULTIPROCESSING)
+    return engine_core_process and world_size == 1

@@ -35,6 +35,11 @@ class PlatformDefaults:
     max_num_batched_tokens: int | None = None
     # where that budget comes from, for the start-up log (e.g. "this CPU's measured matmul curve")
     max_num_batched_tokens_source: str = ""
+    # True: the budget is measured by the process that runs the kernels (``Platform.engine_core_step_budget``,
+    # in the engine core, once the model's dtype is known), not here: on a fresh machine the measurement
+    # waits for a kernel build, which the API process would otherwise wait for before the core could start.
+    # Applies only where the user set no budget and chunked prefill is on; ``max_num_batched_tokens`` is unused.
+    max_num_batched_tokens_in_engine_core: bool = False
     # decode graphs at all (False: every step runs eagerly, whatever cuda_graph_sizes says), and the
     # batch sizes captured when the user names none
     graphs: bool = False
@@ -89,6 +94,12 @@ class Platform:
         before the model is resolved; the user's values win over every field returned.
         """
         return PlatformDefaults()
+
+    def engine_core_step_budget(self, config: EngineConfig) -> int:
+        """The step budget for ``config``'s resolved model, measured in the engine-core process; called
+        (once, by ``pagoda.engine.config_resolution.resolve_in_engine_core``) only where ``config_defaults``
+        set ``max_num_batched_tokens_in_engine_core``."""
+        raise NotImplementedError(f"the {self.name} platform defers no step budget to the engine core")
 
     def supported_dtypes(self) -> list[torch.dtype]:
         """Model dtypes this platform runs; ``resolve_dtype`` refuses the others."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import typer
 
@@ -83,9 +84,9 @@ def serve(
     engine_args: EngineArgs,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (default: SmolLM2-135M-Instruct on 127.0.0.1:8000)."""
+    started = time.perf_counter()
     from pydantic import ValidationError
 
-    from pagoda.entrypoints.openai.api_server import run_server
     from pagoda.entrypoints.openai.chat_template import load_chat_template
     from pagoda.entrypoints.openai.server_args import ServerArgs
 
@@ -121,17 +122,39 @@ def serve(
         raise typer.BadParameter(str(exc)) from exc
     if served_model_name:
         engine_args = engine_args.model_copy(update={"served_model_name": served_model_name[0]})
+    from pagoda.entrypoints.openai.listen import bind_socket
+
+    # Listening first: a second server on a busy address fails here, before anything heavy has started.
+    try:
+        sock = bind_socket(host, port, uds)
+    except OSError as exc:
+        typer.echo(f"error: cannot listen on {uds or f'{host}:{port}'}: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    _start_standby_core(engine_args)
+    # the heavy imports (fastapi, torch, the model stack) come after the standby core began its own
+    from pagoda.entrypoints.openai.api_server import run_server
     from pagoda.model_loader import ModelLoadError
     from pagoda.plugins import PluginError
 
     try:
-        run_server(engine_args, server_args)
-    except (ModelLoadError, PluginError) as exc:  # an OSError too (not found): not the socket's fault
+        run_server(engine_args, server_args, sock=sock, started=started)
+    except (ModelLoadError, PluginError, OSError) as exc:  # an OSError is the model's (not found): the socket is bound
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
-    except OSError as exc:
-        typer.echo(f"error: cannot listen on {uds or f'{host}:{port}'}: {exc}", err=True)
-        raise typer.Exit(1) from exc
+
+
+def _start_standby_core(engine_args: EngineArgs) -> None:
+    """Spawn the engine-core process now when the engine will run its core in a process, so its imports
+    (torch, the model stack: ~2 s) overlap this process's own imports and config resolution."""
+    from pagoda.engine.core_process import start_standby_core
+    from pagoda.engine.mp_client import engine_core_in_process
+
+    try:
+        in_process = engine_core_in_process(engine_args.world_size, engine_args.data_parallel_size, True)
+    except ValueError:
+        return  # a malformed PAGODA_ENABLE_V1_MULTIPROCESSING: the engine's own start reports it
+    if in_process:
+        start_standby_core()
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,6 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -20,6 +19,7 @@ from pagoda import envs
 from pagoda.config import EngineArgs
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.entrypoints.openai.chat_template import load_chat_template
+from pagoda.entrypoints.openai.listen import bind_socket  # noqa: F401 - its old home
 from pagoda.entrypoints.openai.errors import (
     APIError,
     error_body,
@@ -267,25 +267,6 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
     return app
 
 
-def bind_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
-    """Bind before loading the model, so a busy port fails in a second, not after the load;
-    ``uds``: a Unix domain socket at that path instead (vLLM's --uds), replacing a stale socket file."""
-    if uds is not None:
-        path = Path(uds)
-        if path.is_socket():
-            path.unlink()
-        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        unix.bind(uds)
-        unix.set_inheritable(True)
-        return unix
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
-
-
 async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str], sock: socket.socket,
                 on_ready: Callable[[str], Awaitable[None] | None] | None = None,
                 io_processor: IOProcessor[Any, Any] | None = None) -> None:
@@ -325,16 +306,21 @@ async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str
         engine.shutdown()
 
 
-def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    """Bind, load the model, serve; blocks until stopped (the body of `pagoda serve`)."""
-    started = time.perf_counter()
+def run_server(engine_args: EngineArgs, server_args: ServerArgs, sock: socket.socket | None = None,
+               started: float | None = None) -> None:
+    """Bind (unless ``sock`` is the listening socket already), load the model, serve; blocks until
+    stopped (the body of `pagoda serve`). ``started``: the ``time.perf_counter()`` the start is timed from."""
+    started = time.perf_counter() if started is None else started
     try:
         # a parser nobody provides stops the start before the model loads
         resolve_tool_parser(server_args.enable_auto_tool_choice, server_args.tool_call_parser,
                             server_args.tool_parser_plugin)
     except (ValueError, OSError, ImportError) as exc:
+        if sock is not None:
+            sock.close()
         raise PluginError(str(exc)) from exc
-    sock = bind_socket(server_args.host, server_args.port, server_args.uds)
+    if sock is None:
+        sock = bind_socket(server_args.host, server_args.port, server_args.uds)
     # The engine core in its own process, as vLLM's server runs it: W3 on 2 Zen 5 cores measured
     # 1.10-1.21x the thread's output tok/s (docs/benchmarks.md, session 10);
     # PAGODA_ENABLE_V1_MULTIPROCESSING=0 keeps it in a thread of this process.

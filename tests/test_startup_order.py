@@ -1,0 +1,179 @@
+"""`pagoda serve`'s start-up order (issues 31 and 39): listen first, then spawn the engine core ahead of the
+config so its imports overlap the API process's, then resolve, load and serve.
+
+- a busy address fails the second server in well under a second of work, before any engine process exists;
+- the standby engine core is spawned before the API process's heavy imports end, and it is the process that
+  serves (not a second spawn);
+- a standby nobody takes (the core runs in a thread) is stopped, and one whose parent dies exits by itself;
+- the CPU step budget is measured in the engine core, not in the API process before the core can start.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from pagoda.engine import core_process
+from pagoda.entrypoints.openai.listen import bind_socket
+
+
+def test_a_second_bind_socket_on_one_port_fails_at_once() -> None:
+    # both sockets set SO_REUSEADDR; only listening makes the second one fail on Linux
+    first = bind_socket("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(OSError):
+            bind_socket("127.0.0.1", port).close()
+        # it listens already: a client connects (and waits in the backlog until the server accepts)
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+    finally:
+        first.close()
+
+
+def test_a_second_server_on_a_busy_port_exits_before_spawning_or_loading_anything() -> None:
+    holder = bind_socket("127.0.0.1", 0)  # the first server, as far as the second can tell
+    port = holder.getsockname()[1]
+    try:
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - started
+    finally:
+        holder.close()
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+    # nothing heavy ran: no engine core spawned, no platform resolved, no model loaded
+    for never in ("engine core", "platform cpu selected", "loaded", "torch threads"):
+        assert never not in proc.stderr, (never, proc.stderr)
+    assert elapsed < 60, elapsed  # the CLI's own imports only (seconds on a loaded 2-vCPU machine)
+
+
+def _lines(log: str) -> list[str]:
+    return log.splitlines()
+
+
+def test_the_standby_core_starts_before_the_api_imports_end_and_is_the_one_that_serves(start_server: Any) -> None:
+    server = start_server(["--max-model-len", "256"])
+    log = _lines(server.output())
+    spawned = next(i for i, line in enumerate(log) if "spawned as process" in line and "ahead of the config" in line)
+    platform = next(i for i, line in enumerate(log) if "pagoda.platforms: platform" in line and "selected" in line)
+    config = next(i for i, line in enumerate(log) if "engine config (platform" in line)
+    assert spawned < platform < config, "\n".join(log)
+    standby_pid = int(re.search(r"spawned as process (\d+)", log[spawned]).group(1))  # type: ignore[union-attr]
+    serving = next(line for line in log if "engine core 0 runs in process" in line)
+    assert int(serving.rsplit(" ", 1)[1]) == standby_pid
+    # the core's imports were done before (or while) its config came, not after it
+    assert any("[engine core 0] pagoda.engine.core_proc: engine core imports took" in line for line in log)
+    # exactly one engine-core process was spawned
+    assert sum("spawned as process" in line for line in log) == 1
+    # the step budget is decided (and logged) in the engine core, the process that runs the matmul; the API
+    # process's start-up block says it left it there, and the API process never measures the matmul
+    assert any("[engine core 0] pagoda.engine.config_resolution: scheduler_config.max_num_batched_tokens = " in line
+               and "decided in the engine core" in line for line in log), "\n".join(log)
+    assert any("scheduler_config.max_num_batched_tokens = None (platform default: decided in the engine core" in line
+               for line in log)
+    assert not any("pagoda_platform_cpu.gemm_tuning: " in line and "[engine core" not in line for line in log)
+
+
+def test_a_standby_core_nobody_takes_is_stopped(tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.config import EngineArgs
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.engine.core_client import ThreadedClient
+
+    path, _ = tiny_model_dir("llama")
+    monkeypatch.setenv("PAGODA_ENABLE_V1_MULTIPROCESSING", "0")
+    standby = core_process.start_standby_core()
+    try:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(path), skip_tokenizer_init=True, max_model_len=128),
+                                           engine_core_process=True)
+        try:
+            assert isinstance(engine.engine_core, ThreadedClient)
+            standby.proc.join(10)
+            assert not standby.proc.is_alive()
+            assert not os.path.exists(standby.sockdir)
+            assert core_process.take_standby_core(0) is None
+        finally:
+            engine.shutdown()
+    finally:
+        core_process.discard_standby_core()
+        standby.close()
+
+
+def test_an_mp_client_takes_the_standby_core_and_serves_from_it(tiny_model_dir: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from pagoda.config import EngineArgs
+    from pagoda.engine.async_llm import AsyncLLM
+    from pagoda.engine.mp_client import MPClient
+    from pagoda.sampling_params import RequestOutputKind, SamplingParams
+
+    path, _ = tiny_model_dir("llama")
+    monkeypatch.delenv("PAGODA_ENABLE_V1_MULTIPROCESSING", raising=False)
+    standby = core_process.start_standby_core()
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=str(path), skip_tokenizer_init=True, max_model_len=128),
+                                       engine_core_process=True)
+    try:
+        assert isinstance(engine.engine_core, MPClient)
+        assert engine.engine_core.proc.pid == standby.proc.pid
+        assert core_process.take_standby_core(0) is None  # taken once
+
+        async def run() -> list[int]:
+            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            outs = [o async for o in engine.generate([1, 2, 3], params, "r0")]
+            return list(outs[-1].outputs[0].token_ids)
+
+        assert len(asyncio.run(asyncio.wait_for(run(), 60))) == 4
+    finally:
+        engine.shutdown()
+    assert not standby.proc.is_alive()
+
+
+_ORPHAN = """
+import sys, time
+from pagoda.engine.core_process import start_standby_core
+core = start_standby_core()
+print(core.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_standby_core_exits_when_its_parent_dies() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 60  # it may still be importing torch when the parent goes
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            if _zombie(pid):
+                return
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the standby core outlived its parent by a minute")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return True
