@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.config_resolution import prepare_engine_config
@@ -40,6 +41,8 @@ from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -165,6 +168,10 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = []
         self.log_stats = log_stats
         self._loop: asyncio.AbstractEventLoop | None = None
+        # A request's preparation (tokenizing, bad words, checks, block hashes) runs here, off the event
+        # loop. One thread: the Rust tokenizer refuses a second thread's call that changes its truncation
+        # while another encodes ("Already borrowed"), and one queue keeps the work in arrival order.
+        self.prep_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-prep")
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, log_stats: bool = True,
@@ -211,18 +218,51 @@ class AsyncLLM:
 
         The caller must iterate the returned stream to its end or call ``abort()`` on it.
         """
+        self._check_alive()
+        self._ensure_started()
+        self._check_unused(request_id)
+        prepared = self.processor.process(request_id, prompt, sampling_params, time.time(), priority)
+        return self._queue(request_id, prepared, sampling_params)
+
+    async def add_request_async(
+        self,
+        request_id: str,
+        prompt: Any,
+        sampling_params: SamplingParams | PoolingParams,
+        priority: int = 0,
+    ) -> RequestStream:
+        """``add_request`` with the preparation on ``prep_executor``: the event loop (and every other
+        request's stream) never waits on a long prompt's tokenization or a long ``bad_words`` list."""
+        self._check_alive()
+        self._ensure_started()
+        self._check_unused(request_id)
+        arrival = time.time()
+        prepared = await self.run_prep(self.processor.process, request_id, prompt, sampling_params, arrival, priority)
+        self._check_alive()
+        self._check_unused(request_id)
+        return self._queue(request_id, prepared, sampling_params)
+
+    async def run_prep(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the preparation thread (tokenizer work, in the order it was asked for)."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep_executor, fn, *args)
+
+    def _check_alive(self) -> None:
         if self.engine_core.dead_error is not None:
             raise EngineDeadError(f"the engine core died: {self.engine_core.dead_error!r}")
-        self._ensure_started()
+
+    def _check_unused(self, request_id: str) -> None:
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        arrival = time.time()
-        parent, requests = self.processor.process(request_id, prompt, sampling_params, arrival, priority)
+
+    def _queue(self, request_id: str, prepared: tuple[Any, list[Any]],
+               sampling_params: SamplingParams | PoolingParams) -> RequestStream:
+        parent, requests = prepared
         for request in requests:
             self.engine_core.add_request(request)
         self.output_processor.add_request(parent)
         collector = RequestOutputCollector(sampling_params.output_kind)
-        metrics = RequestMetrics(arrival, len(requests[0].prompt_token_ids), num_sequences=len(requests))
+        metrics = RequestMetrics(requests[0].arrival_time, len(requests[0].prompt_token_ids),
+                                 num_sequences=len(requests))
         self._tracked[request_id] = _Tracked(collector, metrics, isinstance(sampling_params, PoolingParams))
         return RequestStream(self, request_id, collector)
 
@@ -293,6 +333,7 @@ class AsyncLLM:
                 tracked.collector.put(ended)
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        self.prep_executor.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown(timeout)
 
     def num_unfinished_requests(self) -> int:

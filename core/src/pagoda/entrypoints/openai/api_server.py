@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -111,6 +113,7 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
         enable_auto_tool_choice=server_args.enable_auto_tool_choice,
         tool_parser=resolve_tool_parser(server_args.enable_auto_tool_choice, server_args.tool_call_parser,
                                         server_args.tool_parser_plugin),
+        tokenize_executor=ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenize"),
     )
     app.state.ctx = ctx
     metrics = PrometheusStatLogger(ctx.model_name,
@@ -204,13 +207,18 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
         ctx.check_model(req.model)
         tok = ctx.need_tokenizer()
         if is_chat:
-            _, ids = await chat_prompt_async(ctx, req)
+            _, ids = await chat_prompt_async(ctx, req, bounded=False)
         else:
-            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return body
+            ids = await ctx.encode_unbounded(req.prompt, req.add_special_tokens)
+        def render() -> bytes:
+            # a 10 MB text is ~10^6 ids: their strings and the JSON are built off the loop too
+            body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+            if req.return_token_strs:
+                body["token_strs"] = tok.convert_ids_to_tokens(ids)
+            return json.dumps(body, ensure_ascii=False).encode()
+
+        content = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_executor, render)
+        return Response(content, media_type="application/json")
 
     @route("/detokenize", DetokenizeRequest)
     async def detokenize(raw_request: Request) -> Any:
