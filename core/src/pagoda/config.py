@@ -139,6 +139,43 @@ class ResolvedModel:
     quant_config: Any = None
 
 
+def derived_max_model_len(text_config: Any) -> tuple[int | None, str]:
+    """-> (the longest context the model's positions cover, what says so), as vLLM derives it: the config's
+    position count, times a RoPE scaling factor that stretches it (linear, dynamic, yarn)."""
+    positions = getattr(text_config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or isinstance(positions, bool):
+        return None, "no max_position_embeddings"
+    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    rope_type = (params.get("rope_type") or params.get("type")) if isinstance(params, dict) else None
+    factor = params.get("factor") if isinstance(params, dict) else None
+    if rope_type in ("linear", "dynamic", "yarn") and isinstance(factor, (int, float)) and factor > 1:
+        base = int(params.get("original_max_position_embeddings") or positions) if rope_type == "yarn" else positions
+        return max(positions, int(base * factor)), f"max_position_embeddings={positions}, {rope_type} RoPE x{factor:g}"
+    return positions, f"max_position_embeddings={positions} in the model's config"
+
+
+def check_max_model_len(max_model_len: int, text_config: Any) -> None:
+    """Refuse a max_model_len past the model's positions (vLLM's rule): a prompt reaching past them fails
+    inside the forward pass, or reads positions the model never learned. PAGODA_ALLOW_LONG_MAX_MODEL_LEN=1
+    (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN) allows it; RoPE's table then grows to max_model_len."""
+    from pagoda import envs
+
+    derived, origin = derived_max_model_len(text_config)
+    if derived is None or max_model_len <= derived:
+        return
+    if not envs.PAGODA_ALLOW_LONG_MAX_MODEL_LEN:
+        raise ValueError(
+            f"max_model_len={max_model_len} is longer than this model's {derived} positions ({origin}). "
+            "Set it to at most that, or set PAGODA_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway (outputs past "
+            "the model's positions may be meaningless).")
+    logger.warning("max_model_len=%d is longer than this model's %d positions (%s); allowed by "
+                   "PAGODA_ALLOW_LONG_MAX_MODEL_LEN: outputs past them may be meaningless",
+                   max_model_len, derived, origin)
+    if derived == getattr(text_config, "max_position_embeddings", None):
+        # RoPE's cos/sin table is sized by max_position_embeddings: grow it so long prompts index it
+        text_config.max_position_embeddings = max_model_len
+
+
 def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = None) -> ResolvedModel:
     """Find the checkpoint, read its config, and fix dtype (the platform's choice) and context length."""
     from pagoda.model_loader import checkpoint_dtype, load_generation_defaults, load_model_config, resolve_model_path
@@ -156,6 +193,8 @@ def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = 
     if runner.max_model_len is not None and max_model_len > runner.max_model_len:
         raise ValueError(f"max_model_len={max_model_len} is longer than this model takes ({runner.max_model_len} "
                          f"tokens: {runner.max_model_len_origin})")
+    if model.max_model_len is not None:
+        check_max_model_len(model.max_model_len, text_config)
     from pagoda.quantization import resolve_quantization
 
     dtype = platform.resolve_dtype(model.dtype, checkpoint_dtype(source))

@@ -28,7 +28,7 @@ from pagoda.entrypoints.openai.errors import (
     parse_json_body,
     validation_error,
 )
-from pagoda.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagoda.entrypoints.openai.middleware import AllowedHostsMiddleware, APIKeyMiddleware, BodySizeLimitMiddleware
 from pagoda.entrypoints.openai.pooling_routes import POOLING_ROUTES, PoolingRoute, validate_body
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -248,6 +248,8 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes)
+    if "*" not in server_args.allowed_hosts:
+        app.add_middleware(AllowedHostsMiddleware, allowed_hosts=server_args.allowed_hosts)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=server_args.allowed_origins,
@@ -310,9 +312,17 @@ async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str
         engine.shutdown()
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> None:
     """Bind, load the model, serve; blocks until stopped (the body of `pagoda serve`)."""
     started = time.perf_counter()
+    # SIGTERM's default action ends the process on the spot, skipping every finally and atexit (the
+    # engine-core client's socket directory stayed in the temp dir); uvicorn also re-raises a captured
+    # SIGTERM once it has drained. As SystemExit it unwinds like SIGINT does.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         # a parser nobody provides stops the start before the model loads
         resolve_tool_parser(server_args.enable_auto_tool_choice, server_args.tool_call_parser,
