@@ -118,12 +118,17 @@ def serve(
     from pagoda.model_loader import ModelLoadError
     from pagoda.plugins import PluginError
 
+    from pagoda.engine.async_llm import EngineDeadError
     from pagoda.engine.mp_client import EngineCoreStartupError
 
     try:
         run_server(engine_args, server_args)
     except (ModelLoadError, PluginError) as exc:  # an OSError too (not found): not the socket's fault
         typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    except EngineDeadError as exc:
+        # the engine core died while serving: exit non-zero so a supervisor restarts the server (vLLM's way)
+        typer.echo(f"error: {exc}; the server stopped", err=True)
         raise typer.Exit(1) from exc
     except (ValueError, EngineCoreStartupError) as exc:
         # a start-up option the model cannot take (max_model_len past its positions, a step budget below

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from pagoda.config import EngineArgs
-from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.async_llm import AsyncLLM, EngineDeadError
 from pagoda.entrypoints.openai.chat_template import load_chat_template
 from pagoda.entrypoints.openai.errors import (
     APIError,
@@ -53,6 +53,9 @@ from pagoda.version import __version__
 logger = logging.getLogger(__name__)
 
 B = TypeVar("B", bound=BaseModel)
+
+# Seconds between the server's checks that its engine core still runs.
+ENGINE_WATCH_INTERVAL = 0.5
 
 def _json_body_schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
     """The body schema for the OpenAPI document (handlers parse bodies themselves to control the errors)."""
@@ -304,12 +307,31 @@ async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str
             if asyncio.iscoroutine(result):
                 await result
 
+    died: list[str] = []
+
+    async def watch_engine() -> None:
+        # vLLM's rule: a server whose engine died exits, so its supervisor (systemd, Kubernetes) restarts
+        # it; until uvicorn has stopped, requests get 503 (the EngineDeadError handler)
+        while True:
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL)
+            try:
+                await engine.check_health()
+            except Exception as exc:  # noqa: BLE001 - any failure of the core is fatal to the server
+                died.append(str(exc))
+                logger.error("%s; the server exits so that its supervisor can restart it", exc)
+                server.should_exit = True
+                return
+
     announcer = asyncio.create_task(announce())
+    watcher = asyncio.create_task(watch_engine())
     try:
         await server.serve(sockets=[sock])
     finally:
         announcer.cancel()
+        watcher.cancel()
         engine.shutdown()
+    if died:
+        raise EngineDeadError(died[0])
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:

@@ -14,6 +14,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda.engine.async_llm import EngineDeadError
+
 logger = logging.getLogger(__name__)
 
 # OpenAI's error type for each status the server sends.
@@ -180,6 +182,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        # the server is on its way out (api_server's engine watch): the client should retry elsewhere or later
+        return error_response(APIError(f"the engine is dead: {exc}", 503))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
