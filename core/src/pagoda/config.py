@@ -221,6 +221,12 @@ class StructuredOutputsConfig(_Config):
     backend: str = Field("auto", description="Structured outputs backend: a plugin's name in the pagoda.structured_output_backends group (xgrammar, guidance), or 'auto' = per request, xgrammar when it supports the constraint, else guidance.")
     reasoning_parser: str = Field("", description="Reasoning parser (a pagoda.reasoning_parsers plugin's name: deepseek_r1, qwen3): structured outputs constrain only the answer after the reasoning ends, and the server splits reasoning_content from content.")
     enable_in_reasoning: bool = Field(False, description="Constrain the reasoning too (the grammar applies from the first output token even with a reasoning parser).")
+    # pagoda's bounds (vLLM has none; docs/server.md, "Limits"): checked in the front end, a 400 naming them
+    max_schema_properties: int = Field(400, ge=0, description="Most properties one JSON schema object may declare; compile time grows steeply with them (xgrammar: 400 took 0.36 s, 1,000 17 s). 0 = unbounded.")
+    max_schema_nodes: int = Field(20_000, ge=0, description="Most values (objects, arrays, scalars) one JSON schema may hold. 0 = unbounded.")
+    max_constraint_chars: int = Field(100_000, ge=0, description="Longest regex, grammar, choice list, structural tag or JSON schema text, in characters. 0 = unbounded.")
+    compile_timeout: float = Field(60.0, ge=0, description="Seconds a request waits for its grammar to compile before it fails (finish_reason 'error', naming this limit); the compile itself cannot be interrupted. 0 = unbounded.")
+    grammar_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Bytes of compiled grammars kept for reuse (least recently used dropped first; a grammar in use stays).")
 
 
 def _default_structured_outputs_config() -> StructuredOutputsConfig:

@@ -76,6 +76,9 @@ class XgrammarGrammar(CompiledGrammar):
     def new_matcher(self) -> StructuredOutputMatcher:
         return XgrammarMatcher(self.compiled)
 
+    def memory_size_bytes(self) -> int:
+        return int(self.compiled.memory_size_bytes)
+
 
 class XgrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
