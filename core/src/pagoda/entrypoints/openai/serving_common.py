@@ -19,6 +19,7 @@ from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import _SamplingFields
 from pagoda.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.structured_output.backend import StructuredOutputError
 
 T = TypeVar("T")
 
@@ -196,6 +197,8 @@ def _param_of(message: str) -> str | None:
 
 def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
     """A ValueError from the engine's input checks is the client's fault (the field it names, else ``param``)."""
+    if isinstance(exc, StructuredOutputError):
+        param = "structured_outputs"
     return APIError(str(exc), 400, _param_of(str(exc)) or param)
 
 
