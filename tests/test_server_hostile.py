@@ -259,3 +259,32 @@ def test_allowed_long_context_serves_and_sigterm_leaves_no_socket_dir(tiny_model
     server.proc.send_signal(signal.SIGTERM)
     server.proc.wait(30)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("pagoda-core-")]
+
+
+# -- 7. one final chunk per choice ---------------------------------------------------------------------
+
+
+def test_many_concurrent_n_streams_send_one_finish_per_choice(server: Any) -> None:
+    def stream(i: int) -> dict[int, int]:
+        path = "/v1/completions" if i % 2 else "/v1/chat/completions"
+        body: dict[str, Any] = {"n": 3, "stream": True, "temperature": 1.0, "seed": i, "max_tokens": 4 + i % 13}
+        body.update({"prompt": f"Story {i}:"} if i % 2 else {"messages": [{"role": "user", "content": f"Story {i}"}]})
+        finishes: dict[int, int] = {}
+        with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    if choice.get("finish_reason") is not None:
+                        finishes[choice["index"]] = finishes.get(choice["index"], 0) + 1
+        return finishes
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    # the choices of one request finish at different steps (sampling hits EOS at different lengths): before,
+    # every later delta of the request repeated the finished choice's finish_reason
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(stream, range(48)))
+    for i, finishes in enumerate(results):
+        assert finishes == {0: 1, 1: 1, 2: 1}, (i, finishes)
