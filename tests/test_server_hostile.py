@@ -267,7 +267,9 @@ def test_allowed_long_context_serves_and_sigterm_leaves_no_socket_dir(tiny_model
 def test_many_concurrent_n_streams_send_one_finish_per_choice(server: Any) -> None:
     def stream(i: int) -> dict[int, int]:
         path = "/v1/completions" if i % 2 else "/v1/chat/completions"
-        body: dict[str, Any] = {"n": 3, "stream": True, "temperature": 1.0, "seed": i, "max_tokens": 4 + i % 13}
+        # a stop string every sample meets at a different step
+        body: dict[str, Any] = {"n": 3, "stream": True, "temperature": 1.0, "seed": i, "max_tokens": 8 + i % 13,
+                                "stop": ["e"]}
         body.update({"prompt": f"Story {i}:"} if i % 2 else {"messages": [{"role": "user", "content": f"Story {i}"}]})
         finishes: dict[int, int] = {}
         with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
@@ -282,9 +284,37 @@ def test_many_concurrent_n_streams_send_one_finish_per_choice(server: Any) -> No
 
     from concurrent.futures import ThreadPoolExecutor
 
-    # the choices of one request finish at different steps (sampling hits EOS at different lengths): before,
+    # the choices of one request finish at different steps: before,
     # every later delta of the request repeated the finished choice's finish_reason
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(stream, range(48)))
     for i, finishes in enumerate(results):
         assert finishes == {0: 1, 1: 1, 2: 1}, (i, finishes)
+
+
+# -- 6. tool calls: the same answer streamed or not ----------------------------------------------------
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_required_tool_calls_cut_by_max_tokens_agree_streamed_or_not(server: Any) -> None:
+    body = {"messages": [{"role": "user", "content": "Weather in Paris and in Rome?"}], "tools": WEATHER,
+            "tool_choice": "required", "temperature": 0, "max_tokens": 60}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    plain = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    streamed: dict[int, list[str]] = {}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        for line in s.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                for call in choice["delta"].get("tool_calls") or []:
+                    entry = streamed.setdefault(call["index"], ["", ""])
+                    entry[0] += call.get("function", {}).get("name") or ""
+                    entry[1] += call.get("function", {}).get("arguments") or ""
+    assert plain, message  # before: tool_calls [] and the raw JSON as content when max_tokens cut it
+    assert not message["content"]
+    assert plain == [tuple(streamed[i]) for i in sorted(streamed)]
