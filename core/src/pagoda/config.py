@@ -148,7 +148,7 @@ def derived_max_model_len(text_config: Any) -> tuple[int | None, str]:
     params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
     rope_type = (params.get("rope_type") or params.get("type")) if isinstance(params, dict) else None
     factor = params.get("factor") if isinstance(params, dict) else None
-    if rope_type in ("linear", "dynamic", "yarn") and isinstance(factor, (int, float)) and factor > 1:
+    if rope_type in ("linear", "dynamic", "yarn") and isinstance(factor, int | float) and factor > 1:
         base = int(params.get("original_max_position_embeddings") or positions) if rope_type == "yarn" else positions
         return max(positions, int(base * factor)), f"max_position_embeddings={positions}, {rope_type} RoPE x{factor:g}"
     return positions, f"max_position_embeddings={positions} in the model's config"

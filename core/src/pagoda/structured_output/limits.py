@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pagoda.config import StructuredOutputsConfig
 
 
-def check_constraint_size(params: StructuredOutputsParams, limits: "StructuredOutputsConfig") -> None:
+def check_constraint_size(params: StructuredOutputsParams, limits: StructuredOutputsConfig) -> None:
     """StructuredOutputError naming the limit when ``params`` is over one of ``limits``' bounds (0 = none)."""
     kind = params.kind
     if kind == "json":
@@ -42,14 +42,14 @@ def check_constraint_size(params: StructuredOutputsParams, limits: "StructuredOu
         _check_chars(tag if isinstance(tag, str) else json.dumps(tag), "structural_tag", limits)
 
 
-def _check_chars(text: str, kind: str, limits: "StructuredOutputsConfig") -> None:
+def _check_chars(text: str, kind: str, limits: StructuredOutputsConfig) -> None:
     if limits.max_constraint_chars and len(text) > limits.max_constraint_chars:
         raise StructuredOutputError(
             f"structured_outputs.{kind} has {len(text)} characters, more than this server's limit of "
             f"{limits.max_constraint_chars} (structured_outputs_config max_constraint_chars)")
 
 
-def _check_schema(schema: Any, limits: "StructuredOutputsConfig") -> None:
+def _check_schema(schema: Any, limits: StructuredOutputsConfig) -> None:
     nodes = 0
     stack = [schema]
     while stack:

@@ -45,8 +45,8 @@ async def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[st
         if isinstance(item, str):
             if req.truncate_prompt_tokens is not None:
                 # the prompt's end is kept: it is tokenized whole
-                tok = ctx.need_tokenizer()
-                ids = await ctx.engine.run_prep(lambda t=item: tok(t, add_special_tokens=req.add_special_tokens).input_ids)
+                tok, special = ctx.need_tokenizer(), req.add_special_tokens
+                ids = await ctx.engine.run_prep(lambda t=item, tk=tok: tk(t, add_special_tokens=special).input_ids)
             else:
                 ids = await ctx.encode(item, req.add_special_tokens, "prompt")
             out.append((item, list(ids)))
