@@ -185,8 +185,9 @@ def test_a_10000_property_schema_is_a_400_naming_the_limit(server: Any) -> None:
     # under the bound the schema still compiles and constrains
     r = httpx.post(server.url + "/v1/completions", json={
         "prompt": "JSON:", "max_tokens": 40, "temperature": 0,
-        "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer"}},
-                                        "required": ["a"]}}}, timeout=120)
+        "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 999}},
+                                        "required": ["a"], "additionalProperties": False},
+                               "disable_any_whitespace": True}}, timeout=120)
     assert r.status_code == 200
     assert isinstance(json.loads(r.json()["choices"][0]["text"])["a"], int)
 

@@ -195,9 +195,16 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         if self.engine_core.dead_error is not None:
-            raise EngineDeadError(f"the engine core died: {self.engine_core.dead_error!r}")
-        if self.engine_core.stopped_unexpectedly:
-            raise EngineDeadError("the engine core thread stopped")
+            error = EngineDeadError(f"the engine core died: {self.engine_core.dead_error!r}")
+        elif self.engine_core.stopped_unexpectedly:
+            error = EngineDeadError("the engine core stopped unexpectedly")
+        else:
+            return
+        if self._tracked:
+            # requests queued to a core that is gone would wait for ever: fail them now (a no-op when the
+            # client's own death callback got there first)
+            self._fail_all(error)
+        raise error
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         return self.supported_tasks
@@ -425,7 +432,8 @@ class AsyncLLM:
 
     def _fail_all(self, exc: BaseException) -> None:
         for tracked in list(self._tracked.values()):
-            tracked.collector.put(EngineDeadError(f"the engine core died: {exc!r}"))
+            tracked.collector.put(exc if isinstance(exc, EngineDeadError)
+                                  else EngineDeadError(f"the engine core died: {exc!r}"))
             self._record_finished(tracked, "error")
 
 

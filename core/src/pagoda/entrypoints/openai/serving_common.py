@@ -91,13 +91,16 @@ class ServingContext:
         tok = self.need_tokenizer()
         if self.tokenize_executor is None:
             return list(await self.engine.run_prep(lambda: tok(text, add_special_tokens=add_special_tokens).input_ids))
-        if self._tokenize_copy is None:
-            import copy
 
-            self._tokenize_copy = copy.deepcopy(tok)
-        copy_ = self._tokenize_copy
-        return list(await asyncio.get_running_loop().run_in_executor(
-            self.tokenize_executor, lambda: copy_(text, add_special_tokens=add_special_tokens).input_ids))
+        def encode() -> list[int]:
+            # the copy is made on first use, on the executor's thread: deep-copying a tokenizer takes a while
+            if self._tokenize_copy is None:
+                import copy
+
+                self._tokenize_copy = copy.deepcopy(tok)
+            return list(self._tokenize_copy(text, add_special_tokens=add_special_tokens).input_ids)
+
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_executor, encode)
 
 
 def new_id(prefix: str) -> str:
