@@ -136,7 +136,9 @@ def test_a_10mb_prompt_is_refused_fast_and_stalls_nobody(server: Any) -> None:
 def test_tokenize_10mb_and_10000_bad_words_run_off_the_loop(server: Any) -> None:
     with _Beside(server.url) as beside:
         r = httpx.post(server.url + "/tokenize", json={"prompt": "hello " * 1_750_000}, timeout=300)
-        assert r.status_code == 200 and r.json()["count"] == 1_750_001
+        # the count from the head of the body: parsing all 12 MB here would hold this process's GIL and
+        # stall the /health poller beside it, which is what the test measures on the server
+        assert r.status_code == 200 and r.content.startswith(b'{"count": 1750001,'), r.content[:100]
         r = httpx.post(server.url + "/v1/completions", json={
             "prompt": "hi", "max_tokens": 2, "bad_words": [f"w{i} x{i}" for i in range(10_000)]}, timeout=300)
         assert r.status_code == 200, r.text
