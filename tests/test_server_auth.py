@@ -15,7 +15,8 @@ KEY = "s3cret-key"
 def keyed_server(tiny_model_dir: Any, start_server: Any) -> Any:
     path, _ = tiny_model_dir("llama")
     server = start_server([str(path), "--skip-tokenizer-init", "--served-model-name", "tiny", "--max-model-len", "128",
-                            "--max-request-body-bytes", "4096", "--allowed-origins", '["https://ok.example"]'],
+                            "--max-request-body-bytes", "4096", "--allowed-origins", '["https://ok.example"]',
+                            "--allowed-hosts", '["127.0.0.1", "*.ok.example"]'],
                            env={"PAGODA_API_KEY": KEY})
     yield server
 
@@ -56,3 +57,27 @@ def test_body_limit_and_cors(keyed_server: Any) -> None:
     bad = httpx.options(url + "/v1/completions", headers={"Origin": "https://evil.example",
                                                            "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in bad.headers
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/pooling"), ("POST", "/score"), ("POST", "/rerank"),
+    ("POST", "/v2/rerank"), ("POST", "/classify"), ("GET", "/openapi.json"),
+])
+def test_every_path_but_the_probes_needs_the_key(keyed_server: Any, method: str, path: str) -> None:
+    # before, only /v1/* was guarded (vLLM's prefix): these answered anyone
+    r = httpx.request(method, keyed_server.url + path, json={"prompt": [1, 2]})
+    assert r.status_code == 401, (path, r.status_code, r.text)
+    r = httpx.request(method, keyed_server.url + path, json={"tokens": [1, 2]}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code != 401, (path, r.text)
+    for open_path in ("/health", "/ping", "/metrics", "/version"):
+        assert httpx.get(keyed_server.url + open_path).status_code == 200, open_path
+
+
+def test_allowed_hosts(keyed_server: Any) -> None:
+    ok = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(keyed_server.url + "/v1/models", headers=ok).status_code == 200  # Host: 127.0.0.1:PORT
+    r = httpx.get(keyed_server.url + "/v1/models", headers={**ok, "Host": "api.ok.example"})
+    assert r.status_code == 200
+    # a DNS-rebinding page reaches 127.0.0.1 under its own name
+    r = httpx.get(keyed_server.url + "/health", headers={"Host": "evil.example:8000"})
+    assert r.status_code == 400 and "allowed-hosts" in r.json()["error"]["message"]

@@ -128,3 +128,63 @@ def test_server_healthy_after_fuzzing(default_model_server: Any, path: str) -> N
     for line in metrics.splitlines():
         if line.startswith('pagoda:request_success_total{finished_reason="error"'):
             assert float(line.rsplit(" ", 1)[1]) == 0.0
+
+
+# -- issue 39's hostile shapes: raw bodies the schema-driven bodies above never produce --------------------
+
+def _nested(depth: int) -> bytes:
+    return b'{"prompt": ' + b"[" * depth + b"]" * depth + b', "max_tokens": 2}'
+
+
+def _schema(n: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+
+
+HOSTILE = st.one_of(
+    st.integers(100, 6000).map(_nested),
+    # raw bytes inside a string: invalid UTF-8 (ED A0 80 and the like), control characters, stray quotes
+    st.binary(min_size=1, max_size=12).map(lambda raw: b'{"prompt": "a' + raw + b'", "max_tokens": 2}'),
+    st.sampled_from([b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xc0\xaf", b"\xff\xfe"]).map(
+        lambda raw: b'{"prompt": "' + raw + b'", "max_tokens": 2}'),
+    # prompts far over the context, and long lists that cost per entry
+    st.integers(1, 8).map(lambda mb: json.dumps({"prompt": "hello " * (mb * 170_000), "max_tokens": 2}).encode()),
+    st.integers(0, 3000).map(lambda n: json.dumps(
+        {"prompt": "hi", "max_tokens": 2, "bad_words": [f"w{i}" for i in range(n)]}).encode()),
+    st.floats(-1e12, 1e12, allow_nan=False).map(lambda b: json.dumps(
+        {"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": b}}).encode()),
+    # schemas around and far over the bounds
+    st.sampled_from([3, 399, 401, 10_000]).map(lambda n: json.dumps(
+        {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"json": _schema(n)}}).encode()),
+    st.integers(1, 300_000).map(lambda n: json.dumps(
+        {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "a" * n}}).encode()),
+)
+
+
+def _check_raw(server: Any, path: str, content: bytes) -> None:
+    r = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=120)
+    assert r.status_code < 500, (content[:200], r.text[:500])
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+HOSTILE_FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+                        database=None)
+
+
+@HOSTILE_FUZZ
+@given(content=HOSTILE)
+def test_fuzz_hostile_completions(default_model_server: Any, content: bytes) -> None:
+    _check_raw(default_model_server, "/v1/completions", content)
+
+
+@HOSTILE_FUZZ
+@given(content=HOSTILE)
+def test_fuzz_hostile_tokenize(default_model_server: Any, content: bytes) -> None:
+    _check_raw(default_model_server, "/tokenize", content)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_server_healthy_after_hostile_fuzzing(default_model_server: Any, path: str) -> None:
+    assert httpx.get(default_model_server.url + "/health").status_code == 200
+    r = httpx.post(default_model_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200

@@ -149,6 +149,43 @@ class ResolvedModel:
     quant_config: Any = None
 
 
+def derived_max_model_len(text_config: Any) -> tuple[int | None, str]:
+    """-> (the longest context the model's positions cover, what says so), as vLLM derives it: the config's
+    position count, times a RoPE scaling factor that stretches it (linear, dynamic, yarn)."""
+    positions = getattr(text_config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or isinstance(positions, bool):
+        return None, "no max_position_embeddings"
+    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    rope_type = (params.get("rope_type") or params.get("type")) if isinstance(params, dict) else None
+    factor = params.get("factor") if isinstance(params, dict) else None
+    if rope_type in ("linear", "dynamic", "yarn") and isinstance(factor, int | float) and factor > 1:
+        base = int(params.get("original_max_position_embeddings") or positions) if rope_type == "yarn" else positions
+        return max(positions, int(base * factor)), f"max_position_embeddings={positions}, {rope_type} RoPE x{factor:g}"
+    return positions, f"max_position_embeddings={positions} in the model's config"
+
+
+def check_max_model_len(max_model_len: int, text_config: Any) -> None:
+    """Refuse a max_model_len past the model's positions (vLLM's rule): a prompt reaching past them fails
+    inside the forward pass, or reads positions the model never learned. PAGODA_ALLOW_LONG_MAX_MODEL_LEN=1
+    (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN) allows it; RoPE's table then grows to max_model_len."""
+    from pagoda import envs
+
+    derived, origin = derived_max_model_len(text_config)
+    if derived is None or max_model_len <= derived:
+        return
+    if not envs.PAGODA_ALLOW_LONG_MAX_MODEL_LEN:
+        raise ValueError(
+            f"max_model_len={max_model_len} is longer than this model's {derived} positions ({origin}). "
+            "Set it to at most that, or set PAGODA_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it anyway (outputs past "
+            "the model's positions may be meaningless).")
+    logger.warning("max_model_len=%d is longer than this model's %d positions (%s); allowed by "
+                   "PAGODA_ALLOW_LONG_MAX_MODEL_LEN: outputs past them may be meaningless",
+                   max_model_len, derived, origin)
+    if derived == getattr(text_config, "max_position_embeddings", None):
+        # RoPE's cos/sin table is sized by max_position_embeddings: grow it so long prompts index it
+        text_config.max_position_embeddings = max_model_len
+
+
 def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = None) -> ResolvedModel:
     """Find the checkpoint, read its config, and fix dtype (the platform's choice) and context length."""
     from pagoda.model_loader import checkpoint_dtype, load_generation_defaults, load_model_config, resolve_model_path
@@ -166,6 +203,8 @@ def resolve_model(model: ModelConfig, platform: Any, download_dir: str | None = 
     if runner.max_model_len is not None and max_model_len > runner.max_model_len:
         raise ValueError(f"max_model_len={max_model_len} is longer than this model takes ({runner.max_model_len} "
                          f"tokens: {runner.max_model_len_origin})")
+    if model.max_model_len is not None:
+        check_max_model_len(model.max_model_len, text_config)
     from pagoda.quantization import resolve_quantization
 
     dtype = platform.resolve_dtype(model.dtype, checkpoint_dtype(source))
@@ -192,6 +231,12 @@ class StructuredOutputsConfig(_Config):
     backend: str = Field("auto", description="Structured outputs backend: a plugin's name in the pagoda.structured_output_backends group (xgrammar, guidance), or 'auto' = per request, xgrammar when it supports the constraint, else guidance.")
     reasoning_parser: str = Field("", description="Reasoning parser (a pagoda.reasoning_parsers plugin's name: deepseek_r1, qwen3): structured outputs constrain only the answer after the reasoning ends, and the server splits reasoning_content from content.")
     enable_in_reasoning: bool = Field(False, description="Constrain the reasoning too (the grammar applies from the first output token even with a reasoning parser).")
+    # pagoda's bounds (vLLM has none; docs/server.md, "Limits"): checked in the front end, a 400 naming them
+    max_schema_properties: int = Field(400, ge=0, description="Most properties one JSON schema object may declare; compile time grows steeply with them (xgrammar: 400 took 0.36 s, 1,000 17 s). 0 = unbounded.")
+    max_schema_nodes: int = Field(20_000, ge=0, description="Most values (objects, arrays, scalars) one JSON schema may hold. 0 = unbounded.")
+    max_constraint_chars: int = Field(100_000, ge=0, description="Longest regex, grammar, choice list, structural tag or JSON schema text, in characters. 0 = unbounded.")
+    compile_timeout: float = Field(60.0, ge=0, description="Seconds a request waits for its grammar to compile before it fails (finish_reason 'error', naming this limit); the compile itself cannot be interrupted. 0 = unbounded.")
+    grammar_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Bytes of compiled grammars kept for reuse (least recently used dropped first; a grammar in use stays).")
 
 
 def _default_structured_outputs_config() -> StructuredOutputsConfig:

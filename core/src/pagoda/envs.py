@@ -128,8 +128,13 @@ _VARIABLES: list[EnvVar[Any]] = [
            "Attention backend by name; unset: the platform's preference. --attention-backend wins over it.",
            _CORE, parse_str),
     EnvVar("PAGODA_API_KEY", "str", None,
-           "API key the server requires as 'Authorization: Bearer KEY' on /v1/*, and the CLI clients send.",
+           "API key the server requires as 'Authorization: Bearer KEY' on every path but /health, /ping, "
+           "/metrics and /version, and the CLI clients send.",
            _CORE, parse_verbatim),
+    EnvVar("PAGODA_ALLOW_LONG_MAX_MODEL_LEN", "bool", False,
+           "Allow a max_model_len longer than the model's positions (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN); "
+           "outputs past them may be meaningless.",
+           _CORE, parse_bool),
     EnvVar("PAGODA_CACHE_ROOT", "path", None,
            "Root of pagoda's on-disk cache (GGUF conversions, compiled kernels); "
            "unset: $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda.",
@@ -202,6 +207,7 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns for core's own; a plugi
     PAGODA_DEVICE: str
     PAGODA_ATTENTION_BACKEND: str | None
     PAGODA_API_KEY: str | None
+    PAGODA_ALLOW_LONG_MAX_MODEL_LEN: bool
     PAGODA_CACHE_ROOT: Path | None
     PAGODA_DISABLE_CACHE: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS: int

@@ -245,14 +245,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
         """Turn ``bad_words`` into token id sequences (with and without a leading space)."""
         if not self.bad_words:
             return
+        variants = [variant for word in self.bad_words for variant in _bad_word_variants(word)]
+        # one batch call: tokenizers encodes a batch in Rust with the GIL released
+        encoded = _encode_batch(tokenizer, variants)
         sequences: list[list[int]] = []
-        for word in self.bad_words:
-            for variant in _bad_word_variants(word):
-                ids = tokenizer.encode(variant, add_special_tokens=False)
-                # A leading-space variant that tokenizes differently is a new sequence;
-                # one that maps to the same ids is a duplicate.
-                if ids and ids not in sequences:
-                    sequences.append(ids)
+        seen: set[tuple[int, ...]] = set()
+        for ids in encoded:
+            # A leading-space variant that tokenizes differently is a new sequence;
+            # one that maps to the same ids is a duplicate (a set: 10,000 words were quadratic).
+            key = tuple(ids)
+            if ids and key not in seen:
+                seen.add(key)
+                sequences.append(list(ids))
         if vocab_size is not None:
             bad = [t for ids in sequences for t in ids if t >= vocab_size]
             if bad:
@@ -282,6 +286,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):
             for proc in self.logits_processors:
                 memo[id(proc)] = proc
         return copy.deepcopy(self, memo=memo)
+
+
+def _encode_batch(tokenizer: _Tokenizer, texts: list[str]) -> list[list[int]]:
+    # a transformers tokenizer (what the engine passes) encodes a list in one call
+    from transformers import PreTrainedTokenizerBase
+
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 
 def _bad_word_variants(word: str) -> Iterable[str]:

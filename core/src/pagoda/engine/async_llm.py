@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.engine.config_resolution import prepare_engine_config
@@ -41,6 +42,8 @@ from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -177,6 +180,10 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = []
         self.log_stats = log_stats
         self._loop: asyncio.AbstractEventLoop | None = None
+        # A request's preparation (tokenizing, bad words, checks, block hashes) runs here, off the event
+        # loop. One thread: the Rust tokenizer refuses a second thread's call that changes its truncation
+        # while another encodes ("Already borrowed"), and one queue keeps the work in arrival order.
+        self.prep_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-prep")
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, log_stats: bool = True,
@@ -200,9 +207,16 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         if self.engine_core.dead_error is not None:
-            raise EngineDeadError(f"the engine core died: {self.engine_core.dead_error!r}")
-        if self.engine_core.stopped_unexpectedly:
-            raise EngineDeadError("the engine core thread stopped")
+            error = EngineDeadError(f"the engine core died: {self.engine_core.dead_error!r}")
+        elif self.engine_core.stopped_unexpectedly:
+            error = EngineDeadError("the engine core stopped unexpectedly")
+        else:
+            return
+        if self._tracked:
+            # requests queued to a core that is gone would wait for ever: fail them now (a no-op when the
+            # client's own death callback got there first)
+            self._fail_all(error)
+        raise error
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         return self.supported_tasks
@@ -225,20 +239,59 @@ class AsyncLLM:
         The caller must iterate the returned stream to its end or call ``abort()`` on it. A
         ``lora_request`` must have been added first (``add_lora``; ``generate`` / ``encode`` do it).
         """
+        self._check_alive()
+        self._ensure_started()
+        self._check_unused(request_id)
+        self._check_lora_loaded(lora_request)
+        prepared = self.processor.process(request_id, prompt, sampling_params, time.time(), priority, lora_request)
+        return self._queue(request_id, prepared, sampling_params)
+
+    async def add_request_async(
+        self,
+        request_id: str,
+        prompt: Any,
+        sampling_params: SamplingParams | PoolingParams,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> RequestStream:
+        """``add_request`` with the preparation on ``prep_executor``: the event loop (and every other
+        request's stream) never waits on a long prompt's tokenization or a long ``bad_words`` list."""
+        self._check_alive()
+        self._ensure_started()
+        self._check_unused(request_id)
+        self._check_lora_loaded(lora_request)
+        arrival = time.time()
+        prepared = await self.run_prep(self.processor.process, request_id, prompt, sampling_params, arrival,
+                                       priority, lora_request)
+        self._check_alive()
+        self._check_unused(request_id)
+        return self._queue(request_id, prepared, sampling_params)
+
+    async def run_prep(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the preparation thread (tokenizer work, in the order it was asked for)."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep_executor, fn, *args)
+
+    def _check_alive(self) -> None:
         if self.engine_core.dead_error is not None:
             raise EngineDeadError(f"the engine core died: {self.engine_core.dead_error!r}")
-        self._ensure_started()
+
+    def _check_unused(self, request_id: str) -> None:
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        arrival = time.time()
+
+    def _check_lora_loaded(self, lora_request: LoRARequest | None) -> None:
         if lora_request is not None and lora_request.lora_int_id not in self._loras:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r} is not loaded: await add_lora first")
-        parent, requests = self.processor.process(request_id, prompt, sampling_params, arrival, priority, lora_request)
+
+    def _queue(self, request_id: str, prepared: tuple[Any, list[Any]],
+               sampling_params: SamplingParams | PoolingParams) -> RequestStream:
+        parent, requests = prepared
         for request in requests:
             self.engine_core.add_request(request)
         self.output_processor.add_request(parent)
         collector = RequestOutputCollector(sampling_params.output_kind)
-        metrics = RequestMetrics(arrival, len(requests[0].prompt_token_ids), num_sequences=len(requests))
+        metrics = RequestMetrics(requests[0].arrival_time, len(requests[0].prompt_token_ids),
+                                 num_sequences=len(requests))
         self._tracked[request_id] = _Tracked(collector, metrics, isinstance(sampling_params, PoolingParams))
         return RequestStream(self, request_id, collector)
 
@@ -334,6 +387,7 @@ class AsyncLLM:
                 tracked.collector.put(ended)
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        self.prep_executor.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown(timeout)
 
     def num_unfinished_requests(self) -> int:
@@ -425,7 +479,8 @@ class AsyncLLM:
 
     def _fail_all(self, exc: BaseException) -> None:
         for tracked in list(self._tracked.values()):
-            tracked.collector.put(EngineDeadError(f"the engine core died: {exc!r}"))
+            tracked.collector.put(exc if isinstance(exc, EngineDeadError)
+                                  else EngineDeadError(f"the engine core died: {exc!r}"))
             self._record_finished(tracked, "error")
 
 

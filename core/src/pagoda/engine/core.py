@@ -106,7 +106,8 @@ class EngineCore:
 
         vocab_size = int(config.resolved.text_config.vocab_size)
         so = config.structured_outputs_config
-        return StructuredOutputManager(tokenizer, vocab_size, so.backend, so.reasoning_parser, so.enable_in_reasoning)
+        return StructuredOutputManager(tokenizer, vocab_size, so.backend, so.reasoning_parser, so.enable_in_reasoning,
+                                       grammar_cache_bytes=so.grammar_cache_bytes, compile_timeout=so.compile_timeout)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         """What the loaded model serves: ("generate",), or its pooler's tasks (vLLM's supported tasks)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagoda.engine.prompt_bound import encode_bounded
 from pagoda.inputs import parse_prompt
 from pagoda.sampling_params import SamplingParams
 
@@ -19,8 +20,12 @@ class InputProcessor:
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError("skip_tokenizer_init=True: prompts must be given as token ids (prompt_token_ids)")
-            ids = self.tokenizer(text).input_ids
         truncate = params.truncate_prompt_tokens if params is not None else None
+        if ids is None:
+            if truncate is not None and truncate > 0:
+                ids = self.tokenizer(text).input_ids  # the prompt's end is kept: it must be tokenized whole
+            else:
+                ids = encode_bounded(self.tokenizer, text, self.max_model_len)
         if truncate is not None and truncate > 0 and len(ids) > truncate:
             ids = ids[-truncate:]
         if not ids:

@@ -38,6 +38,9 @@ class RequestState:
     sent_text: int = 0
     sent_logprobs: int = 0
     sent_prompt_logprobs: bool = False
+    # DELTA: this sequence's finish was delivered; later outputs of its request leave it out, so a stream
+    # carries one finish_reason per choice however long its siblings run (issue 39: a second one was sent)
+    sent_finish: bool = False
     # a pooling request's result (the pooler's tensor)
     pooling_output: Any = None
 
@@ -202,7 +205,13 @@ class OutputProcessor:
         if finished and parent.rank_by_logprob:
             children = sorted(children, key=lambda c: -c.cumulative_logprob)[: parent.n]
         delta = parent.kind == RequestOutputKind.DELTA
+        if delta:
+            children = [c for c in children if not c.sent_finish]
+            for c in children:
+                c.sent_finish = c.finish_reason is not None
         outs = [self._completion(c, delta) for c in children]
+        if delta and not outs and not finished:
+            return None
         if finished and parent.rank_by_logprob:
             for i, o in enumerate(outs):
                 o.index = i

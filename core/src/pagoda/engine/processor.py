@@ -25,6 +25,7 @@ from pagoda.sampling_params import BeamSearchParams, SamplingParams
 from pagoda.lora.peft import read_peft_config
 from pagoda.lora.request import LoRARequest
 from pagoda.scheduler.request import prompt_block_hashes
+from pagoda.structured_output.limits import check_constraint_size
 from pagoda.structured_output.manager import load_backend_class
 
 
@@ -90,6 +91,8 @@ class Processor:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds max_logprobs={max_logprobs}")
         if params.structured_outputs is not None:
             # a bad schema, regex or grammar is the caller's error (ValueError; the server's 400), not the engine's
+            # sized first: what a schema's shape says it would cost is known before anything parses it
+            check_constraint_size(params.structured_outputs, self.config.structured_outputs_config)
             load_backend_class(self.config.structured_outputs_config.backend).validate(params.structured_outputs)
         # out-of-vocabulary ids would fail inside the engine step, where one request's error is everyone's
         vocab = self.vocab_size

@@ -77,6 +77,8 @@ def _tool_calls_for_template(tool_calls: Any, where: str) -> list[dict[str, Any]
                 function["arguments"] = json.loads(arguments)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}[{j}].function.arguments is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError(f"{where}[{j}].function.arguments is nested too deeply") from None
         out.append({**call, "function": function})
     return out
 

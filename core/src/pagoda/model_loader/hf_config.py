@@ -39,6 +39,14 @@ def load_model_config(
     return _load_config(source, hf_overrides, light=True, trust_remote_code=trust_remote_code)
 
 
+def _config_validation_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub checks no types
+        return ()
+    return (StrictDataclassError,)
+
+
 def _load_config(
     source: ModelSource, hf_overrides: dict[str, Any] | None, light: bool, trust_remote_code: bool = False
 ) -> Any:
@@ -48,7 +56,8 @@ def _load_config(
             config = _load_gguf_config_cached(source, light)
         else:
             config = _load_hf_dir_config(source, trust_remote_code)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, *_config_validation_errors()) as exc:
+        # a type-invalid config.json (huggingface_hub's strict dataclass check): one line, not a traceback
         raise ModelLoadError(f"Cannot read the model config of {source.display_name}: {exc}") from exc
 
     if hf_overrides:

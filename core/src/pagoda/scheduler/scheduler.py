@@ -34,6 +34,7 @@ from pagoda.scheduler.output import (
 )
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from pagoda.structured_output.backend import StructuredOutputError
 from pagoda.structured_output.manager import RequestStructuredOutput, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,9 @@ class Scheduler:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._constrained.discard(req.request_id)
+        if req.structured_output is not None and self.structured_output_manager is not None:
+            # its grammar may leave the cache now; a compile nobody waits for is cancelled
+            self.structured_output_manager.release(req.structured_output)
         if req.request_id in self._in_runner:
             self._finished_ids.add(req.request_id)
             self._in_runner.discard(req.request_id)
@@ -248,6 +252,15 @@ class Scheduler:
             for r in ready:
                 self._compiling.remove(r)
                 self.waiting.add(r)
+            manager = self.structured_output_manager
+            if manager is not None and manager.compile_timeout:
+                now = time.monotonic()
+                for r in [r for r in self._compiling if manager.timed_out(r.structured_output, now)]:
+                    self._compiling.remove(r)
+                    self.waiting.add(r)  # _fail_constraint takes it from there
+                    self._fail_constraint(r, StructuredOutputError(
+                        f"the structured output constraint did not compile within {manager.compile_timeout:g} s, "
+                        "this server's limit (structured_outputs_config compile_timeout)"))
 
     def _schedule_running(self, step: _StepBuilder) -> bool:
         """A decode token or the next prefill chunk for each running request; -> whether any was preempted."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pagoda.structured_output.params import GuidedDecodingParams, StructuredOutputsParams
+from pagoda.structured_output.params import JSON_MAX_WHITESPACE, GuidedDecodingParams, StructuredOutputsParams
 
 _LAZY: dict[str, str] = {
     "CompiledGrammar": "pagoda.structured_output.backend",
@@ -33,4 +33,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["GuidedDecodingParams", "StructuredOutputsParams", *_LAZY]
+__all__ = ["JSON_MAX_WHITESPACE", "GuidedDecodingParams", "StructuredOutputsParams", *_LAZY]

@@ -40,8 +40,15 @@ class StructuredOutputMatcher(ABC):
 class CompiledGrammar(ABC):
     """A compiled constraint; shared (read-only) by every request with the same constraint."""
 
+    # What the manager's byte-bounded cache counts for a grammar whose backend cannot measure it.
+    DEFAULT_SIZE_BYTES = 1 << 20
+
     @abstractmethod
     def new_matcher(self) -> StructuredOutputMatcher: ...
+
+    def memory_size_bytes(self) -> int:
+        """Bytes the grammar holds (the manager's cache is bounded by their sum); override where known."""
+        return self.DEFAULT_SIZE_BYTES
 
 
 class StructuredOutputBackend(ABC):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -62,7 +64,8 @@ class RequestStructuredOutput:
     """A request's constraint: its grammar (compiling, then compiled) and, once ready, its matcher."""
 
     def __init__(self, params: StructuredOutputsParams, grammar: Future[CompiledGrammar],
-                 backend: StructuredOutputBackend | None = None, reasoning_ended: bool = True) -> None:
+                 backend: StructuredOutputBackend | None = None, reasoning_ended: bool = True,
+                 key: tuple[str, str, bool] | None = None) -> None:
         self.params = params
         self._grammar = grammar
         self._matcher: StructuredOutputMatcher | None = None
@@ -70,6 +73,9 @@ class RequestStructuredOutput:
         self.backend = backend
         # False while the model is still reasoning (a reasoning parser is set): the grammar waits for the answer
         self.reasoning_ended = reasoning_ended
+        # the manager's cache key, and when the request started waiting for the compile (compile_timeout)
+        self.key = key
+        self.since = time.monotonic()
 
     @property
     def is_ready(self) -> bool:
@@ -77,7 +83,9 @@ class RequestStructuredOutput:
 
     @property
     def error(self) -> BaseException | None:
-        return self._grammar.exception() if self._grammar.done() else None
+        if not self._grammar.done() or self._grammar.cancelled():
+            return None
+        return self._grammar.exception()
 
     @property
     def matcher(self) -> StructuredOutputMatcher:
@@ -86,16 +94,81 @@ class RequestStructuredOutput:
         return self._matcher
 
 
+class _GrammarCache:
+    """Compiles by constraint, bounded by bytes: the least recently used grammar no request holds is
+    dropped first (200 unique schemas kept ~190 MB for good before). A compile no request waits for any
+    more (its clients went away) is cancelled while it is still queued."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._futures: OrderedDict[tuple[str, str, bool], Future[CompiledGrammar]] = OrderedDict()
+        self._users: dict[tuple[str, str, bool], int] = {}
+        self._sizes: dict[tuple[str, str, bool], int] = {}
+
+    def get(self, key: tuple[str, str, bool], submit: Callable[[], Future[CompiledGrammar]]) -> Future[CompiledGrammar]:
+        future = self._futures.get(key)
+        if future is None or (future.done() and (future.cancelled() or future.exception() is not None)):
+            future = submit()
+            self._futures[key] = future
+        self._futures.move_to_end(key)
+        self._users[key] = self._users.get(key, 0) + 1
+        self._evict()
+        return future
+
+    def release(self, key: tuple[str, str, bool]) -> None:
+        users = self._users.get(key, 0) - 1
+        if users > 0:
+            self._users[key] = users
+            return
+        self._users.pop(key, None)
+        future = self._futures.get(key)
+        if future is not None and not future.done() and future.cancel():
+            del self._futures[key]  # never started: nothing was spent on it
+        self._evict()
+
+    @property
+    def size_bytes(self) -> int:
+        total = 0
+        for key, future in self._futures.items():
+            total += self._size_of(key, future)
+        return total
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def _size_of(self, key: tuple[str, str, bool], future: Future[CompiledGrammar]) -> int:
+        if key not in self._sizes:
+            if not future.done() or future.cancelled() or future.exception() is not None:
+                return 0
+            self._sizes[key] = future.result().memory_size_bytes()
+        return self._sizes[key]
+
+    def _evict(self) -> None:
+        total = self.size_bytes
+        for key in list(self._futures):
+            if total <= self.max_bytes:
+                return
+            future = self._futures[key]
+            if self._users.get(key) or not future.done():
+                continue  # held by a request, or still compiling
+            total -= self._size_of(key, future)
+            del self._futures[key]
+            self._sizes.pop(key, None)
+
+
 class StructuredOutputManager:
     def __init__(self, tokenizer_factory: Callable[[], Any], vocab_size: int, backend: str = "auto",
-                 reasoning_parser: str = "", enable_in_reasoning: bool = False) -> None:
+                 reasoning_parser: str = "", enable_in_reasoning: bool = False,
+                 grammar_cache_bytes: int = 256 * 1024 * 1024, compile_timeout: float = 0.0) -> None:
         self._tokenizer_factory = tokenizer_factory
         self._tokenizer: Any = None
         self.vocab_size = vocab_size
         self.backend_name = backend
         self._backend: StructuredOutputBackend | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._cache: dict[tuple[str, str, bool], Future[CompiledGrammar]] = {}
+        self.cache = _GrammarCache(grammar_cache_bytes)
+        # seconds a request may wait for its compile (0 = unbounded): the scheduler fails it after that
+        self.compile_timeout = compile_timeout
         self._bitmask: torch.Tensor | None = None
         self.enable_in_reasoning = enable_in_reasoning
         # Built now, not on the first request: a parser this tokenizer cannot serve fails the engine's start.
@@ -123,17 +196,28 @@ class StructuredOutputManager:
         if isinstance(backend, AutoBackend):
             backend = backend.backend_for(params)
         key = params.cache_key()
-        future = self._cache.get(key)
-        if future is None or (future.done() and future.exception() is not None):
+
+        def submit() -> Future[CompiledGrammar]:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(_COMPILE_WORKERS, thread_name_prefix="pagoda-grammar")
-            future = self._pool.submit(backend.compile, params)
-            self._cache[key] = future
+            return self._pool.submit(backend.compile, params)
+
+        future = self.cache.get(key, submit)
         reasoning_ended = True
         if self.reasoner is not None and not self.enable_in_reasoning:
             # a template may have closed the reasoning already (thinking disabled)
             reasoning_ended = self.reasoner.is_reasoning_end(prompt_token_ids or [])
-        return RequestStructuredOutput(params, future, backend, reasoning_ended)
+        return RequestStructuredOutput(params, future, backend, reasoning_ended, key)
+
+    def release(self, structured: RequestStructuredOutput) -> None:
+        """The request is done with its grammar (finished, aborted, failed)."""
+        if structured.key is not None:
+            self.cache.release(structured.key)
+            structured.key = None
+
+    def timed_out(self, structured: RequestStructuredOutput, now: float) -> bool:
+        """Still compiling after ``compile_timeout`` seconds."""
+        return bool(self.compile_timeout) and not structured.is_ready and now - structured.since > self.compile_timeout
 
     def reasoning_ends_with(self, structured: RequestStructuredOutput, all_token_ids: list[int],
                             new_token_ids: list[int]) -> bool:

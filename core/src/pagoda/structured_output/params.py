@@ -6,6 +6,12 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# The longest run of whitespace a JSON constraint allows between its tokens (unless disable_any_whitespace:
+# none). Unbounded, a sampled model could spend max_tokens on whitespace (at temperature 1 it did); 4 keeps
+# a newline and an indent level. Every backend applies it (xgrammar's max_whitespace_cnt, llguidance's
+# whitespace_pattern).
+JSON_MAX_WHITESPACE = 4
+
 # The fields that name a constraint; exactly one may be set.
 _CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 

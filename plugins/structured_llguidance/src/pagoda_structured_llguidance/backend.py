@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 from pagoda.structured_output import (
+    JSON_MAX_WHITESPACE,
     CompiledGrammar,
     StructuredOutputBackend,
     StructuredOutputError,
@@ -77,6 +78,9 @@ def serialize_grammar(params: StructuredOutputsParams) -> str:
     kind = params.kind
     # vLLM's default: JSON may have whitespace where JSON allows it unless disable_any_whitespace
     defaults: JsonCompileOptions = {"whitespace_flexible": not params.disable_any_whitespace}
+    if not params.disable_any_whitespace:
+        # bounded runs (core's JSON_MAX_WHITESPACE), as xgrammar's max_whitespace_cnt
+        defaults["whitespace_pattern"] = rf"[\x20\x0A\x0D\x09]{{0,{JSON_MAX_WHITESPACE}}}"
     try:
         if kind == "json":
             assert params.json is not None

@@ -10,6 +10,7 @@ import torch
 import xgrammar as xgr
 
 from pagoda.structured_output import (
+    JSON_MAX_WHITESPACE,
     CompiledGrammar,
     StructuredOutputBackend,
     StructuredOutputError,
@@ -76,6 +77,9 @@ class XgrammarGrammar(CompiledGrammar):
     def new_matcher(self) -> StructuredOutputMatcher:
         return XgrammarMatcher(self.compiled)
 
+    def memory_size_bytes(self) -> int:
+        return int(self.compiled.memory_size_bytes)
+
 
 class XgrammarBackend(StructuredOutputBackend):
     name = "xgrammar"
@@ -89,12 +93,17 @@ class XgrammarBackend(StructuredOutputBackend):
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         kind = params.kind
         any_whitespace = not params.disable_any_whitespace
+        # bounded runs of whitespace (core's JSON_MAX_WHITESPACE); none with disable_any_whitespace
+        bound = JSON_MAX_WHITESPACE if any_whitespace else None
         try:
             if kind == "json":
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                compiled = self._compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
+                compiled = self._compiler.compile_json_schema(schema, any_whitespace=any_whitespace,
+                                                              max_whitespace_cnt=bound)
             elif kind == "json_object":
-                compiled = self._compiler.compile_builtin_json_grammar()
+                # an object schema rather than the builtin JSON grammar, whose whitespace has no bound
+                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
+                                                              max_whitespace_cnt=bound)
             elif kind == "regex":
                 assert params.regex is not None
                 compiled = self._compiler.compile_regex(params.regex)

@@ -35,7 +35,8 @@ def serve(
     port: int = typer.Option(8000, "--port", help="Port to bind."),
     uds: str | None = typer.Option(None, "--uds", help="Serve on this Unix domain socket path instead of --host/--port."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="PAGODA_API_KEY",
-                                       help="Require 'Authorization: Bearer KEY' on /v1/* (or PAGODA_API_KEY)."),
+                                       help="Require 'Authorization: Bearer KEY' on every path but /health, /ping, /metrics, /version "
+                                            "(or PAGODA_API_KEY)."),
     served_model_name: list[str] | None = typer.Option(None, "--served-model-name",
                                                        help="Model name(s) the API answers to; repeatable."),
     lora_modules: list[str] | None = typer.Option(
@@ -60,6 +61,9 @@ def serve(
     allow_credentials: bool = typer.Option(False, "--allow-credentials", help="CORS: allow credentials."),
     allowed_methods: str = typer.Option('["*"]', "--allowed-methods", help="CORS allowed methods (JSON list)."),
     allowed_headers: str = typer.Option('["*"]', "--allowed-headers", help="CORS allowed headers (JSON list)."),
+    allowed_hosts: str = typer.Option(
+        '["*"]', "--allowed-hosts",
+        help='Host headers answered (JSON list: names, "*.domain"; "*" = any, the default); others get 400.'),
     max_request_body_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-body-bytes",
                                                help="Largest request body accepted (413 above)."),
     max_n: int = typer.Option(128, "--max-n", help="Largest n / best_of per request."),
@@ -113,6 +117,7 @@ def serve(
             allowed_origins=_json_list(allowed_origins, "--allowed-origins"), allow_credentials=allow_credentials,
             allowed_methods=_json_list(allowed_methods, "--allowed-methods"),
             allowed_headers=_json_list(allowed_headers, "--allowed-headers"),
+            allowed_hosts=_json_list(allowed_hosts, "--allowed-hosts"),
             max_request_body_bytes=max_request_body_bytes, max_n=max_n, shutdown_timeout=shutdown_timeout,
             enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint, uds=uds,
             disable_log_stats=disable_log_stats, vllm_metric_names=vllm_metric_names,
@@ -136,9 +141,22 @@ def serve(
     from pagoda.model_loader import ModelLoadError
     from pagoda.plugins import PluginError
 
+    from pagoda.engine.async_llm import EngineDeadError
+    from pagoda.engine.mp_client import EngineCoreStartupError
+
     try:
         run_server(engine_args, server_args, sock=sock, started=started)
     except (ModelLoadError, PluginError, OSError) as exc:  # an OSError is the model's (not found): the socket is bound
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    except EngineDeadError as exc:
+        # the engine core died while serving: exit non-zero so a supervisor restarts the server (vLLM's way)
+        typer.echo(f"error: {exc}; the server stopped", err=True)
+        raise typer.Exit(1) from exc
+    except (ValueError, EngineCoreStartupError) as exc:
+        # a start-up option the model cannot take (max_model_len past its positions, a step budget below
+        # it, ...): the message says which; the traceback is the engine's, not the user's (logged at debug)
+        logging.getLogger(__name__).debug("start-up failed", exc_info=True)
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
 

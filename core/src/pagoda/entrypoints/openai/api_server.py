@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -17,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from pagoda import envs
 from pagoda.config import EngineArgs
-from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.async_llm import AsyncLLM, EngineDeadError
 from pagoda.entrypoints.openai.chat_template import load_chat_template
 from pagoda.entrypoints.openai.listen import bind_socket  # noqa: F401 - its old home
 from pagoda.entrypoints.openai.errors import (
@@ -27,7 +30,7 @@ from pagoda.entrypoints.openai.errors import (
     parse_json_body,
     validation_error,
 )
-from pagoda.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagoda.entrypoints.openai.middleware import AllowedHostsMiddleware, APIKeyMiddleware, BodySizeLimitMiddleware
 from pagoda.entrypoints.openai.pooling_routes import POOLING_ROUTES, PoolingRoute, validate_body
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -56,6 +59,9 @@ from pagoda.version import __version__
 logger = logging.getLogger(__name__)
 
 B = TypeVar("B", bound=BaseModel)
+
+# Seconds between the server's checks that its engine core still runs.
+ENGINE_WATCH_INTERVAL = 0.5
 
 def _json_body_schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
     """The body schema for the OpenAPI document (handlers parse bodies themselves to control the errors)."""
@@ -116,6 +122,7 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
         enable_auto_tool_choice=server_args.enable_auto_tool_choice,
         tool_parser=resolve_tool_parser(server_args.enable_auto_tool_choice, server_args.tool_call_parser,
                                         server_args.tool_parser_plugin),
+        tokenize_executor=ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenize"),
     )
     ctx.models = ServingModels(engine, model_names, engine.model_config.model or "SmolLM2-135M-Instruct",
                                engine.max_model_len, created=ctx.created)
@@ -221,13 +228,18 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
         ctx.check_model(req.model, allow_lora=True)  # an adapter shares its base model's tokenizer
         tok = ctx.need_tokenizer()
         if is_chat:
-            _, ids = await chat_prompt_async(ctx, req)
+            _, ids = await chat_prompt_async(ctx, req, bounded=False)
         else:
-            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return body
+            ids = await ctx.encode_unbounded(req.prompt, req.add_special_tokens)
+        def render() -> bytes:
+            # a 10 MB text is ~10^6 ids: their strings and the JSON are built off the loop too
+            body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+            if req.return_token_strs:
+                body["token_strs"] = tok.convert_ids_to_tokens(ids)
+            return json.dumps(body, ensure_ascii=False).encode()
+
+        content = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_executor, render)
+        return Response(content, media_type="application/json")
 
     @route("/detokenize", DetokenizeRequest)
     async def detokenize(raw_request: Request) -> Any:
@@ -257,6 +269,8 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server_args.max_request_body_bytes)
+    if "*" not in server_args.allowed_hosts:
+        app.add_middleware(AllowedHostsMiddleware, allowed_hosts=server_args.allowed_hosts)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=server_args.allowed_origins,
@@ -298,12 +312,35 @@ async def serve(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str
             if asyncio.iscoroutine(result):
                 await result
 
+    died: list[str] = []
+
+    async def watch_engine() -> None:
+        # vLLM's rule: a server whose engine died exits, so its supervisor (systemd, Kubernetes) restarts
+        # it; until uvicorn has stopped, requests get 503 (the EngineDeadError handler)
+        while True:
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL)
+            try:
+                await engine.check_health()
+            except Exception as exc:  # noqa: BLE001 - any failure of the core is fatal to the server
+                died.append(str(exc))
+                logger.error("%s; the server exits so that its supervisor can restart it", exc)
+                server.should_exit = True
+                return
+
     announcer = asyncio.create_task(announce())
+    watcher = asyncio.create_task(watch_engine())
     try:
         await server.serve(sockets=[sock])
     finally:
         announcer.cancel()
+        watcher.cancel()
         engine.shutdown()
+    if died:
+        raise EngineDeadError(died[0])
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs, sock: socket.socket | None = None,
@@ -311,6 +348,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs, sock: socket.so
     """Bind (unless ``sock`` is the listening socket already), load the model, serve; blocks until
     stopped (the body of `pagoda serve`). ``started``: the ``time.perf_counter()`` the start is timed from."""
     started = time.perf_counter() if started is None else started
+    # SIGTERM's default action ends the process on the spot, skipping every finally and atexit (the
+    # engine-core client's socket directory stayed in the temp dir); uvicorn also re-raises a captured
+    # SIGTERM once it has drained. As SystemExit it unwinds like SIGINT does.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         # a parser nobody provides stops the start before the model loads
         resolve_tool_parser(server_args.enable_auto_tool_choice, server_args.tool_call_parser,

@@ -14,6 +14,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda.engine.async_llm import EngineDeadError
+
 logger = logging.getLogger(__name__)
 
 # OpenAI's error type for each status the server sends.
@@ -92,6 +94,11 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     return APIError(msg, 400, param)
 
 
+# Deeper bodies are refused before any handler walks them: json's C decoder, pydantic and the grammar
+# compilers all recurse per level, and a deep enough body ends in RecursionError or a native stack overflow.
+MAX_JSON_DEPTH = 128
+
+
 def parse_json_body(raw: bytes, content_type: str | None) -> Any:
     """The body as JSON, or a 415/400 naming what is wrong with it."""
     media = (content_type or "").split(";")[0].strip().lower()
@@ -100,9 +107,21 @@ def parse_json_body(raw: bytes, content_type: str | None) -> Any:
             f"unsupported content type {content_type or '(none)'!r}: send the body as application/json", 415, None
         )
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # strict UTF-8 (RFC 8259): json.loads(bytes) decodes with surrogatepass, so raw surrogate bytes
+        # (ED A0 80) would become a str that no tokenizer or encoder takes
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise APIError(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}", 400, None) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise APIError(f"the request body is not valid JSON: {exc}", 400, None) from None
+    except RecursionError:
+        raise APIError(f"the request body is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)", 400,
+                       None) from None
+    # counting brackets is C-speed; only a body with that many of them needs the walk
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth(data) > MAX_JSON_DEPTH:
+        raise APIError(f"the request body is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)", 400, None)
     # json.loads accepts a lone surrogate escape ("\\ud800"), a string no tokenizer or UTF-8 encoder takes
     if _SURROGATE_ESCAPE.search(raw):
         where = _lone_surrogate(data, "")
@@ -110,6 +129,24 @@ def parse_json_body(raw: bytes, content_type: str | None) -> Any:
             raise APIError(f"the request body holds a lone UTF-16 surrogate escape at {where or 'the top level'}: "
                            "it is not a Unicode character", 400, where or None)
     return data
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
@@ -145,6 +182,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        # the server is on its way out (api_server's engine watch): the client should retry elsewhere or later
+        return error_response(APIError(f"the engine is dead: {exc}", 503))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

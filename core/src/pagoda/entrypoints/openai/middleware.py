@@ -1,4 +1,4 @@
-"""ASGI middleware: API key on /v1/*, and a cap on request body size."""
+"""ASGI middleware: the API key, the allowed Host headers, and a cap on request body size."""
 
 from __future__ import annotations
 
@@ -20,21 +20,56 @@ async def _send_error(send: Any, status: int, message: str, headers: list[tuple[
     await send({"type": "http.response.body", "body": body})
 
 
+# Paths answered without the API key: liveness probes and scrapers, which carry no key; nothing on them
+# reads a prompt or runs the model. Every other path (/v1/*, /tokenize, /detokenize, /pooling, /score,
+# /rerank, /v2/rerank, /classify, /tokenizer_info, /docs, ...) needs it.
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+
+
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on /v1/* (vLLM guards the same prefix)."""
+    """Requires ``Authorization: Bearer <key>`` on every path but ``OPEN_PATHS`` (vLLM guards /v1/* only,
+    which left /tokenize, /pooling, /score and /rerank open to anyone who can reach the port)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers") or []).get(b"authorization", b"")
         if not secrets.compare_digest(given, self.expected):
             await _send_error(send, 401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                               [(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)
+
+
+class AllowedHostsMiddleware:
+    """400 for a Host header outside ``allowed_hosts`` (names, ``*.domain`` suffixes, ``*`` for any): a
+    guard against DNS rebinding, where a web page's script reaches a server on localhost by a name it controls."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: list[str]) -> None:
+        self.app = app
+        self.exact = {h.lower() for h in allowed_hosts if not h.startswith("*.")}
+        self.suffixes = tuple(h[1:].lower() for h in allowed_hosts if h.startswith("*."))
+
+    def allows(self, host: str) -> bool:
+        name = host.lower()
+        if name.startswith("["):  # [::1]:8000
+            name = name[: name.find("]") + 1]
+        else:
+            name = name.rsplit(":", 1)[0]
+        return name in self.exact or name.endswith(self.suffixes)
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+        if not self.allows(host):
+            await _send_error(send, 400, f"the Host header {host!r} is not one of this server's --allowed-hosts")
             return
         await self.app(scope, receive, send)
 

@@ -60,6 +60,10 @@ def _modalities_error(value: Any) -> str | None:
     return f"modalities {value!r} is not supported: this server generates text only (modalities: [\"text\"])"
 
 
+# OpenAI's bound on a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
@@ -134,6 +138,15 @@ class _SamplingFields(_Body):
     def _stream_options_need_stream(self) -> Any:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _logit_bias_in_range(self) -> Any:
+        # OpenAI refuses a bias outside [-100, 100]; clamping it would answer a request the client did not send
+        for token, bias in (self.logit_bias or {}).items():
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise FieldError(f"logit_bias[{token!r}] = {bias} is outside [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}]", "logit_bias")
         return self
 
     @model_validator(mode="after")

@@ -16,7 +16,7 @@ class ServerArgs(BaseModel):
     host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 exposes the server to the network.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 = any free port).")
     uds: str | None = Field(None, description="Unix domain socket path to serve on instead of host/port (vLLM's).")
-    api_key: str | None = Field(None, description="Require 'Authorization: Bearer KEY' on /v1/* (or PAGODA_API_KEY).")
+    api_key: str | None = Field(None, description="Require 'Authorization: Bearer KEY' on every path but /health, /ping, /metrics and /version (or PAGODA_API_KEY).")
     served_model_name: list[str] | None = Field(None, description="Names the API answers to; the first is reported.")
     lora_modules: list[str] | None = Field(
         None, description="LoRA adapters served at start (needs --enable-lora): name=path, or vLLM's JSON "
@@ -36,6 +36,10 @@ class ServerArgs(BaseModel):
     allow_credentials: bool = Field(False, description="CORS: allow credentials.")
     allowed_methods: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed methods.")
     allowed_headers: list[str] = Field(default_factory=lambda: ["*"], description="CORS allowed headers.")
+    allowed_hosts: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description='Host headers the server answers (names, "*.domain", "*" = any, the default as in vLLM); '
+                    'others get a 400. Guards a server on localhost against DNS rebinding.')
     max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0, description="Largest request body accepted.")
     max_n: int = Field(128, gt=0, description="Largest n / best_of a request may ask for.")
     uvicorn_log_level: str = Field("info", description="uvicorn's log level.")

@@ -50,11 +50,14 @@ def chat_prompt(ctx: ServingContext, req: Any) -> tuple[str, list[int]]:
     return text, ctx.need_tokenizer()(text, add_special_tokens=req.add_special_tokens).input_ids
 
 
-async def chat_prompt_async(ctx: ServingContext, req: Any) -> tuple[str, list[int]]:
+async def chat_prompt_async(ctx: ServingContext, req: Any, bounded: bool = True) -> tuple[str, list[int]]:
     """``chat_prompt`` with the template rendered in a worker thread, so a slow template never holds the event
-    loop; tokenizing stays on the loop's thread (the Rust tokenizer is not shared across threads)."""
+    loop, and the text tokenized on the engine's preparation thread (``bounded``: a conversation far over the
+    context is refused after a prefix; /tokenize counts any length)."""
     text = await asyncio.to_thread(_render, ctx, req)
-    return text, ctx.need_tokenizer()(text, add_special_tokens=req.add_special_tokens).input_ids
+    if bounded:
+        return text, await ctx.encode(text, req.add_special_tokens, "messages")
+    return text, await ctx.encode_unbounded(text, req.add_special_tokens)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
@@ -77,7 +80,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
     if req.cache_salt is not None:
         prompt["cache_salt"] = req.cache_salt
-    streams = start_streams(ctx, [prompt], params, request_id, req.priority, lora_request)
+    streams = await start_streams(ctx, [prompt], params, request_id, req.priority, lora_request)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
     echo_text = ""

@@ -14,11 +14,13 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
+from pagoda.engine.prompt_bound import PromptTooLongError, encode_bounded
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import _SamplingFields
 from pagoda.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
+from pagoda.structured_output.backend import StructuredOutputError
 
 T = TypeVar("T")
 
@@ -54,6 +56,10 @@ class ServingContext:
     tool_parser: Any = None
     # the base model's names and the LoRA adapters (pagoda.entrypoints.openai.serving_models.ServingModels)
     models: Any = None
+    # /tokenize's unbounded work runs on its own thread with its own tokenizer copy, so a 10 MB text
+    # there never queues ahead of a generation request's prompt on the engine's preparation thread
+    tokenize_executor: Any = None
+    _tokenize_copy: Any = None
 
     @property
     def model_name(self) -> str:
@@ -90,6 +96,31 @@ class ServingContext:
         if tok is None:
             raise APIError("the server runs without a tokenizer (skip_tokenizer_init): send prompts as token ids", 400, "prompt")
         return tok
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """A generation prompt's ids, off the event loop; a text far over the context is refused (400,
+        naming ``param``) after tokenizing only a prefix."""
+        tok = self.need_tokenizer()
+        try:
+            return await self.engine.run_prep(encode_bounded, tok, text, self.max_model_len, add_special_tokens)
+        except PromptTooLongError as exc:
+            raise APIError(str(exc), 400, param) from None
+
+    async def encode_unbounded(self, text: str, add_special_tokens: bool) -> list[int]:
+        """/tokenize's ids (any length, as vLLM counts them) on ``tokenize_executor``."""
+        tok = self.need_tokenizer()
+        if self.tokenize_executor is None:
+            return list(await self.engine.run_prep(lambda: tok(text, add_special_tokens=add_special_tokens).input_ids))
+
+        def encode() -> list[int]:
+            # the copy is made on first use, on the executor's thread: deep-copying a tokenizer takes a while
+            if self._tokenize_copy is None:
+                import copy
+
+                self._tokenize_copy = copy.deepcopy(tok)
+            return list(self._tokenize_copy(text, add_special_tokens=add_special_tokens).input_ids)
+
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_executor, encode)
 
 
 def new_id(prefix: str) -> str:
@@ -189,17 +220,19 @@ def _param_of(message: str) -> str | None:
 
 def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
     """A ValueError from the engine's input checks is the client's fault (the field it names, else ``param``)."""
+    if isinstance(exc, StructuredOutputError):
+        param = "structured_outputs"
     return APIError(str(exc), 400, _param_of(str(exc)) or param)
 
 
-def start_streams(ctx: ServingContext, prompts: list[dict[str, Any]], params: SamplingParams, request_id: str,
-                  priority: int, lora_request: LoRARequest | None = None) -> list[RequestStream]:
+async def start_streams(ctx: ServingContext, prompts: list[dict[str, Any]], params: SamplingParams, request_id: str,
+                        priority: int, lora_request: LoRARequest | None = None) -> list[RequestStream]:
     """Queue one engine request per prompt; all or none (a bad prompt aborts the ones already queued)."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(ctx.engine.add_request(rid, prompt, params, priority, lora_request))
+            streams.append(await ctx.engine.add_request_async(rid, prompt, params, priority, lora_request))
     except ValueError as exc:
         for s in streams:
             s.abort()

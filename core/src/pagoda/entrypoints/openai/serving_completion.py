@@ -29,7 +29,7 @@ from pagoda.entrypoints.openai.serving_common import (
 from pagoda.outputs import RequestOutput
 
 
-def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+async def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """-> [(prompt text or None, token ids)] for the four prompt shapes."""
     p = req.prompt
     if isinstance(p, str):
@@ -43,8 +43,13 @@ def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | No
     out: list[tuple[str | None, list[int]]] = []
     for item in items:
         if isinstance(item, str):
-            tok = ctx.need_tokenizer()
-            out.append((item, tok(item, add_special_tokens=req.add_special_tokens).input_ids))
+            if req.truncate_prompt_tokens is not None:
+                # the prompt's end is kept: it is tokenized whole
+                tok, special = ctx.need_tokenizer(), req.add_special_tokens
+                ids = await ctx.engine.run_prep(lambda t=item, tk=tok: tk(t, add_special_tokens=special).input_ids)
+            else:
+                ids = await ctx.encode(item, req.add_special_tokens, "prompt")
+            out.append((item, list(ids)))
         else:
             if not item:
                 raise APIError("prompt token lists must not be empty", 400, "prompt")
@@ -57,7 +62,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
     if req.suffix is not None:
         raise APIError("suffix is not supported: this server does not do fill-in-the-middle completions", 400, "suffix")
     check_limits(ctx, req, req.logprobs)
-    prompts = _prompts(ctx, req)
+    prompts = await _prompts(ctx, req)
     requested = req.max_tokens
     if "max_tokens" in ctx.default_sampling:
         # the model's max_new_tokens, capped by the shortest prompt's room, caps (or stands in for) the
@@ -75,7 +80,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
     if req.cache_salt is not None:
         for ep in engine_prompts:
             ep["cache_salt"] = req.cache_salt
-    streams = start_streams(ctx, engine_prompts, params, request_id, req.priority, lora_request)
+    streams = await start_streams(ctx, engine_prompts, params, request_id, req.priority, lora_request)
     created = int(time.time())
     renderer = _Renderer(ctx, req, prompts)
     if req.stream:

@@ -220,13 +220,12 @@ class ChoiceToolCalls:
             calls = [_tool_call(self.request.function_name, text)]
             content = ""
         elif kind == "required":
-            try:
-                parsed = json.loads(text)
-            except (json.JSONDecodeError, RecursionError):
-                parsed = None  # cut short (max_tokens, a stop string): the text is all there is
-            if isinstance(parsed, list):
-                calls = [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in parsed
-                         if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]
+            # the calls read as a stream reads them, arguments as the model wrote them (the last one as far as
+            # it got when max_tokens cut it), so the answer is the same streamed or not (before: a cut-short
+            # answer had no calls and the raw JSON as content, a whole one re-serialized arguments)
+            found = _required_calls(text, ScanMemo())
+            if found:
+                calls = [_tool_call(name, arguments) for name, arguments in found if name is not None]
                 content = ""
         elif kind == "auto":
             assert self.parser is not None
