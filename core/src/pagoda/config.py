@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from pagoda.pooling.config import ConvertOption, PoolerConfig, RunnerOption
+from pagoda.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +203,8 @@ class EngineConfig(_Config):
     device_config: DeviceConfig
     load_config: LoadConfig
     structured_outputs_config: StructuredOutputsConfig = Field(default_factory=_default_structured_outputs_config)
+    # None: no speculative decoding
+    speculative_config: SpeculativeConfig | None = None
     # Decided once in the main process and replayed in workers.
     plugins: list[str] | None = None
     registered_models: dict[str, str] = Field(default_factory=dict)
@@ -263,6 +266,14 @@ class EngineArgs(LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, Cach
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = Field(
         default_factory=_default_structured_outputs_config, description=StructuredOutputsConfig.__doc__)
 
+    # A whole section too (vLLM's --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}').
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = Field(None, description=SpeculativeConfig.__doc__)
+
+    @field_validator("speculative_config", mode="after")
+    @classmethod
+    def _speculative_config_object(cls, value: Any) -> SpeculativeConfig | None:
+        return SpeculativeConfig(**value) if isinstance(value, dict) else value
+
     @field_validator("structured_outputs_config", mode="after")
     @classmethod
     def _structured_outputs_config_object(cls, value: Any) -> StructuredOutputsConfig:
@@ -302,7 +313,8 @@ class EngineArgs(LoadConfig, DeviceConfig, ParallelConfig, SchedulerConfig, Cach
                 raise ValueError(f"reasoning_parser={self.reasoning_parser!r} and structured_outputs_config."
                                  f"reasoning_parser={structured.reasoning_parser!r} disagree; set one")
             structured = structured.model_copy(update={"reasoning_parser": self.reasoning_parser})
-        return EngineConfig(**sections, structured_outputs_config=structured)
+        return EngineConfig(**sections, structured_outputs_config=structured,
+                            speculative_config=self._speculative_config_object(self.speculative_config))
 
 
 class AsyncEngineArgs(EngineArgs):

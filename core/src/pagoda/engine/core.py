@@ -25,6 +25,8 @@ from pagoda.platforms import Platform
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.spec_decode import load_proposer_class
+from pagoda.spec_decode.scheduling import SpecDecoding
 from pagoda.structured_output.manager import StructuredOutputManager
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.worker.process import replay_main_process_decisions
@@ -66,6 +68,7 @@ class EngineCore:
             policy=sc.scheduling_policy,
             structured_output_manager=self._structured_output_manager(config),
             use_pp=config.parallel_config.pipeline_parallel_size > 1,
+            spec_decoding=self._spec_decoding(config),
         )
         self._reported_preemptions = 0
         # vLLM's batch queue: steps sent to the executor whose output is not applied yet, oldest first
@@ -85,6 +88,16 @@ class EngineCore:
                              f"(the executor's max_concurrent_batches), got {size}")
         self._batch_queue_size = size
         self.scheduler.num_micro_batches = size
+
+    def _spec_decoding(self, config: EngineConfig) -> SpecDecoding | None:
+        """The proposer the speculative config names, from the plugins (None: speculation off)."""
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        assert spec.method is not None  # inferred by the config
+        proposer = load_proposer_class(spec.method)(spec)
+        logger.info("speculative decoding: method %s, %d speculative tokens", spec.method, spec.k)
+        return SpecDecoding(spec, proposer, self.max_model_len)
 
     def _structured_output_manager(self, config: EngineConfig) -> StructuredOutputManager | None:
         """A generative model with a tokenizer gets one; the backend and tokenizer load on the first constraint."""
@@ -201,6 +214,7 @@ class EngineCore:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=preemptions - self._reported_preemptions,
+            spec_decoding_stats=self.scheduler.spec.take_stats() if self.scheduler.spec is not None else None,
         )
         self._reported_preemptions = preemptions
         return stats

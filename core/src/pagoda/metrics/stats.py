@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pagoda.spec_decode.scheduling import SpecDecodingStats
 
 
 @dataclass
@@ -16,6 +19,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # speculative decoding's counters since the previous record (None: nothing drafted)
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 @dataclass

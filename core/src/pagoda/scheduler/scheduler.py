@@ -34,6 +34,7 @@ from pagoda.scheduler.output import (
 )
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from pagoda.spec_decode.scheduling import SpecDecoding
 from pagoda.structured_output.manager import RequestStructuredOutput, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class _StepBuilder:
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached: list[CachedRequestData] = field(default_factory=list)
+    # speculative decoding: the drafts scheduled with each request's last token
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def has_room(self) -> bool:
         return self.budget > 0 and len(self.num_scheduled) < self.max_reqs
@@ -68,8 +71,11 @@ class Scheduler:
         policy: str = "fcfs",
         structured_output_manager: StructuredOutputManager | None = None,
         use_pp: bool = False,
+        spec_decoding: SpecDecoding | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        # speculative decoding (None: off); its drafts are scheduled with each request's next decode
+        self.spec = spec_decoding
         self.structured_output_manager = structured_output_manager
         # Outputs of requests finished outside a step (a constraint that failed to compile).
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -125,6 +131,8 @@ class Scheduler:
 
     def add_beam_search(self, group: BeamGroup, root: Request) -> None:
         """Start a beam search; ``root`` (the prompt) is its first beam."""
+        if self.spec is not None:
+            raise ValueError("beam search does not run with speculative decoding (speculative_config), as in vLLM")
         beams = self.beam_search
         if not isinstance(beams, BeamSearchScheduling):
             beams = self.beam_search = BeamSearchScheduling(self)
@@ -153,6 +161,8 @@ class Scheduler:
         return done
 
     def _free(self, req: Request) -> None:
+        if self.spec is not None:
+            self.spec.on_finished(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._constrained.discard(req.request_id)
@@ -173,6 +183,8 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        if self.spec is not None:
+            self.spec.on_preempted(victim)
         if victim.request_id in self._in_runner:
             self._finished_ids.add(victim.request_id)
             self._in_runner.discard(victim.request_id)
@@ -228,6 +240,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             finished_req_ids=self._finished_ids,
             block_copies=copies,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
         self._finished_ids = set()
         self._fill_grammar_bitmask(out)
@@ -256,6 +269,12 @@ class Scheduler:
             if num_new <= 0 or req.request_id in self._in_flight:
                 i += 1
                 continue
+            drafts = req.spec_token_ids
+            if drafts:
+                # drafts follow the request's last token only, and take what is left of the budget
+                req.spec_token_ids = []
+                drafts = drafts[: step.budget - num_new] if num_new == 1 else []
+                num_new += len(drafts)
             new_blocks: list[int] | None = None
             while True:
                 new_blocks = self.kv.allocate_slots(req, num_new)
@@ -274,6 +293,8 @@ class Scheduler:
                 # ``req`` itself was preempted; the list shifted under ``i``
                 continue
             step.take(req.request_id, num_new)
+            if drafts:
+                step.spec_tokens[req.request_id] = drafts
             if req.request_id not in self._in_runner:
                 # forked since the last step: the runner gets it whole
                 self._in_runner.add(req.request_id)
@@ -412,6 +433,7 @@ class Scheduler:
                 del step.new_reqs[j]
                 self._in_runner.discard(rid)
                 break
+        step.spec_tokens.pop(rid, None)
         step.budget += step.num_scheduled.pop(rid, 0)
 
     def _new_request_data(self, req: Request) -> NewRequestData:
@@ -450,6 +472,14 @@ class Scheduler:
             new_ids = runner_out.sampled_token_ids[idx]
             if not new_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            drafts = sched_out.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                # the rejected drafts' positions are computed again: their KV slots are overwritten
+                # next step, and no block key ever covers them (keys are made of appended tokens only)
+                num_accepted = len(new_ids) - 1
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                assert self.spec is not None
+                self.spec.record(req, len(drafts), num_accepted)
             accepted: list[int] = []
             for tok in new_ids:
                 accepted.append(tok)
@@ -481,7 +511,18 @@ class Scheduler:
                 self._free(req)
             outputs.append(out)
         outputs.extend(self.beam_search.advance())
+        if self.spec is not None:
+            self._propose_drafts()
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the running requests whose next step is a decode (constrained ones decode plainly)."""
+        assert self.spec is not None
+        ready = [r for r in self.running
+                 if r.num_computed_tokens == r.num_tokens - 1 and r.request_id not in self._in_flight
+                 and r.structured_output is None and r.beam_group is None]
+        if ready:
+            self.spec.propose(ready, len(self.running))
 
     def _collect_prompt_logprobs(self, req: Request, first_index: int, entries: list[Any]) -> None:
         """Keep the entries not delivered yet (a recomputed prompt repeats earlier ones)."""
