@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from pagoda import envs
 from pagoda.beam_search.group import BeamGroup
 from pagoda.config import EngineConfig
 from pagoda.engine.config_resolution import prepare_engine_config  # noqa: F401 - where callers have imported it from
@@ -97,7 +98,7 @@ class EngineCore:
         assert spec.method is not None  # inferred by the config
         proposer = load_proposer_class(spec.method)(spec)
         logger.info("speculative decoding: method %s, %d speculative tokens", spec.method, spec.k)
-        return SpecDecoding(spec, proposer, self.max_model_len)
+        return SpecDecoding(spec, proposer, self.max_model_len, log_interval_s=envs.PAGODA_LOG_STATS_INTERVAL)
 
     def _structured_output_manager(self, config: EngineConfig) -> StructuredOutputManager | None:
         """A generative model with a tokenizer gets one; the backend and tokenizer load on the first constraint."""

@@ -14,7 +14,9 @@ When speculation does not pay:
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,6 +26,8 @@ from pagoda.spec_decode.proposer import DraftRequest, Proposer
 if TYPE_CHECKING:
     from pagoda.scheduler.request import Request
     from pagoda.spec_decode.config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 # Moving average weight of the newest verify step.
 _EMA_WEIGHT = 0.5
@@ -63,12 +67,14 @@ class _Acceptance:
 
 
 class SpecDecoding:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int,
+                 log_interval_s: float = 10.0) -> None:
         self.config = config
         self.proposer = proposer
         self.k = config.k
         self.max_model_len = max_model_len
         self.stats = SpecDecodingStats(self.k)
+        self.logging = SpecDecodingLogging(self.k, log_interval_s)
         self._acceptance: dict[str, _Acceptance] = {}
 
     def take_stats(self) -> SpecDecodingStats | None:
@@ -115,6 +121,7 @@ class SpecDecoding:
     # -- results -----------------------------------------------------------------
     def record(self, req: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         self.stats.observe(num_draft_tokens, num_accepted_tokens)
+        self.logging.observe(num_draft_tokens, num_accepted_tokens)
         (req.spec_proposer or self.proposer).observe(req.request_id, num_draft_tokens, num_accepted_tokens)
         seen = self._acceptance.get(req.request_id)
         if seen is None:
@@ -132,3 +139,34 @@ class SpecDecoding:
     def on_finished(self, req: Request) -> None:
         self._acceptance.pop(req.request_id, None)
         (req.spec_proposer or self.proposer).on_finished(req.request_id)
+
+
+class SpecDecodingLogging:
+    """vLLM's periodic ``SpecDecoding metrics`` log line: mean acceptance length, throughputs, per-position
+    acceptance rates, over the drafts verified since the previous line."""
+
+    def __init__(self, num_spec_tokens: int, interval_s: float) -> None:
+        self.num_spec_tokens = num_spec_tokens
+        self.interval_s = interval_s
+        self._stats = SpecDecodingStats(num_spec_tokens)
+        self._since = time.monotonic()
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self._stats.observe(num_draft_tokens, num_accepted_tokens)
+        now = time.monotonic()
+        if now - self._since >= self.interval_s:
+            logger.info("%s", self.line(now - self._since))
+            self._stats = SpecDecodingStats(self.num_spec_tokens)
+            self._since = now
+
+    def line(self, elapsed_s: float) -> str:
+        s = self._stats
+        drafts = max(s.num_drafts, 1)
+        rates = ", ".join(f"{n / drafts:.3f}" for n in s.num_accepted_tokens_per_pos)
+        draft_rate = 100.0 * s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0
+        elapsed_s = max(elapsed_s, 1e-9)
+        return (f"SpecDecoding metrics: Mean acceptance length: {1 + s.num_accepted_tokens / drafts:.2f}, "
+                f"Accepted throughput: {s.num_accepted_tokens / elapsed_s:.2f} tokens/s, "
+                f"Drafted throughput: {s.num_draft_tokens / elapsed_s:.2f} tokens/s, "
+                f"Accepted: {s.num_accepted_tokens} tokens, Drafted: {s.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {rates}, Avg Draft acceptance rate: {draft_rate:.1f}%")
