@@ -26,8 +26,9 @@ VOCAB = 384
 
 
 class ReferenceProposer(Proposer):
-    """Drafts ``REFERENCE[prompt][len(output):]``; every ``WRONG_EVERY``-th proposal has its last draft
-    replaced by a wrong token."""
+    """Drafts ``REFERENCE[prompt][len(output):]``; a proposal made after an output length of 1 modulo
+    ``WRONG_EVERY`` has its last draft replaced by a wrong token (a function of the request's tokens only,
+    so a rerun drafts the same)."""
 
     name = "reference"
     REFERENCE: dict[tuple[int, ...], list[int]] = {}
@@ -45,7 +46,7 @@ class ReferenceProposer(Proposer):
             done = len(r.token_ids) - r.num_prompt_tokens
             draft = list(ref[done: done + r.max_num_tokens])
             self.calls += 1
-            if draft and self.calls % self.WRONG_EVERY == 0:
+            if draft and done % self.WRONG_EVERY == 1:
                 draft[-1] = (draft[-1] + 1) % VOCAB
             out.append(draft)
         return out
@@ -230,3 +231,39 @@ def test_beam_search_and_pipeline_parallel_refused(tiny_model_dir) -> None:
     llm = _llm(path, speculative_config=spec)
     with pytest.raises(ValueError, match="beam search"):
         llm.beam_search([{"prompt_token_ids": [1, 2, 3]}], BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+def test_sampling_parameters_with_speculation(model_and_reference) -> None:
+    """Penalties, logit bias, allowed_token_ids, min_tokens, a logits processor and n > 1 give
+    the same greedy tokens with speculation; seeded sampling repeats."""
+    path, prompts, reference = model_and_reference
+    ReferenceProposer.REFERENCE = {tuple(p): r for p, r in zip(prompts, reference)}
+    allowed = sorted(set(reference[2][:30]) | {7, 8, 9})
+
+    def no_token_five(output_ids: list[int], logits: Any) -> Any:
+        logits[5] = float("-inf")
+        return logits
+
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logit_bias={reference[3][4]: -100.0}),
+        SamplingParams(max_tokens=30, temperature=0.0, min_tokens=10, stop_token_ids=[reference[4][3]]),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logits_processors=[no_token_five]),
+        # n > 1 needs temperature > 0: top_k=1 keeps the samples deterministic
+        SamplingParams(max_tokens=30, temperature=1.0, top_k=1, ignore_eos=True, n=3),
+    ]
+    inputs = [{"prompt_token_ids": p} for p in prompts[: len(params)]]
+    plain = _llm(path).generate(inputs, params, use_tqdm=False)
+    llm = _llm(path, speculative_config={"method": "reference", "num_speculative_tokens": 4})
+    spec = llm.generate(inputs, params, use_tqdm=False)
+    for a, b in zip(plain, spec):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert _core(llm).make_stats().spec_decoding_stats.num_accepted_tokens > 0
+    # seeded requests repeat under the same schedule (how many drafts a step verifies decides how many
+    # draws a request's generator gives, so a different batch may sample differently, as in vLLM)
+    seeded = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, ignore_eos=True) for s in range(6)]
+    spec_config = {"method": "reference", "num_speculative_tokens": 4}
+    runs = [_run(_llm(path, speculative_config=spec_config), prompts[:6], seeded) for _ in range(2)]
+    assert runs[0] == runs[1]
