@@ -109,15 +109,22 @@ def model_and_reference(tiny_model_dir) -> tuple[Any, list[list[int]], list[list
     return path, prompts, reference
 
 
-def test_greedy_ngram_equals_no_speculation(model_and_reference) -> None:
+@pytest.mark.parametrize("config", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0},
+], ids=["ngram", "suffix"])
+def test_greedy_plugin_proposers_equal_no_speculation(model_and_reference, config: dict[str, Any]) -> None:
     path, prompts, reference = model_and_reference
-    llm = _llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    llm = _llm(path, speculative_config=config)
     assert _run(llm, prompts, GREEDY) == reference
     core = _core(llm)
     assert core.scheduler.num_preemptions > 0
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_usable_blocks
-    assert core.make_stats().spec_decoding_stats.num_draft_tokens > 0, "the n-gram proposer drafted nothing"
+    assert core.make_stats().spec_decoding_stats.num_draft_tokens > 0, "the proposer drafted nothing"
+    # a second pass: the suffix proposer's global trie now holds the first pass's outputs and drafts them
+    assert _run(llm, prompts, GREEDY) == reference
+    if config["method"] == "suffix":
+        assert core.make_stats().spec_decoding_stats.num_accepted_tokens > 0
 
 
 def test_greedy_reference_proposer_equals_no_speculation(model_and_reference) -> None:
