@@ -380,22 +380,30 @@ class Scheduler:
         return [rid for rid in self._in_flight if rid in self.requests]
 
     def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
-        """One bitmask for the constrained requests that sample this step (their prompt is done)."""
+        """One bitmask for the constrained requests that sample this step (their prompt is done); a request
+        verifying drafts has a row for each of its positions, consecutive."""
         manager = self.structured_output_manager
         if manager is None or not self._constrained:
             return
         ids: dict[str, int] = {}
         constrained: list[RequestStructuredOutput] = []
+        drafts: list[list[int]] = []
+        num_rows = 0
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
             # still reasoning: its tokens are free until the reasoning parser sees the end of it
             if req.structured_output is None or req.beam_group is not None or not req.structured_output.reasoning_ended:
                 continue
             if req.num_computed_tokens + n >= req.num_tokens:
-                ids[rid] = len(constrained)
+                draft = out.scheduled_spec_decode_tokens.get(rid, [])
+                ids[rid] = num_rows
+                num_rows += 1 + len(draft)
                 constrained.append(req.structured_output)
+                drafts.append(draft)
         if constrained:
-            out.grammar = GrammarBitmask(ids, manager.grammar_bitmask(constrained))
+            bitmask = (manager.grammar_bitmask_with_drafts(constrained, drafts) if any(drafts)
+                       else manager.grammar_bitmask(constrained))
+            out.grammar = GrammarBitmask(ids, bitmask)
 
     def _fail_constraint(self, req: Request, error: BaseException) -> None:
         self.waiting.remove(req)
@@ -520,9 +528,21 @@ class Scheduler:
         assert self.spec is not None
         ready = [r for r in self.running
                  if r.num_computed_tokens == r.num_tokens - 1 and r.request_id not in self._in_flight
-                 and r.structured_output is None and r.beam_group is None]
-        if ready:
-            self.spec.propose(ready, len(self.running))
+                 and r.beam_group is None and self._may_draft(r.structured_output)]
+        if not ready:
+            return
+        self.spec.propose(ready, len(self.running))
+        for r in ready:
+            if r.structured_output is not None and r.spec_token_ids:
+                # only drafts the grammar allows: each gets a bitmask row, and a rejected one would be wasted
+                r.spec_token_ids = StructuredOutputManager.valid_draft_prefix(r.structured_output, r.spec_token_ids)
+
+    @staticmethod
+    def _may_draft(grammar: RequestStructuredOutput | None) -> bool:
+        """A constrained request drafts once its answer is constrained (not while it reasons: the grammar's
+        start would fall inside a run sampled unmasked), with a matcher that can undo its drafts."""
+        return grammar is None or (grammar.reasoning_ended and grammar.is_ready and grammar.error is None
+                                   and type(grammar.matcher).supports_rollback)
 
     def _collect_prompt_logprobs(self, req: Request, first_index: int, entries: list[Any]) -> None:
         """Keep the entries not delivered yet (a recomputed prompt repeats earlier ones)."""

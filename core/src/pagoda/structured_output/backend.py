@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -23,6 +23,14 @@ class StructuredOutputError(ValueError):
 
 class StructuredOutputMatcher(ABC):
     """One request's position in its grammar."""
+
+    # Declares ``rollback``: speculative decoding drafts for a constrained request only with a matcher
+    # that can undo tokens (its drafts are walked through the grammar for their bitmask rows, then undone).
+    supports_rollback: ClassVar[bool] = False
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (only where ``supports_rollback``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support rollback")
 
     @abstractmethod
     def accept_tokens(self, token_ids: list[int]) -> bool:

@@ -84,7 +84,13 @@ class GrammarMaskStage:
         grammar = so.grammar
         if grammar is None:
             return logits, rows
+        # a request verifying drafts has consecutive logits rows and as many consecutive bitmask rows
+        idx = rows.index
+        positions = np.arange(len(idx))
+        group_start = np.maximum.accumulate(np.where(np.r_[True, idx[1:] != idx[:-1]], positions, 0))
+        offsets = (positions - group_start).tolist()
         mask_rows = [grammar.request_rows.get(rid, -1) for rid in rows.req_ids(step)]
+        mask_rows = [r + o if r >= 0 else -1 for r, o in zip(mask_rows, offsets)]
         if max(mask_rows) < 0:
             return logits, rows
         if self._backend is None:
