@@ -32,6 +32,18 @@ class StructuredOutputMatcher(ABC):
         """Undo the last ``num_tokens`` accepted tokens (only where ``supports_rollback``)."""
         raise NotImplementedError(f"{type(self).__name__} does not support rollback")
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many leading ``token_ids`` the grammar accepts from here, the matcher left as it was (vLLM's
+        name; speculative drafts are cut there). By default accepted one at a time and rolled back: a
+        backend whose matcher cannot take a rejected token and go on overrides it."""
+        n = 0
+        for token in token_ids:
+            if self.is_terminated() or not self.accept_tokens([token]):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
     @abstractmethod
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """Advance over ``token_ids``; False (and no advance past it) at the first token the grammar rejects."""

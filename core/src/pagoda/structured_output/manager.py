@@ -181,14 +181,7 @@ class StructuredOutputManager:
     @staticmethod
     def valid_draft_prefix(request: RequestStructuredOutput, draft: list[int]) -> list[int]:
         """The longest prefix of ``draft`` the request's grammar accepts (the matcher is left as it was)."""
-        matcher = request.matcher
-        n = 0
-        for token in draft:
-            if matcher.is_terminated() or not matcher.accept_tokens([token]):
-                break
-            n += 1
-        matcher.rollback(n)
-        return draft[:n]
+        return draft[: request.matcher.validate_tokens(draft)]
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -148,6 +148,10 @@ class GuidanceMatcher(StructuredOutputMatcher):
             self.matcher.rollback(num_tokens)
             del self._accepted[-num_tokens:]
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        # consuming a rejected token would stop the matcher for good: llguidance checks without consuming
+        return int(self.matcher.validate_tokens(token_ids))
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
 
