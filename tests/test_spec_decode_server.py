@@ -1,6 +1,7 @@
 """`pagoda serve --speculative-config '<json>'`: n-gram speculation on the default model (SmolLM2-135M-Instruct)
-counts its drafts and accepted tokens in /metrics and logs vLLM's SpecDecoding metrics line; greedy text is
-the same as without speculation."""
+counts its drafts and accepted tokens in /metrics and logs vLLM's SpecDecoding metrics line. (Greedy equality
+is tested on float models in tests/test_spec_decode.py: the default model's GGUF matmul rounds a verify step's
+rows and a decode's differently, so a near-tie could go either way.)"""
 
 from __future__ import annotations
 
@@ -26,16 +27,13 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-def test_serve_with_ngram_speculation_counts_accepted_tokens(start_server: Any, default_model_server: Any) -> None:
+def test_serve_with_ngram_speculation_counts_accepted_tokens(start_server: Any) -> None:
     spec = start_server(["--max-model-len", "512", "--max-num-seqs", "8", "--speculative-config",
                          '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, '
                          '"prompt_lookup_min": 2}'], env={"PAGODA_LOG_STATS_INTERVAL": "0.01"})
-    texts = []
-    for server in (spec, default_model_server):
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
-        texts.append(out.choices[0].text)
-    assert texts[0] == texts[1]
+    client = openai.OpenAI(base_url=spec.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
+    assert out.usage.completion_tokens == 40 and "Monday" in out.choices[0].text
     text = httpx.get(spec.url + "/metrics", timeout=10).text
     assert _metric(text, "spec_decode_num_drafts_total") > 0
     assert _metric(text, "spec_decode_num_draft_tokens_total") > 0
