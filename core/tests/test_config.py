@@ -128,8 +128,9 @@ def test_every_engine_arg_belongs_to_exactly_one_section() -> None:
     section_fields = [name for section in sections for name in section.model_fields]
     assert len(section_fields) == len(set(section_fields))
     # structured_outputs_config is a whole section (as in vLLM), passed as is; reasoning_parser (vLLM's flat
-    # --reasoning-parser) lands in it; enable_lora (vLLM's flag) decides whether lora_config exists
-    assert (set(section_fields) | {"structured_outputs_config", "reasoning_parser", "enable_lora"}
+    # --reasoning-parser) lands in it; enable_lora (vLLM's flag) decides whether lora_config exists;
+    # speculative_config is a whole section too
+    assert (set(section_fields) | {"structured_outputs_config", "reasoning_parser", "enable_lora", "speculative_config"}
             == set(EngineArgs.model_fields))
     # inherited, not re-declared: each EngineArgs field is its section's (default, bounds, description)
     for section in sections:
@@ -150,6 +151,24 @@ def test_structured_outputs_config_from_args_and_cli_json() -> None:
     assert config.structured_outputs_config.backend == "xgrammar"
     with pytest.raises(ValueError):
         EngineArgs(structured_outputs_config={"backend": "xgrammar", "nope": 1})
+
+
+def test_speculative_config_from_args_and_cli_json() -> None:
+    from pagoda.entrypoints.cli.engine_options import engine_args_from_cli
+
+    assert EngineArgs().create_engine_config().speculative_config is None
+    args = engine_args_from_cli({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}'})
+    spec = args.create_engine_config().speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        "ngram", 4, 5, 5)
+    # vLLM's inference of the method from the model
+    assert EngineArgs(speculative_config={"model": "[ngram]", "num_speculative_tokens": 2,
+                                          "prompt_lookup_max": 3}).speculative_config.method == "ngram"
+    assert EngineArgs(speculative_config={"method": "suffix"}).speculative_config.num_speculative_tokens == 24
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        EngineArgs(speculative_config={"method": "suffix", "prompt_lookup_max": 2})
 
 
 def test_reasoning_parser_lands_in_the_structured_outputs_section() -> None:

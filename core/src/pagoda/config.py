@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from pagoda.pooling.config import ConvertOption, PoolerConfig, RunnerOption
+from pagoda.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +260,8 @@ class EngineConfig(_Config):
     structured_outputs_config: StructuredOutputsConfig = Field(default_factory=_default_structured_outputs_config)
     # None: LoRA is off (vLLM's EngineConfig.lora_config); resolved by prepare_engine_config
     lora_config: LoRAConfig | None = None
+    # None: no speculative decoding
+    speculative_config: SpeculativeConfig | None = None
     # Decided once in the main process and replayed in workers.
     plugins: list[str] | None = None
     registered_models: dict[str, str] = Field(default_factory=dict)
@@ -333,6 +336,14 @@ class EngineArgs(LoRAConfig, LoadConfig, DeviceConfig, ParallelConfig, Scheduler
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = Field(
         default_factory=_default_structured_outputs_config, description=StructuredOutputsConfig.__doc__)
 
+    # A whole section too (vLLM's --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}').
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = Field(None, description=SpeculativeConfig.__doc__)
+
+    @field_validator("speculative_config", mode="after")
+    @classmethod
+    def _speculative_config_object(cls, value: Any) -> SpeculativeConfig | None:
+        return SpeculativeConfig(**value) if isinstance(value, dict) else value
+
     @field_validator("structured_outputs_config", mode="after")
     @classmethod
     def _structured_outputs_config_object(cls, value: Any) -> StructuredOutputsConfig:
@@ -380,7 +391,8 @@ class EngineArgs(LoRAConfig, LoadConfig, DeviceConfig, ParallelConfig, Scheduler
         if asked and not self.enable_lora:
             raise ValueError(f"{', '.join(asked)} configure LoRA adapters: pass enable_lora=True too")
         lora = LoRAConfig(**lora_fields) if self.enable_lora else None
-        return EngineConfig(**sections, structured_outputs_config=structured, lora_config=lora)
+        return EngineConfig(**sections, structured_outputs_config=structured, lora_config=lora,
+                            speculative_config=self._speculative_config_object(self.speculative_config))
 
 
 class AsyncEngineArgs(EngineArgs):

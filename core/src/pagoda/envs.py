@@ -100,6 +100,16 @@ def parse_positive_gib(name: str, raw: str) -> float:
     return value
 
 
+def parse_positive_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {raw}")
+    return value
+
+
 def parse_names(name: str, raw: str) -> list[str]:
     return [n.strip() for n in raw.split(",") if n.strip()]
 
@@ -161,6 +171,10 @@ _VARIABLES: list[EnvVar[Any]] = [
            "single-rank engine (a TP/PP executor keeps the thread), an AsyncLLM made in a script the thread; "
            "data_parallel_size > 1 always uses processes.",
            _CORE, parse_bool),
+    EnvVar("PAGODA_LOG_STATS_INTERVAL", "float", 10.0,
+           "Seconds between the engine's periodic statistics log lines (the SpecDecoding metrics line), "
+           "as VLLM_LOG_STATS_INTERVAL.",
+           _CORE, parse_positive_float),
     # -- kernels ------------------------------------------------------------------
     EnvVar("PAGODA_KERNELS_IMPL", "one of auto, triton, torch", "auto",
            "pagoda-kernels' implementation when a call does not choose: auto (Triton on GPU tensors), "

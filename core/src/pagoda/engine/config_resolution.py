@@ -98,7 +98,20 @@ def apply_defaults(config: EngineConfig, platform: Platform, defaults: PlatformD
     _resolve_schedule(sources, defaults, platform.name)
     _resolve_graphs(sources, defaults, platform)
     _resolve_lora(sources)
+    _check_speculative(config)
     config.sources = sources.by_field
+
+
+def _check_speculative(config: EngineConfig) -> None:
+    """Speculative decoding's refusals, as vLLM's: no pipeline parallelism, no pooling model."""
+    if config.speculative_config is None:
+        return
+    if config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("speculative decoding (speculative_config) does not run with pipeline parallelism; "
+                         "set pipeline_parallel_size=1 or drop speculative_config")
+    if config.resolved.runner_type != "generate":
+        raise ValueError("speculative decoding (speculative_config) applies to generative models; "
+                         f"this model runs as {config.resolved.runner_type!r}")
 
 
 def _resolve_cache(sources: _Sources, defaults: PlatformDefaults) -> None:

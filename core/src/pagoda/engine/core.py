@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from pagoda import envs
 from pagoda.beam_search.group import BeamGroup
 from pagoda.config import EngineConfig
 from pagoda.engine.config_resolution import prepare_engine_config  # noqa: F401 - where callers have imported it from
@@ -28,6 +29,8 @@ from pagoda.platforms import Platform
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.scheduler.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.spec_decode import load_proposer_class
+from pagoda.spec_decode.scheduling import SpecDecoding
 from pagoda.structured_output.manager import StructuredOutputManager
 from pagoda.worker.model_runner import ModelRunner
 from pagoda.worker.process import replay_main_process_decisions
@@ -72,6 +75,7 @@ class EngineCore:
             structured_output_manager=self._structured_output_manager(config),
             use_pp=config.parallel_config.pipeline_parallel_size > 1,
             max_loras=config.lora_config.max_loras if config.lora_config is not None else None,
+            spec_decoding=self._spec_decoding(config),
         )
         # adapters the workers have read and checked: lora_int_id -> its request (vLLM's add_lora registry)
         self._loras: dict[int, LoRARequest] = {}
@@ -93,6 +97,16 @@ class EngineCore:
                              f"(the executor's max_concurrent_batches), got {size}")
         self._batch_queue_size = size
         self.scheduler.num_micro_batches = size
+
+    def _spec_decoding(self, config: EngineConfig) -> SpecDecoding | None:
+        """The proposer the speculative config names, from the plugins (None: speculation off)."""
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        assert spec.method is not None  # inferred by the config
+        proposer = load_proposer_class(spec.method)(spec)
+        logger.info("speculative decoding: method %s, %d speculative tokens", spec.method, spec.k)
+        return SpecDecoding(spec, proposer, self.max_model_len, log_interval_s=envs.PAGODA_LOG_STATS_INTERVAL)
 
     def _structured_output_manager(self, config: EngineConfig) -> StructuredOutputManager | None:
         """A generative model with a tokenizer gets one; the backend and tokenizer load on the first constraint."""
@@ -249,6 +263,7 @@ class EngineCore:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=preemptions - self._reported_preemptions,
+            spec_decoding_stats=self.scheduler.spec.take_stats() if self.scheduler.spec is not None else None,
         )
         if self.config.lora_config is not None:
             stats.max_lora = self.config.lora_config.max_loras

@@ -87,6 +87,13 @@ class PrometheusStatLogger:
         ).labels(model_name)
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", _REQUEST_LATENCY_BUCKETS).labels(model_name)
         self.queue_time = histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS).labels(model_name)
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.").labels(model_name)
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.").labels(model_name)
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.").labels(model_name)
+        self._accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position.", ["position"])
+        self._model_name = model_name
+        self.spec_decode_num_accepted_tokens_per_pos: list[_Same] = []
         token_buckets = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
         self.prompt_tokens_per_request = histogram(
             "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets).labels(model_name)
@@ -107,6 +114,16 @@ class PrometheusStatLogger:
             self.prefix_cache_hits.inc(scheduler.prefix_cache_hits)
         if scheduler.num_preemptions:
             self.num_preemptions.inc(scheduler.num_preemptions)
+        spec = scheduler.spec_decoding_stats
+        if spec is not None:
+            self.spec_decode_num_drafts.inc(spec.num_drafts)
+            self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+            per_pos = self.spec_decode_num_accepted_tokens_per_pos
+            while len(per_pos) < len(spec.num_accepted_tokens_per_pos):
+                per_pos.append(self._accepted_per_pos.labels(self._model_name, str(len(per_pos))))
+            for counter_, accepted in zip(per_pos, spec.num_accepted_tokens_per_pos):
+                counter_.inc(accepted)
         if iteration.num_prompt_tokens:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
         if iteration.num_generation_tokens:

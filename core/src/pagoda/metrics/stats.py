@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pagoda.spec_decode.scheduling import SpecDecodingStats
 
 
 @dataclass
@@ -20,6 +23,8 @@ class SchedulerStats:
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     max_lora: int = 0
+    # speculative decoding's counters since the previous record (None: nothing drafted)
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 @dataclass

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         PlatformSpec,
         QuantizationSpec,
         ReasoningParserSpec,
+        SpecProposerSpec,
         StructuredOutputBackendSpec,
         ToolParserSpec,
     )
@@ -330,5 +331,23 @@ def pagoda_register_reasoning_parsers() -> list[ReasoningParserSpec]:
         @hookimpl
         def pagoda_register_reasoning_parsers() -> list[ReasoningParserSpec]:
             return [ReasoningParserSpec(name="my_think", cls="my_reasoning.parser:MyThinkParser")]
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def pagoda_register_spec_proposers() -> list[SpecProposerSpec]:
+    """Speculative decoding proposers (plugin API 1.6).
+
+    :return: ``SpecProposerSpec`` records: ``name`` (what ``speculative_config={"method": NAME}``
+        takes), ``cls`` (``"module:Class"`` of a ``pagoda.spec_decode.Proposer``).
+
+    Read when an engine starts with a ``speculative_config``; the class is imported then.
+
+    Example::
+
+        @hookimpl
+        def pagoda_register_spec_proposers() -> list[SpecProposerSpec]:
+            return [SpecProposerSpec(name="my_lookup", cls="my_spec.proposer:MyProposer")]
     """
     raise NotImplementedError

@@ -30,6 +30,7 @@ from pagoda.plugins.specs import (
     PluginInfo,
     QuantizationSpec,
     ReasoningParserSpec,
+    SpecProposerSpec,
     StructuredOutputBackendSpec,
     ToolParserSpec,
 )
@@ -40,7 +41,8 @@ logger = logging.getLogger(__name__)
 # core adds hooks and hook arguments only additively within a major version.
 # 1.1: pagoda_register_model_fallbacks. 1.2: pagoda_register_structured_output_backends.
 # 1.3: pagoda_register_tool_parsers. 1.4: pagoda_register_reasoning_parsers. 1.5: pagoda_add_env_vars
-# (and pagoda_startup became historic: a plugin registered late is called too). 1.6: pagoda_register_lora_resolvers.
+# (and pagoda_startup became historic: a plugin registered late is called too).
+# 1.6: pagoda_register_lora_resolvers and pagoda_register_spec_proposers.
 API_VERSION = "1.6"
 API_VERSION_ATTR = "PAGODA_PLUGIN_API_VERSION"
 PLUGINS_ENV = "PAGODA_PLUGINS"
@@ -58,6 +60,7 @@ ENTRY_POINT_GROUPS: dict[str, str] = {
     "reasoning_parser": "pagoda.reasoning_parsers",
     "logits_processor": "pagoda.logits_processors",
     "lora_resolver": "pagoda.lora_resolvers",
+    "spec_proposer": "pagoda.spec_proposers",
     "general": "pagoda.general",
 }
 
@@ -74,6 +77,7 @@ _REGISTER_HOOKS: dict[str, tuple[type, str]] = {
     "pagoda_register_reasoning_parsers": (ReasoningParserSpec, "name"),
     "pagoda_register_logits_processors": (LogitsProcessorSpec, "name"),
     "pagoda_register_lora_resolvers": (LoRAResolverSpec, "name"),
+    "pagoda_register_spec_proposers": (SpecProposerSpec, "name"),
 }
 
 
@@ -432,6 +436,9 @@ class PluginManager:
 
     def logits_processors(self) -> dict[str, LogitsProcessorSpec]:
         return self._by_name("pagoda_register_logits_processors", "name")
+
+    def spec_proposers(self) -> dict[str, SpecProposerSpec]:
+        return self._by_name("pagoda_register_spec_proposers", "name")
 
     def loaded_names(self) -> list[str]:
         return [i.name for i in self.infos if i.status == "loaded" and i.distribution]

@@ -135,6 +135,18 @@ class ReasoningParserSpec:
 
 
 @dataclass(frozen=True)
+class SpecProposerSpec:
+    """A speculative decoding proposer (``cls``: a ``pagoda.spec_decode.Proposer`` subclass) that
+    ``speculative_config={"method": NAME}`` picks."""
+
+    name: str
+    cls: str
+
+    def load(self) -> type:
+        return import_object(self.cls)
+
+
+@dataclass(frozen=True)
 class IOProcessorSpec:
     name: str
     cls: str

@@ -197,8 +197,14 @@ class SamplingBatch:
 
     # ---- per step -------------------------------------------------------
 
-    def metadata(self, rows: Sequence[int] | np.ndarray | torch.Tensor) -> SamplingMetadata:
-        """Gather the sampling tensors for logits row ``i`` = batch row ``rows[i]``."""
+    def metadata(self, rows: Sequence[int] | np.ndarray | torch.Tensor,
+                 extra_output: Sequence[Sequence[int]] | None = None) -> SamplingMetadata:
+        """Gather the sampling tensors for logits row ``i`` = batch row ``rows[i]``.
+
+        ``extra_output[i]`` (speculative decoding): tokens that follow the row's output at logits row ``i``
+        (the drafts before the position it verifies); penalties, bad words, min_tokens and logits
+        processors see the output extended by them. A batch row may then appear several times.
+        """
         index = self._as_index(rows)
         batch = index.size
         floats = self._floats[index]
@@ -245,16 +251,24 @@ class SamplingBatch:
                 metadata.generators[i] = generator
         penalized = np.flatnonzero(self._has_penalties[index])
         if penalized.size:
-            metadata.penalties = self._penalty_tensors(index, penalized, float_tensor)
+            metadata.penalties = self._penalty_tensors(index, penalized, float_tensor, extra_output)
         listed = np.flatnonzero(self._has_lists[index])
         if listed.size:
-            self._fill_list_constraints(metadata, index, listed)
+            self._fill_list_constraints(metadata, index, listed, extra_output)
         return metadata
 
-    def _penalty_tensors(self, index: np.ndarray, penalized: np.ndarray, float_tensor: torch.Tensor) -> PenaltyTensors:
+    def _output(self, i: int, row: int, extra_output: Sequence[Sequence[int]] | None) -> list[int]:
+        state = self._rows[row]
+        assert state is not None
+        if extra_output is not None and extra_output[i]:
+            return state.output_token_ids + list(extra_output[i])
+        return state.output_token_ids
+
+    def _penalty_tensors(self, index: np.ndarray, penalized: np.ndarray, float_tensor: torch.Tensor,
+                         extra_output: Sequence[Sequence[int]] | None) -> PenaltyTensors:
         vocab = self.vocab_size
         rows = [self._rows[r] for r in index[penalized].tolist()]
-        outputs = [r.output_token_ids for r in rows]  # type: ignore[union-attr]
+        outputs = [self._output(i, int(index[i]), extra_output) for i in penalized.tolist()]
         lengths = np.fromiter(map(len, outputs), dtype=np.int64, count=len(outputs))
         flat = np.fromiter(itertools.chain.from_iterable(outputs), dtype=np.int64, count=int(lengths.sum()))
         positions = np.repeat(np.arange(len(rows), dtype=np.int64) * vocab, lengths) + flat
@@ -284,7 +298,8 @@ class SamplingBatch:
             prompt_mask=prompt_mask,
         )
 
-    def _fill_list_constraints(self, metadata: SamplingMetadata, index: np.ndarray, listed: np.ndarray) -> None:
+    def _fill_list_constraints(self, metadata: SamplingMetadata, index: np.ndarray, listed: np.ndarray,
+                               extra_output: Sequence[Sequence[int]] | None = None) -> None:
         allowed_rows: list[int] = []
         allowed_ids: list[np.ndarray] = []
         banned_rows: list[int] = []
@@ -296,7 +311,7 @@ class SamplingBatch:
         for i in listed.tolist():
             state = self._rows[index[i]]
             assert state is not None
-            output = state.output_token_ids
+            output = self._output(i, int(index[i]), extra_output)
             if state.allowed_token_ids is not None:
                 allowed_rows.append(i)
                 allowed_ids.append(state.allowed_token_ids)

@@ -95,6 +95,10 @@ class SchedulerOutput(msgspec.Struct, gc=False):
     block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)
     # structured outputs: set when a constrained request samples this step
     grammar: GrammarBitmask | None = None
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last token (vLLM's name). They
+    # are among the request's ``num_scheduled_tokens``; the runner verifies them and returns the accepted
+    # ones plus one token of its own in ``sampled_token_ids``.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

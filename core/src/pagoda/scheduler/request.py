@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pagoda.beam_search.group import BeamGroup
     from pagoda.engine.messages import EngineCoreRequest
     from pagoda.lora.request import LoRARequest
+    from pagoda.spec_decode.proposer import Proposer
     from pagoda.structured_output.manager import RequestStructuredOutput
 
 
@@ -128,6 +129,10 @@ class Request(TypedParams):
         self.unsent_token_ids: list[int] = []
         # Structured outputs: the grammar future, then its matcher; None for an unconstrained request.
         self.structured_output: RequestStructuredOutput | None = None
+        # Speculative decoding: drafts for the next step (vLLM's name), and the request's own proposer where
+        # it has one (None: the engine's).
+        self.spec_token_ids: list[int] = []
+        self.spec_proposer: Proposer | None = None
         # timestamps for metrics
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -180,6 +185,7 @@ class Request(TypedParams):
         child.block_hashes = list(self.block_hashes)
         child.pending_prompt_logprobs = []
         child.unsent_token_ids = []
+        child.spec_token_ids = []
         return child
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:

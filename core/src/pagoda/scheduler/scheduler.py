@@ -35,6 +35,7 @@ from pagoda.scheduler.output import (
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from pagoda.structured_output.backend import StructuredOutputError
+from pagoda.spec_decode.scheduling import SpecDecoding
 from pagoda.structured_output.manager import RequestStructuredOutput, StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class _StepBuilder:
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached: list[CachedRequestData] = field(default_factory=list)
+    # speculative decoding: the drafts scheduled with each request's last token
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def has_room(self) -> bool:
         return self.budget > 0 and len(self.num_scheduled) < self.max_reqs
@@ -70,8 +73,11 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         use_pp: bool = False,
         max_loras: int | None = None,
+        spec_decoding: SpecDecoding | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        # speculative decoding (None: off); its drafts are scheduled with each request's next decode
+        self.spec = spec_decoding
         self.structured_output_manager = structured_output_manager
         # Outputs of requests finished outside a step (a constraint that failed to compile).
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -129,6 +135,8 @@ class Scheduler:
 
     def add_beam_search(self, group: BeamGroup, root: Request) -> None:
         """Start a beam search; ``root`` (the prompt) is its first beam."""
+        if self.spec is not None:
+            raise ValueError("beam search does not run with speculative decoding (speculative_config), as in vLLM")
         beams = self.beam_search
         if not isinstance(beams, BeamSearchScheduling):
             beams = self.beam_search = BeamSearchScheduling(self)
@@ -157,6 +165,8 @@ class Scheduler:
         return done
 
     def _free(self, req: Request) -> None:
+        if self.spec is not None:
+            self.spec.on_finished(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._constrained.discard(req.request_id)
@@ -180,6 +190,8 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        if self.spec is not None:
+            self.spec.on_preempted(victim)
         if victim.request_id in self._in_runner:
             self._finished_ids.add(victim.request_id)
             self._in_runner.discard(victim.request_id)
@@ -235,6 +247,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             finished_req_ids=self._finished_ids,
             block_copies=copies,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
         self._finished_ids = set()
         self._fill_grammar_bitmask(out)
@@ -272,6 +285,12 @@ class Scheduler:
             if num_new <= 0 or req.request_id in self._in_flight:
                 i += 1
                 continue
+            drafts = req.spec_token_ids
+            if drafts:
+                # drafts follow the request's last token only, and take what is left of the budget
+                req.spec_token_ids = []
+                drafts = drafts[: step.budget - num_new] if num_new == 1 else []
+                num_new += len(drafts)
             new_blocks: list[int] | None = None
             while True:
                 new_blocks = self.kv.allocate_slots(req, num_new)
@@ -290,6 +309,8 @@ class Scheduler:
                 # ``req`` itself was preempted; the list shifted under ``i``
                 continue
             step.take(req.request_id, num_new)
+            if drafts:
+                step.spec_tokens[req.request_id] = drafts
             if req.request_id not in self._in_runner:
                 # forked since the last step: the runner gets it whole
                 self._in_runner.add(req.request_id)
@@ -417,22 +438,30 @@ class Scheduler:
         return [rid for rid in self._in_flight if rid in self.requests]
 
     def _fill_grammar_bitmask(self, out: SchedulerOutput) -> None:
-        """One bitmask for the constrained requests that sample this step (their prompt is done)."""
+        """One bitmask for the constrained requests that sample this step (their prompt is done); a request
+        verifying drafts has a row for each of its positions, consecutive."""
         manager = self.structured_output_manager
         if manager is None or not self._constrained:
             return
         ids: dict[str, int] = {}
         constrained: list[RequestStructuredOutput] = []
+        drafts: list[list[int]] = []
+        num_rows = 0
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
             # still reasoning: its tokens are free until the reasoning parser sees the end of it
             if req.structured_output is None or req.beam_group is not None or not req.structured_output.reasoning_ended:
                 continue
             if req.num_computed_tokens + n >= req.num_tokens:
-                ids[rid] = len(constrained)
+                draft = out.scheduled_spec_decode_tokens.get(rid, [])
+                ids[rid] = num_rows
+                num_rows += 1 + len(draft)
                 constrained.append(req.structured_output)
+                drafts.append(draft)
         if constrained:
-            out.grammar = GrammarBitmask(ids, manager.grammar_bitmask(constrained))
+            bitmask = (manager.grammar_bitmask_with_drafts(constrained, drafts) if any(drafts)
+                       else manager.grammar_bitmask(constrained))
+            out.grammar = GrammarBitmask(ids, bitmask)
 
     def _fail_constraint(self, req: Request, error: BaseException) -> None:
         self.waiting.remove(req)
@@ -470,6 +499,7 @@ class Scheduler:
                 del step.new_reqs[j]
                 self._in_runner.discard(rid)
                 break
+        step.spec_tokens.pop(rid, None)
         step.budget += step.num_scheduled.pop(rid, 0)
 
     def _new_request_data(self, req: Request) -> NewRequestData:
@@ -508,6 +538,14 @@ class Scheduler:
             new_ids = runner_out.sampled_token_ids[idx]
             if not new_ids:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            drafts = sched_out.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                # the rejected drafts' positions are computed again: their KV slots are overwritten
+                # next step, and no block key ever covers them (keys are made of appended tokens only)
+                num_accepted = len(new_ids) - 1
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                assert self.spec is not None
+                self.spec.record(req, len(drafts), num_accepted)
             accepted: list[int] = []
             for tok in new_ids:
                 accepted.append(tok)
@@ -539,7 +577,30 @@ class Scheduler:
                 self._free(req)
             outputs.append(out)
         outputs.extend(self.beam_search.advance())
+        if self.spec is not None:
+            self._propose_drafts()
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the running requests whose next step is a decode (constrained ones decode plainly)."""
+        assert self.spec is not None
+        ready = [r for r in self.running
+                 if r.num_computed_tokens == r.num_tokens - 1 and r.request_id not in self._in_flight
+                 and r.beam_group is None and self._may_draft(r.structured_output)]
+        if not ready:
+            return
+        self.spec.propose(ready, len(self.running))
+        for r in ready:
+            if r.structured_output is not None and r.spec_token_ids:
+                # only drafts the grammar allows: each gets a bitmask row, and a rejected one would be wasted
+                r.spec_token_ids = StructuredOutputManager.valid_draft_prefix(r.structured_output, r.spec_token_ids)
+
+    @staticmethod
+    def _may_draft(grammar: RequestStructuredOutput | None) -> bool:
+        """A constrained request drafts once its answer is constrained (not while it reasons: the grammar's
+        start would fall inside a run sampled unmasked), with a matcher that can undo its drafts."""
+        return grammar is None or (grammar.reasoning_ended and grammar.is_ready and grammar.error is None
+                                   and type(grammar.matcher).supports_rollback)
 
     def _collect_prompt_logprobs(self, req: Request, first_index: int, entries: list[Any]) -> None:
         """Keep the entries not delivered yet (a recomputed prompt repeats earlier ones)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -23,6 +23,26 @@ class StructuredOutputError(ValueError):
 
 class StructuredOutputMatcher(ABC):
     """One request's position in its grammar."""
+
+    # Declares ``rollback``: speculative decoding drafts for a constrained request only with a matcher
+    # that can undo tokens (its drafts are walked through the grammar for their bitmask rows, then undone).
+    supports_rollback: ClassVar[bool] = False
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (only where ``supports_rollback``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support rollback")
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many leading ``token_ids`` the grammar accepts from here, the matcher left as it was (vLLM's
+        name; speculative drafts are cut there). By default accepted one at a time and rolled back: a
+        backend whose matcher cannot take a rejected token and go on overrides it."""
+        n = 0
+        for token in token_ids:
+            if self.is_terminated() or not self.accept_tokens([token]):
+                break
+            n += 1
+        self.rollback(n)
+        return n
 
     @abstractmethod
     def accept_tokens(self, token_ids: list[int]) -> bool:

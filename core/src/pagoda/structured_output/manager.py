@@ -243,6 +243,30 @@ class StructuredOutputManager:
             backend.fill_bitmasks(matchers, rows, bitmask)
         return bitmask
 
+    def grammar_bitmask_with_drafts(self, requests: list[RequestStructuredOutput],
+                                    drafts: list[list[int]]) -> torch.Tensor:
+        """Speculative decoding: ``1 + len(drafts[i])`` consecutive rows for ``requests[i]``: what its matcher
+        allows next, then after each of its drafts (walked through the grammar and undone again)."""
+        rows = sum(len(d) + 1 for d in drafts)
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            self._bitmask = StructuredOutputBackend.allocate_bitmask(self.backend, max(rows, 8))
+        bitmask = self._bitmask[:rows]
+        row = 0
+        for request, draft in zip(requests, drafts):
+            matcher = request.matcher
+            for j in range(len(draft) + 1):
+                matcher.fill_bitmask(bitmask, row)
+                row += 1
+                if j < len(draft) and not matcher.accept_tokens([draft[j]]):
+                    raise RuntimeError(f"draft token {draft[j]} was validated but the grammar rejects it")
+            matcher.rollback(len(draft))
+        return bitmask
+
+    @staticmethod
+    def valid_draft_prefix(request: RequestStructuredOutput, draft: list[int]) -> list[int]:
+        """The longest prefix of ``draft`` the request's grammar accepts (the matcher is left as it was)."""
+        return draft[: request.matcher.validate_tokens(draft)]
+
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

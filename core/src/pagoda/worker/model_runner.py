@@ -430,7 +430,7 @@ class ModelRunner:
         if (self.runner_type != "generate" or step.wants_prompt_logprobs or not self.pp.is_last_rank
                 or not supports_output_rows(self.model) or self.lora_manager is not None):
             return None
-        rows = step.last_token_rows
+        rows = step.logits_rows
         return rows if len(rows) < step.num_tokens else None
 
     def _apply_diffs(self, so: SchedulerOutput) -> None:
@@ -459,6 +459,11 @@ class ModelRunner:
                 take_scheduled_tokens(self.batch, row, diff.scheduled_output_token_ids,
                                       diff.num_computed_tokens + so.num_scheduled_tokens[diff.req_id])
             self.batch.num_computed[row] = diff.num_computed_tokens
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            # the drafts are the row's inputs after its last token; they become its tokens only once accepted
+            row = self.batch.rows[rid].row
+            start = int(self.batch.num_tokens[row])
+            self.batch.token_ids[row, start:start + len(drafts)] = drafts
         if so.block_copies:
             src = torch.tensor([s for s, _ in so.block_copies], device=self.device)
             dst = torch.tensor([d for _, d in so.block_copies], device=self.device)

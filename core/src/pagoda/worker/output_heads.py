@@ -84,7 +84,13 @@ class GrammarMaskStage:
         grammar = so.grammar
         if grammar is None:
             return logits, rows
+        # a request verifying drafts has consecutive logits rows and as many consecutive bitmask rows
+        idx = rows.index
+        positions = np.arange(len(idx))
+        group_start = np.maximum.accumulate(np.where(np.r_[True, idx[1:] != idx[:-1]], positions, 0))
+        offsets = (positions - group_start).tolist()
         mask_rows = [grammar.request_rows.get(rid, -1) for rid in rows.req_ids(step)]
+        mask_rows = [r + o if r >= 0 else -1 for r, o in zip(mask_rows, offsets)]
         if max(mask_rows) < 0:
             return logits, rows
         if self._backend is None:
@@ -120,17 +126,40 @@ class GenerateHead:
         if step.wants_prompt_logprobs:
             out.prompt_logprobs = self.sampler.prompt_logprobs(self.model, hidden, step.req_ids, step.rows,
                                                                step.start, step.num_scheduled, step.query_start_loc)
-        rows = SampleRows(step.sample_index)
+        # one logits row per sampling request, or with speculative decoding one per verified position
+        rows = SampleRows(step.logits_index)
         if not len(rows.index):
             return out
         if not only_sampled_rows:  # else the model returned exactly the rows that sample
-            hidden = hidden.index_select(0, torch.from_numpy(step.last_token_rows).to(hidden.device))
+            hidden = hidden.index_select(0, torch.from_numpy(step.logits_rows).to(hidden.device))
         logits = self.model.compute_logits(hidden)
         for stage in self.stages:
             logits, rows = stage(logits, rows, step, so, out)
-        if len(rows.index):
+        if not len(rows.index):
+            return out
+        if step.num_draft is not None:
+            self._verify(logits, rows, step, so, out)
+        else:
             self._sample(logits, rows, step, out)
         return out
+
+    def _verify(self, logits: torch.Tensor, rows: SampleRows, step: StepInputs, so: SchedulerOutput,
+                out: ModelRunnerOutput) -> None:
+        """Speculative decoding: the rejection sampler keeps each request's accepted drafts and adds one token."""
+        b = self.batch
+        # the requests, in order (each owns 1 + its drafts consecutive logits rows)
+        index = rows.index[np.r_[True, rows.index[1:] != rows.index[:-1]]]
+        req_ids = [step.req_ids[i] for i in index.tolist()]
+        drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in req_ids]
+        batch_rows = step.rows[index]
+        tokens = self.sampler.verify(logits, batch_rows, req_ids, drafts, out)
+        for i, row, toks, d in zip(index.tolist(), batch_rows.tolist(), tokens, drafts):
+            n = int(b.num_tokens[row])
+            b.token_ids[row, n:n + len(toks)] = toks
+            b.num_tokens[row] = n + len(toks)
+            # positions of the rejected drafts are computed again next step
+            b.num_computed[row] -= len(d) - (len(toks) - 1)
+            out.sampled_token_ids[i].extend(toks)
 
     def _sample(self, logits: torch.Tensor, rows: SampleRows, step: StepInputs, out: ModelRunnerOutput) -> None:
         b = self.batch

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pagoda.sample import Sampler, SamplingBatch, gather_logprobs, to_sample_logprobs
+from pagoda.sample.rejection import rejection_sample
 from pagoda.scheduler.output import ModelRunnerOutput
 from pagoda.worker.input_batch import InputBatch, RowState
 
@@ -45,6 +46,31 @@ class RunnerSampler:
                     out.logprobs[rid] = [record]
                     out.sampled_logprobs[rid] = [lp]
         return result.sampled_token_ids.to("cpu")
+
+    def verify(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], drafts: list[list[int]],
+               out: ModelRunnerOutput) -> list[list[int]]:
+        """Speculative decoding: per request (batch row ``rows[i]``, its ``drafts[i]``), the accepted drafts and
+        the target's next token; ``logits`` holds ``len(drafts[i]) + 1`` rows for each, in order."""
+        num_draft = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))
+        logit_rows = np.repeat(rows, num_draft + 1)
+        # the row verifying draft j sees the output extended by drafts 0..j-1
+        extra = [d[:j] for d in drafts for j in range(len(d) + 1)]
+        draft_ids = [t for d in drafts for t in (*d, -1)]
+        metadata = self.state.metadata(logit_rows, extra)
+        result = rejection_sample(self.sampler, logits, metadata,
+                                  torch.tensor(draft_ids, dtype=torch.int64, device=logits.device), num_draft)
+        if result.logprobs_tensors is not None:
+            tensors = result.logprobs_tensors.to_cpu()
+            per_row = to_sample_logprobs(tensors, metadata.num_logprobs)
+            sampled_lp = tensors.logprobs[:, 0].tolist()
+            out.logprobs = {}
+            out.sampled_logprobs = {}
+            for rid, first, toks in zip(req_ids, result.first_rows.tolist(), result.token_ids):
+                records = per_row[first:first + len(toks)]
+                if records and records[0] is not None:
+                    out.logprobs[rid] = records  # type: ignore[assignment]
+                    out.sampled_logprobs[rid] = sampled_lp[first:first + len(toks)]
+        return result.token_ids
 
     def prompt_logprobs(
         self, model: Any, hidden: torch.Tensor, req_ids: list[str], rows: np.ndarray,

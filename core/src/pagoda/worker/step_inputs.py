@@ -30,6 +30,8 @@ class StepInputs:
     # [R] the requests whose known tokens are all computed after this step: they sample
     samples: np.ndarray
     wants_prompt_logprobs: bool
+    # [R] speculative decoding: the drafts each request verifies (its last num_draft tokens); None: none
+    num_draft: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,6 +46,30 @@ class StepInputs:
     def last_token_rows(self) -> np.ndarray:
         """Each sampling request's last token, as a row of the step's flat hidden states."""
         return self.query_start_loc[1:][self.samples] - 1
+
+    @property
+    def logits_counts(self) -> np.ndarray:
+        """Logits rows per sampling request: 1, or 1 + its drafts where it verifies some."""
+        if self.num_draft is None:
+            return np.ones(int(self.samples.sum()), dtype=np.int64)
+        return self.num_draft[self.samples] + 1
+
+    @property
+    def logits_rows(self) -> np.ndarray:
+        """The rows of the flat hidden states whose logits are computed: each sampling request's last token,
+        and before it the positions of its drafts (a verify step reads the target's logits at each)."""
+        if self.num_draft is None:
+            return self.last_token_rows
+        counts = self.logits_counts
+        ends = self.query_start_loc[1:][self.samples]
+        starts = np.repeat(ends - counts, counts)
+        return starts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+    @property
+    def logits_index(self) -> np.ndarray:
+        """For each logits row, its request's position in the batch."""
+        index = self.sample_index
+        return index if self.num_draft is None else np.repeat(index, self.logits_counts)
 
     def attention_metadata(self, device: torch.device) -> AttentionMetadata:
         """The eager forward's metadata (a graph replay builds its own over static buffers)."""
@@ -77,10 +103,15 @@ def prepare_step_inputs(batch: InputBatch, so: SchedulerOutput, block_size: int)
              + positions % block_size)
     seq_lens = start + nsched
     max_blocks = int((seq_lens.max() + block_size - 1) // block_size)
+    num_draft = None
+    if so.scheduled_spec_decode_tokens:
+        spec = so.scheduled_spec_decode_tokens
+        num_draft = np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=n)
     return StepInputs(
         req_ids=req_ids, rows=rows, num_scheduled=nsched, start=start, query_start_loc=cu,
         token_rows=token_rows, positions=positions, input_ids=batch.token_ids[token_rows, positions],
         slot_mapping=slots, seq_lens=seq_lens, block_tables=batch.block_table[rows, :max_blocks],
         samples=seq_lens >= batch.num_tokens[rows],
         wants_prompt_logprobs=bool(batch.num_prompt_logprobs[rows].max() >= 0),
+        num_draft=num_draft,
     )

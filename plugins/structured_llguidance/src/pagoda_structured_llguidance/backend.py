@@ -127,12 +127,15 @@ def _check(params: StructuredOutputsParams, grammar: str, tokenizer: Any = None)
 
 
 class GuidanceMatcher(StructuredOutputMatcher):
+    supports_rollback = True
+
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         if self.matcher.is_error():
             raise StructuredOutputError(f"llguidance: {self.matcher.get_error()}")
         self._stop_tokens = set(tokenizer.eos_tokens)
-        self._last_token: int | None = None
+        # the tokens accepted, latest last (is_terminated reads the last; rollback restores it)
+        self._accepted: list[int] = []
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         for i, token in enumerate(token_ids):
@@ -141,9 +144,17 @@ class GuidanceMatcher(StructuredOutputMatcher):
                 if i:
                     self.matcher.rollback(i)
                 return False
-        if token_ids:
-            self._last_token = token_ids[-1]
+        self._accepted.extend(token_ids)
         return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            del self._accepted[-num_tokens:]
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        # consuming a rejected token would stop the matcher for good: llguidance checks without consuming
+        return int(self.matcher.validate_tokens(token_ids))
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
@@ -152,7 +163,7 @@ class GuidanceMatcher(StructuredOutputMatcher):
         # As xgrammar's: terminated once the stop token is accepted. llguidance stops as soon as the grammar is
         # complete, its mask then allowing only EOS; ending the request there would hide the last real token,
         # which the engine takes for the stop token and leaves out of the text.
-        return bool(self.matcher.is_stopped()) and self._last_token in self._stop_tokens
+        return bool(self.matcher.is_stopped()) and bool(self._accepted) and self._accepted[-1] in self._stop_tokens
 
 
 class GuidanceGrammar(CompiledGrammar):

@@ -51,6 +51,8 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 class XgrammarMatcher(StructuredOutputMatcher):
+    supports_rollback = True
+
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)  # keeps unlimited rollback history
 
@@ -65,6 +67,10 @@ class XgrammarMatcher(StructuredOutputMatcher):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())

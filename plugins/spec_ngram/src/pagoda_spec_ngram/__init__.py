@@ -1,0 +1,1 @@
+"""pagoda's n-gram (prompt lookup) speculative decoding proposer."""

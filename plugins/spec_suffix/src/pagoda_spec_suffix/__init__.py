@@ -1,0 +1,1 @@
+"""pagoda's suffix decoding speculative proposer."""
