@@ -85,7 +85,7 @@ def test_required_at_temperature_1_with_n_and_one_call_without_parallel_calls(cl
                                        temperature=1.0, seed=7, max_tokens=80, parallel_tool_calls=False)
     for choice in r.choices:
         if choice.finish_reason == "length":
-            continue  # cut off inside the array: no calls, the text is the content
+            continue  # cut off inside the array: the partial calls, as the stream delivers them
         assert choice.finish_reason == "tool_calls"
         assert len(choice.message.tool_calls) == 1  # parallel_tool_calls=false: the schema allows one
         _check_calls(choice.message.tool_calls, {"get_weather", "get_time"})

@@ -109,6 +109,10 @@ def test_named_streams_the_output_as_arguments(chunk: int) -> None:
     assert finish == "stop"  # as vLLM and OpenAI: a forced function keeps the engine's reason
 
 
-def test_required_cut_off_keeps_its_text_as_content() -> None:
+def test_required_cut_off_answers_what_the_stream_delivered() -> None:
+    # issue 39: the same output gives the same answer streamed or not, a cut-off one too (the partial call)
+    streamed, _ = _streamed("required", OUTPUT[:40], 5)
     message, finish = ChatToolCalls("required", REQUEST).choice().message(OUTPUT[:40], "length")
-    assert message == {"content": OUTPUT[:40], "tool_calls": []} and finish == "length"
+    assert finish == "length" and message["content"] == ""
+    assert [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]] \
+        == streamed == [{"name": "f", "arguments": "{\n  "}]
