@@ -92,7 +92,7 @@ def test_torch_kernel_equals_a_per_token_loop(case: str, widths: tuple[int, ...]
     a, b = _block_diagonal_factors(gen, slots, rank, d_in, widths)
     x = torch.randn(len(token_slots), d_in, generator=gen)
     y = torch.randn(len(token_slots), sum(widths), generator=gen)
-    mapping = build_step_mapping(torch.tensor(token_slots), slots, torch.float32, torch.device("cpu"))
+    mapping = build_step_mapping(torch.tensor(token_slots), slots, torch.device("cpu"))
     assert mapping is not None and (mapping.segments is None) == (plan == "batched")
     expected = y.clone()
     for t, s in enumerate(token_slots):
@@ -103,10 +103,10 @@ def test_torch_kernel_equals_a_per_token_loop(case: str, widths: tuple[int, ...]
 
 
 def test_step_mapping_all_base_rows_and_padding_add_nothing() -> None:
-    assert build_step_mapping(torch.full((4,), -1), 3, torch.float32, torch.device("cpu")) is None
+    assert build_step_mapping(torch.full((4,), -1), 3, torch.device("cpu")) is None
     # slot 1's segment is padded with a repeat of its row, which must be added once; the base row's inf
     # must reach no sum
-    mapping = build_step_mapping(torch.tensor([0, 0, 1, -1]), 2, torch.float32, torch.device("cpu"))
+    mapping = build_step_mapping(torch.tensor([0, 0, 1, -1]), 2, torch.device("cpu"))
     assert mapping is not None and mapping.pad is not None and mapping.segments is None
     a = torch.ones(2 * 2, 3)
     b = torch.ones(2 * 2, 2)
@@ -124,7 +124,7 @@ def test_fused_checkpoint_adapter_on_a_stacked_layer() -> None:
     assert layer.check(None, a, b) is None
     layer.write(0, None, a, b, scaling=2.0)
     x = torch.randn(4, 6, generator=gen)
-    layer.state.mapping = build_step_mapping(torch.tensor([0, -1, 0, 1]), 2, torch.float32, torch.device("cpu"))
+    layer.state.mapping = build_step_mapping(torch.tensor([0, -1, 0, 1]), 2, torch.device("cpu"))
     y = layer(x, torch.zeros(4, 16))
     torch.testing.assert_close(y[[0, 2]], (x[[0, 2]] @ a.T) @ b.T * 2.0)
     assert y[[1, 3]].abs().max() == 0
@@ -142,7 +142,7 @@ def test_packed_layer_slot_holds_each_projection_in_its_rows() -> None:
         layer.write(1, i, a, b, scaling=0.5)
     assert layer.check(0, factors[1][0], factors[1][1]) is not None  # k's B has 4 rows, q's slice 8
     x = torch.randn(5, 6, generator=gen)
-    layer.state.mapping = build_step_mapping(torch.tensor([1, 1, -1, 1, 0]), 2, torch.float32, torch.device("cpu"))
+    layer.state.mapping = build_step_mapping(torch.tensor([1, 1, -1, 1, 0]), 2, torch.device("cpu"))
     y = layer(x, torch.zeros(5, 16))
     expected = torch.cat([(x @ a.T) @ b.T * 0.5 for a, b in factors], dim=1)
     torch.testing.assert_close(y[[0, 1, 3]], expected[[0, 1, 3]])

@@ -133,13 +133,8 @@ def _segment(xs: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, first
 TORCH_LORA_KERNEL = TorchLoRAKernel()
 
 
-def build_step_mapping(token_slots: torch.Tensor, num_slots: int, dtype: torch.dtype,
-                       device: torch.device) -> LoRAStepMapping | None:
-    """The mapping for ``token_slots`` ([T] int64 on the host, -1 = no adapter); None when no row has one.
-
-    ``dtype`` is the adapters' (kept for kernels whose mapping carries weights).
-    """
-    del dtype
+def build_step_mapping(token_slots: torch.Tensor, num_slots: int, device: torch.device) -> LoRAStepMapping | None:
+    """The mapping for ``token_slots`` ([T] integers on the host, -1 = no adapter); None when no row has one."""
     token_slots = token_slots.to(torch.int64)
     rows = torch.nonzero(token_slots >= 0).squeeze(1)
     count = len(rows)
