@@ -3,7 +3,8 @@ engine with enable_lora (base rows only: what the LoRA path costs a request with
 64 requests spread over 8 distinct rank-16 adapters (every projection adapted, max_loras=8).
 
 usage: python -m benchmarks.lora [--rounds 1] [--threads 2] [--configs base,lora-engine,lora8] [--num 64]
-       python -m benchmarks.lora --kernel   (one projection with and without the torch LoRA kernel)
+       python -m benchmarks.lora --kernel [--compare-with /other/checkout]   (each projection with and
+       without the torch LoRA kernel; optionally another tree's kernel beside it, interleaved)
 
 The adapters are written once under a temporary directory as PEFT files (random factors, every
 q/k/v/o/gate/up/down projection of every layer). Each configuration runs in its own process, round
@@ -13,6 +14,7 @@ robin over the rounds, and prints one JSON line; then a median table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -21,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 CONFIGS = ("base", "lora-engine", "lora8")
 INPUT_LEN, OUTPUT_LEN, NUM_ADAPTERS, RANK = 128, 128, 8, 16
@@ -82,36 +85,75 @@ def run_one(name: str, threads: int, num: int, adapters: list[str]) -> dict:
     return {"config": name, "elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
 
 
-def kernel_overhead(threads: int, repeats: int = 200) -> list[dict]:
-    """One projection's matmul alone and with the torch LoRA kernel added, interleaved in one process:
-    SmolLM2-135M's shapes (576 -> 576 q/o, 576 -> 3072 gate/up), 8 slots of rank 16, decode (64 rows) and
-    prefill (512 rows); rows mixed over the 8 adapters, and all rows on the base model (the skipped path)."""
+# SmolLM2-135M's projections (name, in, stacked slice widths): qkv (GQA: 9 query, 3 KV heads of 64), o,
+# gate_up, down; every one adapted at rank RANK per slice in each of the NUM_ADAPTERS slots
+KERNEL_LAYERS = (("qkv_proj", 576, (576, 192, 192)), ("o_proj", 576, (576,)), ("gate_up_proj", 576, (1536, 1536)),
+                 ("down_proj", 1536, (576,)))
+# (name, token slots): decode rows over 8 adapters; one 512-token prefill chunk of one adapter beside 63
+# decode rows (the segment plan); a 512-row prefill spread over 8 adapters
+KERNEL_MIXES = (("decode-64x8", [i % NUM_ADAPTERS for i in range(64)]),
+                ("prefill512+63", [0] * 512 + [1 + i % (NUM_ADAPTERS - 1) for i in range(63)]),
+                ("prefill-512x8", [i % NUM_ADAPTERS for i in range(512)]))
+
+
+def _punica_of(tree: str | None) -> ModuleType:
+    """``pagoda.lora.punica`` of this process, or the one of the checkout at ``tree`` (for before/after)."""
+    if tree is None:
+        from pagoda.lora import punica
+        return punica
+    spec = importlib.util.spec_from_file_location("punica_other", Path(tree) / "core/src/pagoda/lora/punica.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def kernel_overhead(threads: int, compare_with: str | None = None, repeats: int = 100) -> list[dict]:
+    """Each projection's matmul alone and with the LoRA kernel added, interleaved in one process (and the
+    kernel of the checkout ``compare_with`` beside this one's, same shapes and factors): the slots hold
+    block-diagonal factors as ``LoRASlots`` writes them, so every kernel computes the same sum."""
     import torch
     import torch.nn.functional as F
 
-    from pagoda.lora.punica import TORCH_LORA_KERNEL, build_step_mapping
-
     torch.set_num_threads(threads)
+    kernels = {"lora8": _punica_of(None)}
+    if compare_with:
+        kernels["other"] = _punica_of(compare_with)
     out = []
-    for rows in (64, 512):
-        for d_in, d_out in ((576, 576), (576, 3072)):
-            x = torch.randn(rows, d_in)
-            w = torch.randn(d_out, d_in)
-            a = torch.randn(NUM_ADAPTERS * RANK, d_in) * 0.01
-            b = torch.randn(NUM_ADAPTERS * RANK, d_out) * 0.01
-            mixed = build_step_mapping(torch.arange(rows) % NUM_ADAPTERS, NUM_ADAPTERS, torch.float32, torch.device("cpu"))
-            times = {"base": [], "lora8": []}
+    for mix, token_slots in KERNEL_MIXES:
+        rows = len(token_slots)
+        slots = torch.tensor(token_slots)
+        mappings = {"lora8": kernels["lora8"].build_step_mapping(slots, NUM_ADAPTERS, torch.device("cpu"))}
+        if compare_with:  # the first kernel's signature (its mapping carried a one-hot in the adapters' dtype)
+            mappings["other"] = kernels["other"].build_step_mapping(slots, NUM_ADAPTERS, torch.float32,
+                                                                    torch.device("cpu"))
+        for layer, d_in, widths in KERNEL_LAYERS:
+            d_out, block = sum(widths), RANK * len(widths)
+            x, w = torch.randn(rows, d_in), torch.randn(d_out, d_in)
+            a = torch.randn(NUM_ADAPTERS * block, d_in) * 0.01
+            b = torch.zeros(NUM_ADAPTERS * block, d_out)
+            for s in range(NUM_ADAPTERS):
+                for i, lo in enumerate(sum(widths[:i]) for i in range(len(widths))):
+                    b[s * block + i * RANK:s * block + (i + 1) * RANK, lo:lo + widths[i]] = \
+                        torch.randn(RANK, widths[i]) * 0.01
+            stacked = widths if len(widths) > 1 else None
+            calls = {"base": lambda: F.linear(x, w)}
+            calls["lora8"] = lambda: kernels["lora8"].TORCH_LORA_KERNEL.add_lora_linear(
+                F.linear(x, w), x, a, b, mappings["lora8"], stacked)
+            if compare_with:
+                calls["other"] = lambda: kernels["other"].TORCH_LORA_KERNEL.add_lora_linear(
+                    F.linear(x, w), x, a, b, mappings["other"])
+            times: dict[str, list[float]] = {k: [] for k in calls}
             for _ in range(repeats):
-                t0 = time.perf_counter()
-                F.linear(x, w)
-                t1 = time.perf_counter()
-                TORCH_LORA_KERNEL.add_lora_linear(F.linear(x, w), x, a, b, mixed)
-                t2 = time.perf_counter()
-                times["base"].append(t1 - t0)
-                times["lora8"].append(t2 - t1)
-            base, lora = statistics.median(times["base"]), statistics.median(times["lora8"])
-            out.append({"rows": rows, "shape": f"{d_in}->{d_out}", "base_us": base * 1e6, "lora8_us": lora * 1e6,
-                        "ratio": lora / base})
+                for k, call in calls.items():
+                    t0 = time.perf_counter()
+                    call()
+                    times[k].append(time.perf_counter() - t0)
+            # the median and, for a contended machine, the minimum (the cost of the work with the least
+            # interference)
+            out.append({"mix": mix, "layer": f"{layer} {d_in}->{d_out}",
+                        **{f"{k}_us": statistics.median(v) * 1e6 for k, v in times.items()},
+                        **{f"{k}_min_us": min(v) * 1e6 for k, v in times.items()}})
     return out
 
 
@@ -122,15 +164,23 @@ def main() -> None:
     parser.add_argument("--num", type=int, default=64)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--kernel", action="store_true", help="only the per-layer kernel overhead (seconds, not minutes)")
+    parser.add_argument("--compare-with", metavar="TREE",
+                        help="with --kernel: also time the kernel of the checkout TREE (before/after, interleaved)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--adapters", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.kernel:
         print(f"# load average before: {os.getloadavg()}")
-        print("| rows | shape | F.linear us | + LoRA (8 adapters, r=16) us | ratio |")
-        print("|---|---|---|---|---|")
-        for r in kernel_overhead(args.threads):
-            print(f"| {r['rows']} | {r['shape']} | {r['base_us']:.0f} | {r['lora8_us']:.0f} | {r['ratio']:.2f} |")
+        other = f" | {args.compare_with} kernel us | ratio" if args.compare_with else ""
+        print("# us: median (min) of the interleaved repeats; ratio of the medians")
+        print(f"| rows | layer | F.linear us | + LoRA (8 adapters, r=16) us | ratio{other} |")
+        print("|---|---|---|---|---|" + ("---|---|" if args.compare_with else ""))
+        for r in kernel_overhead(args.threads, args.compare_with):
+            line = (f"| {r['mix']} | {r['layer']} | {r['base_us']:.0f} ({r['base_min_us']:.0f}) | "
+                    f"{r['lora8_us']:.0f} ({r['lora8_min_us']:.0f}) | {r['lora8_us'] / r['base_us']:.2f} |")
+            if args.compare_with:
+                line += f" {r['other_us']:.0f} ({r['other_min_us']:.0f}) | {r['other_us'] / r['base_us']:.2f} |"
+            print(line)
         print(f"# load average after: {os.getloadavg()}")
         return
     if args.one:

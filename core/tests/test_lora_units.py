@@ -53,24 +53,81 @@ def test_peft_config_scaling_and_missing(tmp_path: Path) -> None:
         read_peft_config("a", tmp_path / "nowhere", 16)
 
 
-@pytest.mark.parametrize("all_rows", [True, False])
-def test_torch_kernel_equals_a_per_token_loop(all_rows: bool) -> None:
+def _block_diagonal_factors(gen: torch.Generator, slots: int, rank: int, d_in: int,
+                            widths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random slot factors in ``LoRASlots``' layout: each stacked slice's rank block only in its columns of B."""
+    block = rank * len(widths)
+    a = torch.randn(slots * block, d_in, generator=gen)
+    b = torch.zeros(slots * block, sum(widths))
+    for s in range(slots):
+        lo = 0
+        for i, w in enumerate(widths):
+            rows = slice(s * block + i * rank, s * block + (i + 1) * rank)
+            b[rows, lo:lo + w] = torch.randn(rank, w, generator=gen)
+            lo += w
+    return a, b
+
+
+# (token slots, expected plan): sorted/unsorted, base rows, an unused slot, one slot, unbalanced segments
+KERNEL_CASES = {
+    "all-rows-sorted": ([0, 0, 0, 1, 1, 1, 2, 2, 2], "batched"),
+    "all-rows-unsorted": ([0, 1, 2, 1, 0, 2, 2, 1, 0, 1], "batched"),
+    "mixed-with-base": ([0, -1, 2, -1, 0, 2, -1, 1, -1, 1], "batched"),
+    "slot-unused": ([2, -1, 0, 2, 0, -1, 2, 0], "batched"),
+    "one-slot": ([1, -1, 1, 1, -1, 1], "batched"),
+    "one-slot-every-row": ([1, 1, 1, 1], "batched"),
+    "long-segment": ([0] * 12 + [-1, 2, 1], "segments"),
+    "long-segment-unsorted": ([0, 0, 1, 0, 0, 0, -1, 0, 0, 0, 0, 0, 2, 0], "segments"),
+}
+
+
+@pytest.mark.parametrize("widths", [(12,), (8, 4, 4)], ids=["plain", "stacked"])
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_torch_kernel_equals_a_per_token_loop(case: str, widths: tuple[int, ...]) -> None:
+    """The grouped kernel against the dense per-token sum ``(x · A[slot]ᵀ) · B[slot]`` (the first kernel's)."""
     gen = torch.Generator().manual_seed(0)
-    slots, rank, d_in, d_out, tokens = 3, 4, 16, 12, 10
-    a = torch.randn(slots * rank, d_in, generator=gen)
-    b = torch.randn(slots * rank, d_out, generator=gen)
-    x = torch.randn(tokens, d_in, generator=gen)
-    y = torch.randn(tokens, d_out, generator=gen)
-    token_slots = torch.tensor([0, 1, 2, 1, 0, 2, 2, 1, 0, 1] if all_rows else [0, -1, 2, -1, 0, 2, -1, 1, -1, 1])
-    mapping = build_step_mapping(token_slots, slots, torch.float32, torch.device("cpu"))
-    assert mapping is not None and (mapping.rows is None) == all_rows
+    slots, rank, d_in = 3, 4, 16
+    token_slots, plan = KERNEL_CASES[case]
+    block = rank * len(widths)
+    a, b = _block_diagonal_factors(gen, slots, rank, d_in, widths)
+    x = torch.randn(len(token_slots), d_in, generator=gen)
+    y = torch.randn(len(token_slots), sum(widths), generator=gen)
+    mapping = build_step_mapping(torch.tensor(token_slots), slots, torch.device("cpu"))
+    assert mapping is not None and (mapping.segments is None) == (plan == "batched")
     expected = y.clone()
-    for t, s in enumerate(token_slots.tolist()):
+    for t, s in enumerate(token_slots):
         if s >= 0:
-            expected[t] += (x[t] @ a[s * rank:(s + 1) * rank].T) @ b[s * rank:(s + 1) * rank]
-    got = TORCH_LORA_KERNEL.add_lora_linear(y.clone(), x, a, b, mapping)
+            expected[t] += (x[t] @ a[s * block:(s + 1) * block].T) @ b[s * block:(s + 1) * block]
+    got = TORCH_LORA_KERNEL.add_lora_linear(y.clone(), x, a, b, mapping, widths if len(widths) > 1 else None)
     torch.testing.assert_close(got, expected)
-    assert build_step_mapping(torch.full((4,), -1), slots, torch.float32, torch.device("cpu")) is None
+
+
+def test_step_mapping_all_base_rows_and_padding_add_nothing() -> None:
+    assert build_step_mapping(torch.full((4,), -1), 3, torch.device("cpu")) is None
+    # slot 1's segment is padded with a repeat of its row, which must be added once; the base row's inf
+    # must reach no sum
+    mapping = build_step_mapping(torch.tensor([0, 0, 1, -1]), 2, torch.device("cpu"))
+    assert mapping is not None and mapping.pad is not None and mapping.segments is None
+    a = torch.ones(2 * 2, 3)
+    b = torch.ones(2 * 2, 2)
+    x = torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 1], [float("inf")] * 3])
+    got = TORCH_LORA_KERNEL.add_lora_linear(torch.zeros(4, 2), x, a, b, mapping)
+    torch.testing.assert_close(got, torch.tensor([[2.0, 2], [2, 2], [2, 2], [0, 0]]))
+
+
+def test_fused_checkpoint_adapter_on_a_stacked_layer() -> None:
+    """One adapter over all of a packed layer's rows (GPT-2's c_attn) gives x · Aᵀ · Bᵀ on every column."""
+    layer = LoRASlots("qkv", 6, [8, 4, 4], max_loras=2, max_rank=3, dtype=torch.float32, device=torch.device("cpu"),
+                      state=LoRAStepState())
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(3, 6, generator=gen), torch.randn(16, 3, generator=gen)
+    assert layer.check(None, a, b) is None
+    layer.write(0, None, a, b, scaling=2.0)
+    x = torch.randn(4, 6, generator=gen)
+    layer.state.mapping = build_step_mapping(torch.tensor([0, -1, 0, 1]), 2, torch.device("cpu"))
+    y = layer(x, torch.zeros(4, 16))
+    torch.testing.assert_close(y[[0, 2]], (x[[0, 2]] @ a.T) @ b.T * 2.0)
+    assert y[[1, 3]].abs().max() == 0
 
 
 def test_packed_layer_slot_holds_each_projection_in_its_rows() -> None:
@@ -85,7 +142,7 @@ def test_packed_layer_slot_holds_each_projection_in_its_rows() -> None:
         layer.write(1, i, a, b, scaling=0.5)
     assert layer.check(0, factors[1][0], factors[1][1]) is not None  # k's B has 4 rows, q's slice 8
     x = torch.randn(5, 6, generator=gen)
-    layer.state.mapping = build_step_mapping(torch.tensor([1, 1, -1, 1, 0]), 2, torch.float32, torch.device("cpu"))
+    layer.state.mapping = build_step_mapping(torch.tensor([1, 1, -1, 1, 0]), 2, torch.device("cpu"))
     y = layer(x, torch.zeros(5, 16))
     expected = torch.cat([(x @ a.T) @ b.T * 0.5 for a, b in factors], dim=1)
     torch.testing.assert_close(y[[0, 1, 3]], expected[[0, 1, 3]])

@@ -7,7 +7,8 @@ A quantized layer's adapter runs the same way, in float beside the quantized mat
 A layer's slots are two preallocated tensors (``LoRAKernel``'s layout): ``lora_a`` [max_loras * R, in]
 and ``lora_b`` [max_loras * R, out], ``R = max_lora_rank x slices``. A packed layer (q/k/v in
 ``qkv_proj``, gate/up in ``gate_up_proj``) gives each stacked projection its own rank block and its
-rows of B, so one shrink and one expand serve all its projections, each with its own A.
+columns of B (B is block-diagonal in a slot): one shrink serves all its projections, each with its own A,
+and the kernel expands each projection's rank block against its own columns only.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class LoRASlots:
                  dtype: torch.dtype, device: torch.device, state: LoRAStepState) -> None:
         self.name = name
         self.in_features = in_features
-        self.slice_widths = list(slice_widths)
+        self.slice_widths = tuple(slice_widths)
         self.slice_offsets = [sum(slice_widths[:i]) for i in range(len(slice_widths))]
         self.out_features = sum(slice_widths)
         self.max_rank = max_rank
@@ -48,7 +49,8 @@ class LoRASlots:
         mapping = self.state.mapping
         if mapping is None:
             return y
-        return self.state.kernel.add_lora_linear(y, x, self.lora_a, self.lora_b, mapping)
+        return self.state.kernel.add_lora_linear(y, x, self.lora_a, self.lora_b, mapping,
+                                                 self.slice_widths if len(self.slice_widths) > 1 else None)
 
     def clear_slot(self, slot: int) -> None:
         rows = slice(slot * self.block, (slot + 1) * self.block)
@@ -60,6 +62,12 @@ class LoRASlots:
 
         ``a`` [r, in], ``b`` [rows, r]; the caller checked the shapes (``check``).
         """
+        if index is None and len(self.slice_widths) > 1:
+            # a checkpoint that fused the projections already (GPT-2's c_attn): A repeated in every slice's
+            # rank block and B split by columns keep B block-diagonal, which the kernel's expand relies on
+            for i, (offset, width) in enumerate(zip(self.slice_offsets, self.slice_widths)):
+                self.write(slot, i, a, b[offset:offset + width], scaling)
+            return
         r = a.shape[0]
         first = slot * self.block + (index or 0) * self.max_rank
         self.lora_a[first:first + r].copy_(a)

@@ -188,7 +188,7 @@ class LoRAModelManager:
         if token_slots is None:
             self.state.mapping = None
             return
-        self.state.mapping = build_step_mapping(torch.from_numpy(token_slots), self.max_loras, self.dtype, self.device)
+        self.state.mapping = build_step_mapping(torch.from_numpy(token_slots), self.max_loras, self.device)
 
     def describe(self) -> str:
         return (f"LoRA: {len(self.slots)} layers wrapped, {self.max_loras} slot(s) of rank {self.max_lora_rank}, "
