@@ -116,3 +116,16 @@ def test_bad_prediction_token_ids_refused(model_and_reference) -> None:
         llm.generate([{"prompt_token_ids": prompts[0], "prediction_token_ids": [VOCAB + 5]}], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="prediction_token_ids"):
         llm.generate([{"prompt_token_ids": prompts[0], "prediction_token_ids": "abc"}], GREEDY, use_tqdm=False)
+
+
+def test_prediction_refused_with_beam_search(model_and_reference) -> None:
+    from pagoda.sampling_params import BeamSearchParams
+
+    path, prompts, _ = model_and_reference
+    llm = _llm(path)
+    with pytest.raises(ValueError, match="beam search"):
+        llm.beam_search([{"prompt_token_ids": prompts[0], "prediction_token_ids": [1, 2]}],
+                        BeamSearchParams(beam_width=2, max_tokens=4))
+    # a prediction-only engine still runs beam search for requests without one
+    _generate(llm, prompts[:1], [[1, 2, 3]])
+    assert llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=2, max_tokens=4))

@@ -129,6 +129,8 @@ class Processor:
         """-> (the output processor's state for the request, one core request per sequence)."""
         lora_request = self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
+            if self._prediction(prompt) is not None:
+                raise ValueError("prediction_token_ids (predicted outputs) applies to generation, not pooling")
             return self.process_pooling(request_id, prompt, params, arrival_time, priority, lora_request)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
@@ -266,6 +268,9 @@ class Processor:
         if "generate" not in self.supported_tasks:
             raise ValueError("beam search needs a generative model; this model runs with the pooling runner")
         lora_request = self.check_lora(lora_request)
+        if self._prediction(prompt) is not None:
+            raise ValueError("prediction_token_ids (predicted outputs) does not run with beam search: its beams "
+                             "are chosen over several candidates, not verified against one draft")
         text, ids, salt = self.input_processor.process(prompt, None)
         return self.beam_searches.start(request_id, text, ids, salt, params, self.eos_token_id,
                                         early_stopping, arrival_time, lora_request)
