@@ -83,3 +83,29 @@ def test_arrival_gaps_follow_rate_and_burstiness() -> None:
         # variance of gamma(k, 1 / (rate k)) is 1 / (rate^2 k): burstier arrivals spread wider
         assert abs(statistics.pvariance(gaps) - 1 / (16 * burstiness)) < 0.1 / burstiness
     assert _gap(rng, float("inf"), 1.0) == 0.0
+
+
+def test_grounded_workload_with_speculation(tmp_path: Path) -> None:
+    """The input-grounded workload on the default model (a real tokenizer), with n-gram speculation: the
+    answers copy the passage, so drafts are accepted."""
+    common = ["--max-model-len", "1024", "--speculative-config",
+              '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 3}']
+    tp = _bench(["throughput", *common, "--dataset-name", "grounded", "--num-prompts", "3", "--input-len", "150",
+                 "--output-len", "24"], tmp_path / "g.json")
+    assert tp["num_requests"] == 3 and tp["output_tokens"] == 72
+    lat = _bench(["latency", *common, "--dataset-name", "grounded", "--batch-size", "1", "--input-len", "150",
+                  "--output-len", "16", "--num-iters", "1", "--num-iters-warmup", "0"], tmp_path / "gl.json")
+    assert lat["decode_tokens_per_s_per_sequence"] > 0
+
+
+def test_grounded_requests_hold_their_passage() -> None:
+    from pagoda.benchmarks.datasets import grounded_requests
+    from pagoda.model_loader import load_tokenizer, resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path(None))
+    reqs = grounded_requests(6, 200, 32, tok, seed=3)
+    texts = [tok.decode(r.prompt_token_ids) for r in reqs]
+    assert [t.split("\n")[0].split()[0] for t in texts[:3]] == ["Repeat", "Summarise", "Rewrite"]
+    assert all(200 <= r.prompt_len <= 320 and r.output_len == 32 for r in reqs)
+    assert len(set(texts)) == 6  # a different passage each
+    assert grounded_requests(6, 200, 32, tok, seed=3) == reqs  # fixed by the seed

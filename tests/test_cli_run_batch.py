@@ -178,8 +178,8 @@ def test_bad_lines_get_error_lines_and_never_stop_the_batch(tiny: Any) -> None:
         _line("emb", "/v1/embeddings", input="hi"),
         _line("nowhere", "/v1/responses", input="hi"),
         _line("stream", **good, stream=True),
-        # an unknown field is ignored (as vLLM); one asking for what pagoda cannot do is refused by name
-        _line("prediction", prompt=[1], prediction={"type": "content", "content": "x"}),
+        # an unknown field is ignored (as vLLM); a known one of the wrong shape is refused by name
+        _line("prediction", prompt=[1], prediction={"type": "content"}),
         _line("model", prompt=[1], model="gpt-4"),
         _line("long", prompt=list(range(1, 130))),
         _line("oov", prompt=[10**6]),
@@ -204,7 +204,7 @@ def test_bad_lines_get_error_lines_and_never_stop_the_batch(tiny: Any) -> None:
     assert by_id["emb"]["error"]["code"] == "model_not_supported"
     assert status(by_id["nowhere"])[0] == 404 and "/v1/chat/completions" in status(by_id["nowhere"])[1]
     assert status(by_id["stream"])[0] == 400 and "cannot stream" in status(by_id["stream"])[1]
-    assert status(by_id["prediction"])[0] == 400 and "speculative decoding" in status(by_id["prediction"])[1]
+    assert status(by_id["prediction"])[0] == 400 and "prediction" in status(by_id["prediction"])[1]
     assert status(by_id["model"])[0] == 404 and "gpt-4" in status(by_id["model"])[1]
     assert status(by_id["long"])[0] == 400 and "maximum context length" in status(by_id["long"])[1]
     assert status(by_id["oov"])[0] == 400

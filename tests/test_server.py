@@ -190,8 +190,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "n": 9}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
-    # an unknown field is ignored, as vLLM (tests/test_server_dropin.py); one pagoda cannot honour is refused
-    ("/v1/completions", {"prompt": "x", "prediction": {"type": "content", "content": "y"}}, 400, "prediction"),
+    # an unknown field is ignored, as vLLM (tests/test_server_dropin.py); a known one of the wrong shape is refused
+    ("/v1/completions", {"prompt": "x", "prediction": {"type": "text", "content": "y"}}, 400, "prediction.type"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),

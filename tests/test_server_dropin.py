@@ -101,7 +101,6 @@ def test_null_fields_are_accepted(server: Any) -> None:
     ("modalities", ["text", "audio"], "generates text only"),
     ("audio", {"voice": "alloy", "format": "wav"}, "audio output"),
     ("web_search_options", {}, "web search"),
-    ("prediction", {"type": "content", "content": "Hello"}, "speculative decoding"),
     ("verbosity", "low", "verbosity"),
 ])
 def test_fields_pagoda_cannot_do_are_refused_by_name(client: openai.OpenAI, field: str, value: Any,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagoda.engine.messages import PredictionCounts
 
 
 @dataclass
@@ -15,6 +18,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Any]] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    # predicted outputs: the sequence's accepted / rejected prediction tokens (None: no prediction)
+    prediction: PredictionCounts | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -47,6 +47,16 @@ class EngineCoreRequest(msgspec.Struct, gc=False):
     block_hashes: list[bytes] = msgspec.field(default_factory=list)
     # the adapter to run with (multi-LoRA); None: the base model
     lora_request: LoRARequest | None = None
+    # predicted outputs (OpenAI's prediction): the expected output's token ids, drafted by a per-request
+    # proposer (pagoda.spec_decode.prediction)
+    prediction_token_ids: list[int] | None = None
+
+
+class PredictionCounts(msgspec.Struct, gc=False):
+    """A prediction request's counts so far (OpenAI's usage.completion_tokens_details names)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):
@@ -68,6 +78,9 @@ class EngineCoreOutput(msgspec.Struct, gc=False):
     first_scheduled_time: float | None = None
     # A finished pooling request: the pooler's tensor for it (float32, host).
     pooling_output: torch.Tensor | None = None
+    # A request with a prediction: its counts so far (on every output, so a front end that finishes the
+    # request on a stop string still has them)
+    prediction: PredictionCounts | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, gc=False):

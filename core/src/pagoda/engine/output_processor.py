@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.detokenizer import IncrementalDetokenizer
+from pagoda.engine.messages import EngineCoreOutput, PredictionCounts
 from pagoda.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
-from pagoda.engine.messages import EngineCoreOutput
 
 
 @dataclass
@@ -43,6 +43,8 @@ class RequestState:
     sent_finish: bool = False
     # a pooling request's result (the pooler's tensor)
     pooling_output: Any = None
+    # predicted outputs: the latest counts the core sent
+    prediction: PredictionCounts | None = None
 
 
 @dataclass
@@ -125,6 +127,8 @@ class OutputProcessor:
         if st.finish_reason is not None:
             return
         st.num_cached_tokens = out.num_cached_tokens
+        if out.prediction is not None:
+            st.prediction = out.prediction
         if out.pooling_output is not None:
             st.pooling_output = out.pooling_output
         if out.new_prompt_logprobs is not None:
@@ -190,7 +194,7 @@ class OutputProcessor:
             index=st.index, text=text, token_ids=ids,
             cumulative_logprob=st.cumulative_logprob if want_lp else None,
             logprobs=lps if want_lp else None,
-            finish_reason=st.finish_reason, stop_reason=st.stop_reason,
+            finish_reason=st.finish_reason, stop_reason=st.stop_reason, prediction=st.prediction,
         )
 
     def _make_output(self, parent: ParentState) -> RequestOutput | PoolingRequestOutput | None:

@@ -129,6 +129,8 @@ class Processor:
         """-> (the output processor's state for the request, one core request per sequence)."""
         lora_request = self.check_lora(lora_request)
         if isinstance(params, PoolingParams):
+            if self._prediction(prompt) is not None:
+                raise ValueError("prediction_token_ids (predicted outputs) applies to generation, not pooling")
             return self.process_pooling(request_id, prompt, params, arrival_time, priority, lora_request)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
@@ -136,6 +138,7 @@ class Processor:
             raise ValueError(f"this model runs with the pooling runner (tasks: {', '.join(self.supported_tasks)}); it "
                              "cannot generate text: use embed / classify / score / encode")
         self._check(params, priority)
+        prediction = self._prediction(prompt)
         text, ids, salt = self.input_processor.process(prompt, params)
         n_children = max(params.best_of or params.n, params.n)
         rank = n_children > params.n
@@ -157,10 +160,23 @@ class Processor:
                                        wants_logprobs=params.logprobs is not None))
             requests.append(EngineCoreRequest(child_id, ids, p, None if p.ignore_eos else self.eos_token_id,
                                               arrival_time, priority=priority, cache_salt=salt,
-                                              block_hashes=hashes, lora_request=lora_request))
+                                              block_hashes=hashes, lora_request=lora_request,
+                                              prediction_token_ids=prediction))
         parent = ParentState(request_id, params.n, n_children, states, params.output_kind, rank_by_logprob=rank,
                              lora_request=lora_request)
         return parent, requests
+
+    def _prediction(self, prompt: Any) -> list[int] | None:
+        """A prompt dict's ``prediction_token_ids`` (predicted outputs: the expected output, tokenized), checked."""
+        ids = prompt.get("prediction_token_ids") if isinstance(prompt, dict) else None
+        if ids is None:
+            return None
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prediction_token_ids must be a list of integers")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prediction_token_ids has token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        return list(ids) or None
 
     def pooling_task(self, params: PoolingParams) -> str:
         """The request's task: its own, else the model's first; "encode" runs as token_embed / token_classify."""
@@ -252,6 +268,9 @@ class Processor:
         if "generate" not in self.supported_tasks:
             raise ValueError("beam search needs a generative model; this model runs with the pooling runner")
         lora_request = self.check_lora(lora_request)
+        if self._prediction(prompt) is not None:
+            raise ValueError("prediction_token_ids (predicted outputs) does not run with beam search: its beams "
+                             "are chosen over several candidates, not verified against one draft")
         text, ids, salt = self.input_processor.process(prompt, None)
         return self.beam_searches.start(request_id, text, ids, salt, params, self.eos_token_id,
                                         early_stopping, arrival_time, lora_request)

@@ -145,10 +145,15 @@ class Request(TypedParams):
         # the front end hashes with the block size the engine config resolved; a count that does not fit it
         # (a client of its own) is hashed again here
         hashes = req.block_hashes if len(req.block_hashes) == len(req.prompt_token_ids) // block_size else None
-        return cls(req.request_id, req.prompt_token_ids, sampling, req.eos_token_id, block_size,
-                   arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
-                   pooling_params=pooling, token_type_ids=req.token_type_ids, block_hashes=hashes,
-                   lora_request=req.lora_request)
+        request = cls(req.request_id, req.prompt_token_ids, sampling, req.eos_token_id, block_size,
+                      arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
+                      pooling_params=pooling, token_type_ids=req.token_type_ids, block_hashes=hashes,
+                      lora_request=req.lora_request)
+        if req.prediction_token_ids:
+            from pagoda.spec_decode.prediction import PredictionProposer
+
+            request.spec_proposer = PredictionProposer(req.prediction_token_ids)
+        return request
 
     @property
     def num_tokens(self) -> int:

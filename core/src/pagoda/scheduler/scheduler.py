@@ -35,6 +35,7 @@ from pagoda.scheduler.output import (
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from pagoda.structured_output.backend import StructuredOutputError
+from pagoda.spec_decode.prediction import PREDICTION_NUM_SPECULATIVE_TOKENS, PredictionProposer
 from pagoda.spec_decode.scheduling import SpecDecoding
 from pagoda.structured_output.manager import RequestStructuredOutput, StructuredOutputManager
 
@@ -118,6 +119,13 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.spec_proposer is not None and self.spec is None:
+            # a prediction without --speculative-config: the verify path runs for requests with their own
+            # proposer only (prediction-only mode)
+            if self.use_pp:
+                raise ValueError("prediction (predicted outputs) needs speculative decoding, which does not run "
+                                 "with pipeline parallelism")
+            self.spec = SpecDecoding(None, None, self.max_model_len, k=PREDICTION_NUM_SPECULATIVE_TOKENS)
         params = request.sampling_params
         constraint = params.structured_outputs if params is not None else None
         if constraint is not None:
@@ -135,7 +143,7 @@ class Scheduler:
 
     def add_beam_search(self, group: BeamGroup, root: Request) -> None:
         """Start a beam search; ``root`` (the prompt) is its first beam."""
-        if self.spec is not None:
+        if self.spec is not None and self.spec.proposer is not None:
             raise ValueError("beam search does not run with speculative decoding (speculative_config), as in vLLM")
         beams = self.beam_search
         if not isinstance(beams, BeamSearchScheduling):
@@ -561,6 +569,8 @@ class Scheduler:
                     elif self._advance_grammar(req, tok):
                         break
             out = EngineCoreOutput(req_id=rid, new_token_ids=accepted, num_cached_tokens=max(req.num_cached_tokens, 0))
+            if isinstance(req.spec_proposer, PredictionProposer):
+                out.prediction = req.spec_proposer.counts(req.all_token_ids, req.num_prompt_tokens)
             if req.first_token_time is None:
                 req.first_token_time = now
                 out.first_scheduled_time = req.first_scheduled_time

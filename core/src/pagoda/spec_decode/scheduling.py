@@ -67,11 +67,16 @@ class _Acceptance:
 
 
 class SpecDecoding:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int,
-                 log_interval_s: float = 10.0) -> None:
+    def __init__(self, config: SpeculativeConfig | None, proposer: Proposer | None, max_model_len: int,
+                 log_interval_s: float = 10.0, k: int | None = None) -> None:
+        # config and proposer None: prediction-only mode (no --speculative-config): only requests carrying their
+        # own proposer (a prediction) draft, ``k`` tokens at a time
         self.config = config
         self.proposer = proposer
-        self.k = config.k
+        num_tokens = config.k if config is not None else k
+        if num_tokens is None:
+            raise ValueError("SpecDecoding without a SpeculativeConfig needs k")
+        self.k: int = num_tokens
         self.max_model_len = max_model_len
         self.stats = SpecDecodingStats(self.k)
         self.logging = SpecDecodingLogging(self.k, log_interval_s)
@@ -88,7 +93,7 @@ class SpecDecoding:
     # -- proposing ---------------------------------------------------------------
     def propose(self, requests: Iterable[Request], num_running: int) -> None:
         """Set ``spec_token_ids`` of the requests that get drafts for their next step."""
-        limit = self.config.disable_by_batch_size
+        limit = self.config.disable_by_batch_size if self.config is not None else None
         if limit is not None and num_running > limit:
             return
         by_proposer: dict[int, tuple[Proposer, list[DraftRequest], list[Request]]] = {}
@@ -97,6 +102,8 @@ class SpecDecoding:
             if n <= 0:
                 continue
             proposer = req.spec_proposer or self.proposer
+            if proposer is None:
+                continue
             group = by_proposer.setdefault(id(proposer), (proposer, [], []))
             group[1].append(DraftRequest(req.request_id, req.all_token_ids, req.num_prompt_tokens, n))
             group[2].append(req)
@@ -122,7 +129,9 @@ class SpecDecoding:
     def record(self, req: Request, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         self.stats.observe(num_draft_tokens, num_accepted_tokens)
         self.logging.observe(num_draft_tokens, num_accepted_tokens)
-        (req.spec_proposer or self.proposer).observe(req.request_id, num_draft_tokens, num_accepted_tokens)
+        proposer = req.spec_proposer or self.proposer
+        assert proposer is not None  # it drafted
+        proposer.observe(req.request_id, num_draft_tokens, num_accepted_tokens)
         seen = self._acceptance.get(req.request_id)
         if seen is None:
             seen = self._acceptance[req.request_id] = _Acceptance(float(num_accepted_tokens))
@@ -134,11 +143,15 @@ class SpecDecoding:
 
     def on_preempted(self, req: Request) -> None:
         req.spec_token_ids = []
-        (req.spec_proposer or self.proposer).on_preempted(req.request_id)
+        proposer = req.spec_proposer or self.proposer
+        if proposer is not None:
+            proposer.on_preempted(req.request_id)
 
     def on_finished(self, req: Request) -> None:
         self._acceptance.pop(req.request_id, None)
-        (req.spec_proposer or self.proposer).on_finished(req.request_id)
+        proposer = req.spec_proposer or self.proposer
+        if proposer is not None:
+            proposer.on_finished(req.request_id)
 
 
 class SpecDecodingLogging:

@@ -14,17 +14,24 @@ app = typer.Typer(help="Benchmarks: offline throughput, batch latency, online se
 
 def _dataset(name: str, path: str | None, num_prompts: int, input_len: int, output_len: int,
              vocab_size: int, seed: int, tokenizer: Any, prefix_len: int = 0) -> list[Any]:
-    from pagoda.benchmarks.datasets import random_requests, sharegpt_requests
+    from pagoda.benchmarks.datasets import grounded_requests, random_requests, sharegpt_requests
 
     if name == "random":
         return random_requests(num_prompts, input_len, output_len, vocab_size, seed, prefix_len=prefix_len)
+    if name == "grounded":
+        # --input-len is the passage's length; the instruction around it adds a few dozen tokens
+        if prefix_len:
+            raise typer.BadParameter("--prefix-len applies to --dataset-name random")
+        if tokenizer is None:
+            raise typer.BadParameter("the grounded dataset needs a tokenizer (--tokenizer, or a model with one)")
+        return grounded_requests(num_prompts, input_len, output_len, tokenizer, seed)
     if name == "sharegpt":
         if not path:
             raise typer.BadParameter("--dataset-path is required with --dataset-name sharegpt")
         if tokenizer is None:
             raise typer.BadParameter("the sharegpt dataset needs a tokenizer")
         return sharegpt_requests(path, num_prompts, tokenizer, seed)
-    raise typer.BadParameter(f"--dataset-name must be 'random' or 'sharegpt', got {name!r}")
+    raise typer.BadParameter(f"--dataset-name must be 'random', 'grounded' or 'sharegpt', got {name!r}")
 
 
 def _finish(title: str, result: dict[str, Any], output_json: str | None) -> None:
@@ -57,7 +64,8 @@ def throughput(
     *,
     engine_args: EngineArgs,
 ) -> None:
-    """Offline throughput of LLM.generate (greedy, ignore_eos)."""
+    """Offline throughput of LLM.generate (greedy, ignore_eos). --dataset-name grounded: prompts that repeat,
+    summarise or edit a passage of --input-len tokens (with --speculative-config, where drafts pay)."""
     from pagoda.benchmarks.throughput import run_throughput
     from pagoda.entrypoints.llm import LLM
 
@@ -74,6 +82,8 @@ def throughput(
 @with_engine_options()
 def latency(
     batch_size: int = typer.Option(1, "--batch-size"),
+    dataset_name: str = typer.Option("random", "--dataset-name", help="random, or grounded (repeat / summarise / "
+                                     "edit a passage of --input-len tokens: where speculative decoding pays)."),
     input_len: int = typer.Option(128, "--input-len"),
     output_len: int = typer.Option(128, "--output-len"),
     num_iters: int = typer.Option(3, "--num-iters"),
@@ -83,12 +93,14 @@ def latency(
     engine_args: EngineArgs,
 ) -> None:
     """Latency of one batch: TTFT and per-token decode time."""
-    from pagoda.benchmarks.datasets import random_requests
     from pagoda.benchmarks.latency import run_latency
     from pagoda.entrypoints.llm import LLM
 
+    if dataset_name not in ("random", "grounded"):
+        raise typer.BadParameter(f"bench latency's --dataset-name must be 'random' or 'grounded', got {dataset_name!r}")
     llm = LLM(**engine_args.model_dump())
-    reqs = random_requests(batch_size, input_len, output_len, llm.llm_engine.vocab_size)
+    reqs = _dataset(dataset_name, None, batch_size, input_len, output_len, llm.llm_engine.vocab_size, 0,
+                    llm.get_tokenizer() if dataset_name == "grounded" else None)
     result = run_latency(llm, reqs, num_iters, num_iters_warmup)
     result["dtype"] = str(llm.llm_engine.config.resolved.dtype)
     _finish("latency", result, output_json)

@@ -3,7 +3,7 @@
 Unknown fields are accepted as vLLM accepts them (clients such as LangChain and
 LiteLLM send OpenAI's newer fields: ``metadata``, ``store``, ``service_tier``, ...)
 and each name is logged once as ignored; OpenAI's fields that would change the
-output in a way pagoda cannot (``audio``, ``web_search_options``, ``prediction``, ...)
+output in a way pagoda cannot (``audio``, ``web_search_options``, ...)
 are refused by name. Every bound pydantic can check is declared here so the
 error names the field.
 """
@@ -32,7 +32,6 @@ class FieldError(ValueError):
 REFUSED_FIELDS: dict[str, str] = {
     "audio": "audio output is not supported: this server generates text only",
     "web_search_options": "web search is not supported: this server runs the model only, with no search tool",
-    "prediction": "predicted outputs (prediction) need speculative decoding, which this server does not run yet",
     # vLLM's older per-request backend choice (gone from vLLM since the backend became an engine setting)
     "guided_decoding_backend": "guided_decoding_backend is not a request field here: the structured-outputs backend "
                                "is the server's (--structured-outputs-config '{\"backend\": ...}')",
@@ -93,6 +92,27 @@ class StreamOptions(_Body):
     continuous_usage_stats: StrictBool = False
 
 
+class PredictionTextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class PredictionContent(BaseModel):
+    """OpenAI's predicted output: the text the answer is expected to be (mostly); its tokens are drafted and
+    verified by speculative decoding, so the output is the model's own either way."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: StrictStr | list[PredictionTextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class _SamplingFields(_Body):
     """Fields shared by completions and chat completions (OpenAI's and vLLM's extras)."""
 
@@ -127,6 +147,8 @@ class _SamplingFields(_Body):
     priority: StrictInt = 0
     request_id: StrictStr | None = None
     cache_salt: StrictStr | None = None
+    # OpenAI's predicted outputs (pagoda.spec_decode.prediction)
+    prediction: PredictionContent | None = None
     # structured outputs: vLLM's extra body (StructuredOutputsParams' fields) and its older guided_* fields
     structured_outputs: dict[str, Any] | None = None
     guided_json: StrictStr | dict[str, Any] | None = None

@@ -15,6 +15,7 @@ from pagoda.entrypoints.openai.logprobs_format import TokenText, chat_logprobs, 
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
 from pagoda.entrypoints.openai.reasoning import ChatReasoning, chat_reasoning, reasoning_fields
 from pagoda.entrypoints.openai.serving_common import (
+    PredictionUsage,
     ServingContext,
     build_sampling_params,
     check_limits,
@@ -23,6 +24,7 @@ from pagoda.entrypoints.openai.serving_common import (
     default_max_tokens,
     merge_streams,
     new_id,
+    prediction_prompt,
     sse,
     sse_response_body,
     start_streams,
@@ -80,6 +82,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
     if req.cache_salt is not None:
         prompt["cache_salt"] = req.cache_salt
+    await prediction_prompt(ctx, prompt, req.prediction)
     streams = await start_streams(ctx, [prompt], params, request_id, req.priority, lora_request)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
@@ -94,8 +97,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ro = (await collect_finals(raw_request, streams))[0]
     choices = []
     completion_tokens = 0
+    predicted = PredictionUsage(req.prediction is not None)
     for o in sorted(ro.outputs, key=lambda o: o.index):
         completion_tokens += len(o.token_ids)
+        predicted.observe(o.index, o)
         splitter = chat_reasoning(ctx, req, ids)
         # the reasoning comes off first; tool calls are read from the answer after it
         reasoning_content, answer = splitter.split(o.text) if splitter is not None else (None, o.text)
@@ -114,7 +119,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         })
     body = {
         "id": request_id, "object": "chat.completion", "created": created, "model": ctx.response_model(req.model),
-        "choices": choices, "usage": usage(len(ids), completion_tokens), "system_fingerprint": None,
+        "choices": choices, "usage": usage(len(ids), completion_tokens, predicted), "system_fingerprint": None,
         "prompt_logprobs": prompt_logprobs_json(token_text, ro.prompt_logprobs) if req.prompt_logprobs is not None
         else None,
     }
@@ -128,12 +133,13 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     completion_tokens = 0
+    predicted = PredictionUsage(req.prediction is not None)
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         c: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                              "model": ctx.response_model(req.model), "choices": choices}
         if include_usage and continuous:
-            c["usage"] = usage(prompt_tokens, completion_tokens)
+            c["usage"] = usage(prompt_tokens, completion_tokens, predicted)
         return c
 
     # the role goes first, once per choice, before any token is ready (as OpenAI does)
@@ -147,6 +153,7 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list
             yield sse(chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}]))
     async for _, ro in merge_streams(streams):
         for o in ro.outputs:
+            predicted.observe(o.index, o)
             if not o.token_ids and not o.text and o.finish_reason is None:
                 continue
             completion_tokens += len(o.token_ids)
@@ -172,4 +179,4 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list
             }]))
     if include_usage:
         yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.response_model(req.model),
-                   "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                   "choices": [], "usage": usage(prompt_tokens, completion_tokens, predicted)})

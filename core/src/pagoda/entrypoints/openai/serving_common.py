@@ -14,11 +14,13 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
+from pagoda.engine.messages import PredictionCounts
 from pagoda.engine.prompt_bound import PromptTooLongError, encode_bounded
 from pagoda.entrypoints.openai.errors import APIError
-from pagoda.entrypoints.openai.protocol import _SamplingFields
+from pagoda.entrypoints.openai.protocol import PredictionContent, _SamplingFields
 from pagoda.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagoda.lora.request import LoRARequest
+from pagoda.outputs import CompletionOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.structured_output.backend import StructuredOutputError
 
@@ -355,6 +357,32 @@ def safe_logprob(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+class PredictionUsage:
+    """Predicted outputs: each choice's latest counts, summed into ``usage.completion_tokens_details``."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._by_choice: dict[int, PredictionCounts] = {}
+
+    def observe(self, choice: int, output: CompletionOutput) -> None:
+        if output.prediction is not None:
+            self._by_choice[choice] = output.prediction
+
+    def details(self) -> dict[str, int]:
+        counts = self._by_choice.values()
+        return {"accepted_prediction_tokens": sum(c.accepted_prediction_tokens for c in counts),
+                "rejected_prediction_tokens": sum(c.rejected_prediction_tokens for c in counts)}
+
+
+async def prediction_prompt(ctx: ServingContext, prompt: dict[str, Any], prediction: PredictionContent | None) -> None:
+    """Put a request's prediction, tokenized as output text is (no special tokens), into its engine prompt."""
+    if prediction is not None:
+        prompt["prediction_token_ids"] = await ctx.encode_unbounded(prediction.text, False)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, prediction: PredictionUsage | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if prediction is not None and prediction.enabled:
+        body["completion_tokens_details"] = prediction.details()
+    return body

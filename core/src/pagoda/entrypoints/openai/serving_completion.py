@@ -13,6 +13,7 @@ from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.logprobs_format import CompletionLogprobs, TokenText
 from pagoda.entrypoints.openai.protocol import CompletionRequest
 from pagoda.entrypoints.openai.serving_common import (
+    PredictionUsage,
     ServingContext,
     build_sampling_params,
     check_limits,
@@ -21,6 +22,7 @@ from pagoda.entrypoints.openai.serving_common import (
     default_max_tokens,
     merge_streams,
     new_id,
+    prediction_prompt,
     sse,
     sse_response_body,
     start_streams,
@@ -80,6 +82,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
     if req.cache_salt is not None:
         for ep in engine_prompts:
             ep["cache_salt"] = req.cache_salt
+    for ep in engine_prompts:
+        await prediction_prompt(ctx, ep, req.prediction)
     streams = await start_streams(ctx, engine_prompts, params, request_id, req.priority, lora_request)
     created = int(time.time())
     renderer = _Renderer(ctx, req, prompts)
@@ -89,15 +93,17 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw_req
     finals: dict[int, RequestOutput] = await collect_finals(raw_request, streams)
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
+    predicted = PredictionUsage(req.prediction is not None)
     for i in range(len(prompts)):
         ro = finals[i]
         for o in ro.outputs:
             completion_tokens += len(o.token_ids)
+            predicted.observe(i * req.n + o.index, o)
             choices.append(renderer.choice(i, o, ro, first=True, final=True))
     choices.sort(key=lambda c: c["index"])
     body = {
         "id": request_id, "object": "text_completion", "created": created, "model": ctx.response_model(req.model),
-        "choices": choices, "usage": usage(sum(len(ids) for _, ids in prompts), completion_tokens),
+        "choices": choices, "usage": usage(sum(len(ids) for _, ids in prompts), completion_tokens, predicted),
         "system_fingerprint": None,
     }
     return JSONResponse(body)
@@ -148,10 +154,12 @@ async def _events(ctx: ServingContext, req: CompletionRequest, streams: list[Any
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     prompt_tokens = sum(len(ids) for _, ids in renderer.prompts)
     completion_tokens = 0
+    predicted = PredictionUsage(req.prediction is not None)
     started: set[int] = set()
     async for i, ro in merge_streams(streams):
         for o in ro.outputs:
             index = i * req.n + o.index
+            predicted.observe(index, o)
             first = index not in started
             if not o.token_ids and not o.text and o.finish_reason is None and not first:
                 continue
@@ -162,8 +170,8 @@ async def _events(ctx: ServingContext, req: CompletionRequest, streams: list[Any
                 "choices": [renderer.choice(i, o, ro, first=first, final=o.finish_reason is not None)],
             }
             if include_usage and continuous:
-                chunk["usage"] = usage(prompt_tokens, completion_tokens)
+                chunk["usage"] = usage(prompt_tokens, completion_tokens, predicted)
             yield sse(chunk)
     if include_usage:
         yield sse({"id": request_id, "object": "text_completion", "created": created, "model": ctx.response_model(req.model),
-                   "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                   "choices": [], "usage": usage(prompt_tokens, completion_tokens, predicted)})
