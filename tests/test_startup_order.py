@@ -177,3 +177,25 @@ def _zombie(pid: int) -> bool:
             return f.read().split(") ", 1)[1].startswith("Z")
     except OSError:
         return True
+
+
+_SPAWN_PROBE = """
+import sys
+from pagoda.engine import core_process
+
+def probe():
+    print("torch imported at the standby spawn:", "torch" in sys.modules, flush=True)
+    raise SystemExit(0)
+
+core_process.start_standby_core = probe
+from pagoda.entrypoints.cli.main import main
+sys.argv = ["pagoda", "serve", "--port", "0", "--lora-modules", "a=/nowhere", "--enable-lora"]
+main()
+"""
+
+
+def test_nothing_imports_torch_before_the_standby_core_is_spawned() -> None:
+    # torch's import is 2-3 s of a 2-vCPU machine's start; the standby core imports it in its own process,
+    # so the API process must spawn it before paying for torch itself (the --lora-modules check once did)
+    proc = subprocess.run([sys.executable, "-c", _SPAWN_PROBE], capture_output=True, text=True, timeout=120)
+    assert "torch imported at the standby spawn: False" in proc.stdout, (proc.stdout, proc.stderr)

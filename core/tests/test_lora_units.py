@@ -150,7 +150,7 @@ def test_packed_layer_slot_holds_each_projection_in_its_rows() -> None:
 
 
 def test_lora_modules_parser() -> None:
-    from pagoda.entrypoints.openai.serving_models import LoRAModulePath
+    from pagoda.entrypoints.openai.lora_modules import LoRAModulePath
 
     assert LoRAModulePath.parse("sql=/a/b") == LoRAModulePath("sql", "/a/b")
     assert LoRAModulePath.parse('{"name": "c", "path": "/p", "base_model_name": "m"}') == LoRAModulePath("c", "/p", "m")

@@ -37,6 +37,7 @@ from pagoda.engine.processor import Processor
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.requests import RequestMetrics
 from pagoda.metrics.stats import IterationStats, SchedulerStats, StatLogger
+from pagoda.engine.errors import EngineDeadError, EngineGenerateError
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -44,14 +45,6 @@ from pagoda.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The core thread is gone; no request can be served any more."""
-
-
-class EngineGenerateError(RuntimeError):
-    """The engine failed while computing this request (an internal error, not bad input)."""
 
 
 def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:

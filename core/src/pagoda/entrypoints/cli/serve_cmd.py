@@ -100,7 +100,7 @@ def serve(
             "--swap-space %g has no effect: pagoda preempts by recomputing the request, as vLLM's V1 engine "
             "(which ignores it too)", swap_space)
     try:
-        from pagoda.entrypoints.openai.serving_models import LoRAModulePath
+        from pagoda.entrypoints.openai.lora_modules import LoRAModulePath
 
         for module in lora_modules or []:
             LoRAModulePath.parse(module)  # a malformed entry fails before the model loads

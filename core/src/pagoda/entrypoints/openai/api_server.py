@@ -45,7 +45,8 @@ from pagoda.entrypoints.openai.server_args import ServerArgs
 from pagoda.entrypoints.openai.serving_chat import chat_prompt_async, create_chat_completion
 from pagoda.entrypoints.openai.serving_common import ServingContext
 from pagoda.entrypoints.openai.serving_completion import create_completion
-from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
+from pagoda.entrypoints.openai.lora_modules import LoRAModulePath
+from pagoda.entrypoints.openai.serving_models import ServingModels
 from pagoda.entrypoints.openai.serving_pooling import require_generate
 from pagoda.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagoda.entrypoints.openai.tool_calls import resolve_tool_parser

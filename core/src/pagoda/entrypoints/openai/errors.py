@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda.engine.async_llm import EngineDeadError
+from pagoda.engine.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

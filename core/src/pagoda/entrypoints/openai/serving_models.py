@@ -9,43 +9,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.lora_modules import LoRAModulePath
 from pagoda.lora.peft import LoRAAdapterError, LoRAAdapterNotFoundError
 from pagoda.lora.request import LoRARequest
-
-
-@dataclass(frozen=True)
-class LoRAModulePath:
-    """One ``--lora-modules`` entry (vLLM's name)."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-    @classmethod
-    def parse(cls, value: str) -> LoRAModulePath:
-        """``name=path`` or a JSON object with ``name``, ``path`` and optionally ``base_model_name``."""
-        text = value.strip()
-        if text.startswith("{"):
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--lora-modules {value!r}: not valid JSON: {exc}") from exc
-            if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(data.get("path"), str):
-                raise ValueError(f"--lora-modules {value!r}: the JSON form needs string 'name' and 'path'")
-            unknown = set(data) - {"name", "path", "base_model_name"}
-            if unknown:
-                raise ValueError(f"--lora-modules {value!r}: unknown key(s) {sorted(unknown)}")
-            return cls(data["name"], data["path"], data.get("base_model_name"))
-        name, sep, path = text.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules {value!r}: expected name=path or a JSON object")
-        return cls(name, path)
 
 
 def lora_error(exc: Exception) -> APIError:
