@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,49 @@ from pagoda.worker.input_batch import InputBatch, RowState
 # Prompt logprobs need logits at every prompt position: computed this many rows at
 # a time so a long chunk never holds [chunk, vocab] float32 logits at once.
 _PROMPT_LOGITS_ROWS = 256
+
+
+class DraftPrefixes(Sequence[list[int]]):
+    """The ``extra_output`` of a verify step: logits row ``i`` verifies draft ``j`` of request ``r`` and sees
+    the output extended by ``drafts[r][:j]``. Indexed on demand: only penalised or constrained rows read it,
+    so an unconstrained batch builds no per-position lists."""
+
+    def __init__(self, drafts: list[list[int]], num_draft: np.ndarray) -> None:
+        self._drafts = drafts
+        self._num_draft = num_draft
+        per_request = num_draft + 1
+        self._request = np.repeat(np.arange(len(drafts)), per_request)
+        starts = np.cumsum(per_request) - per_request
+        self._position = np.arange(self._request.size) - np.repeat(starts, per_request)
+
+    def __len__(self) -> int:
+        return int(self._request.size)
+
+    def __getitem__(self, i: int) -> list[int]:  # type: ignore[override]
+        return self._drafts[int(self._request[i])][: int(self._position[i])]
+
+    def draft_ids(self) -> np.ndarray:
+        """Row ``i``'s draft (the token it verifies), -1 on each request's last row (the bonus position)."""
+        ids = np.full(self._request.size, -1, dtype=np.int64)
+        flat = np.fromiter(itertools.chain.from_iterable(self._drafts), dtype=np.int64, count=int(self._num_draft.sum()))
+        ids[self._position < self._num_draft[self._request]] = flat
+        return ids
+
+
+def _record_logprobs(out: ModelRunnerOutput, tensors: Any, num_logprobs: list[int | None], req_ids: list[str],
+                     first_rows: np.ndarray, num_tokens: np.ndarray) -> None:
+    """Request ``req_ids[i]``'s sampled-token logprobs: ``num_tokens[i]`` records from logits row
+    ``first_rows[i]`` on (one for a plain step; the accepted drafts and the bonus token for a verify)."""
+    tensors = tensors.to_cpu()
+    per_row = to_sample_logprobs(tensors, num_logprobs)
+    sampled = tensors.logprobs[:, 0].tolist()
+    out.logprobs = {}
+    out.sampled_logprobs = {}
+    for rid, first, n in zip(req_ids, first_rows.tolist(), num_tokens.tolist()):
+        records = per_row[first:first + n]
+        if records and records[0] is not None:
+            out.logprobs[rid] = records  # type: ignore[assignment]
+            out.sampled_logprobs[rid] = sampled[first:first + n]
 
 
 class RunnerSampler:
@@ -36,15 +81,8 @@ class RunnerSampler:
         metadata = self.state.metadata(rows)
         result = self.sampler(logits, metadata)
         if result.logprobs_tensors is not None:
-            tensors = result.logprobs_tensors.to_cpu()
-            per_row = to_sample_logprobs(tensors, metadata.num_logprobs)
-            sampled_lp = tensors.logprobs[:, 0].tolist()
-            out.logprobs = {}
-            out.sampled_logprobs = {}
-            for rid, record, lp in zip(req_ids, per_row, sampled_lp):
-                if record is not None:
-                    out.logprobs[rid] = [record]
-                    out.sampled_logprobs[rid] = [lp]
+            _record_logprobs(out, result.logprobs_tensors, metadata.num_logprobs, req_ids,
+                             np.arange(len(req_ids)), np.ones(len(req_ids), dtype=np.int64))
         return result.sampled_token_ids.to("cpu")
 
     def verify(self, logits: torch.Tensor, rows: np.ndarray, req_ids: list[str], drafts: list[list[int]],
@@ -52,24 +90,14 @@ class RunnerSampler:
         """Speculative decoding: per request (batch row ``rows[i]``, its ``drafts[i]``), the accepted drafts and
         the target's next token; ``logits`` holds ``len(drafts[i]) + 1`` rows for each, in order."""
         num_draft = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))
-        logit_rows = np.repeat(rows, num_draft + 1)
-        # the row verifying draft j sees the output extended by drafts 0..j-1
-        extra = [d[:j] for d in drafts for j in range(len(d) + 1)]
-        draft_ids = [t for d in drafts for t in (*d, -1)]
-        metadata = self.state.metadata(logit_rows, extra)
-        result = rejection_sample(self.sampler, logits, metadata,
-                                  torch.tensor(draft_ids, dtype=torch.int64, device=logits.device), num_draft)
+        prefixes = DraftPrefixes(drafts, num_draft)
+        metadata = self.state.metadata(np.repeat(rows, num_draft + 1), prefixes)
+        draft_ids = prefixes.draft_ids()
+        result = rejection_sample(self.sampler, logits, metadata, torch.from_numpy(draft_ids).to(logits.device),
+                                  num_draft)
         if result.logprobs_tensors is not None:
-            tensors = result.logprobs_tensors.to_cpu()
-            per_row = to_sample_logprobs(tensors, metadata.num_logprobs)
-            sampled_lp = tensors.logprobs[:, 0].tolist()
-            out.logprobs = {}
-            out.sampled_logprobs = {}
-            for rid, first, toks in zip(req_ids, result.first_rows.tolist(), result.token_ids):
-                records = per_row[first:first + len(toks)]
-                if records and records[0] is not None:
-                    out.logprobs[rid] = records  # type: ignore[assignment]
-                    out.sampled_logprobs[rid] = sampled_lp[first:first + len(toks)]
+            _record_logprobs(out, result.logprobs_tensors, metadata.num_logprobs, req_ids, result.first_rows,
+                             np.fromiter(map(len, result.token_ids), dtype=np.int64, count=len(req_ids)))
         return result.token_ids
 
     def prompt_logprobs(
