@@ -26,7 +26,7 @@ import torch
 from pagoda.sample.constraints import apply_constraints
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.output import LogprobsTensors
-from pagoda.sample.sampler import Sampler, argmax_rows, exponential_race, gather_logprobs
+from pagoda.sample.sampler import Sampler, argmax_rows, exponential_race
 
 
 @dataclass
@@ -53,11 +53,7 @@ def rejection_sample(sampler: Sampler, logits: torch.Tensor, metadata: SamplingM
     int64, the draft each row verifies (-1 on each request's last row); ``metadata`` one entry per row."""
     wants_logprobs = metadata.max_num_logprobs is not None
     logits = logits.to(torch.float32)
-    raw: torch.Tensor | None = None
-    if wants_logprobs and sampler.logprobs_mode == "raw_logprobs":
-        raw = logits.log_softmax(dim=-1)
-    elif wants_logprobs and sampler.logprobs_mode == "raw_logits":
-        raw = logits.clone()
+    raw = sampler.raw_values(logits) if wants_logprobs else None
     if metadata.needs_constraints:
         apply_constraints(logits, metadata)
     is_draft = draft_token_ids >= 0
@@ -95,14 +91,5 @@ def rejection_sample(sampler: Sampler, logits: torch.Tensor, metadata: SamplingM
     np.minimum.at(first_rejected, np.searchsorted(first_rows, rejected, side="right") - 1, rejected)
     token_ids = [toks[s: e + 1].tolist() for s, e in zip(first_rows.tolist(), first_rejected.tolist())]
 
-    logprobs_tensors = None
-    if wants_logprobs:
-        assert metadata.max_num_logprobs is not None
-        if raw is not None:
-            values = raw
-        elif sampler.logprobs_mode == "processed_logprobs":
-            values = values_logits.log_softmax(dim=-1)
-        else:
-            values = values_logits
-        logprobs_tensors = gather_logprobs(values, metadata.max_num_logprobs, out_tokens)
+    logprobs_tensors = sampler.logprobs(raw, values_logits, metadata, out_tokens) if wants_logprobs else None
     return RejectionOutput(token_ids, logprobs_tensors, first_rows)

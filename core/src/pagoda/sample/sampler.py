@@ -125,11 +125,7 @@ class Sampler:
             # Widening to float32 is exact and keeps the order, so the argmax needs no copy.
             return SamplerOutput(sampled_token_ids=argmax_rows(logits), logprobs_tensors=None)
         logits = logits.to(torch.float32)
-        raw: torch.Tensor | None = None
-        if wants_logprobs and self.logprobs_mode == "raw_logprobs":
-            raw = logits.log_softmax(dim=-1)
-        elif wants_logprobs and self.logprobs_mode == "raw_logits":
-            raw = logits.clone()
+        raw = self.raw_values(logits) if wants_logprobs else None
 
         if metadata.needs_constraints:
             apply_constraints(logits, metadata)
@@ -142,17 +138,29 @@ class Sampler:
             random = exponential_race(logits.softmax(dim=-1), metadata.generators, self._cpu_rng(logits))
             sampled = random if greedy is None else torch.where(metadata.greedy_mask, greedy, random)  # type: ignore[arg-type]
 
-        logprobs_tensors = None
-        if wants_logprobs:
-            assert metadata.max_num_logprobs is not None
-            if raw is not None:
-                values = raw
-            elif self.logprobs_mode == "processed_logprobs":
-                values = logits.log_softmax(dim=-1)
-            else:
-                values = logits
-            logprobs_tensors = gather_logprobs(values, metadata.max_num_logprobs, sampled)
+        logprobs_tensors = self.logprobs(raw, logits, metadata, sampled) if wants_logprobs else None
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
+
+    def raw_values(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """What the raw ``logprobs_mode``s report, taken before any constraint or penalty edits ``logits``."""
+        if self.logprobs_mode == "raw_logprobs":
+            return logits.log_softmax(dim=-1)
+        if self.logprobs_mode == "raw_logits":
+            return logits.clone()
+        return None
+
+    def logprobs(self, raw: torch.Tensor | None, processed: torch.Tensor, metadata: SamplingMetadata,
+                 tokens: torch.Tensor) -> LogprobsTensors:
+        """The sampled ``tokens``' logprobs and the top ones, in this sampler's ``logprobs_mode``; ``processed``
+        are the logits after constraints, temperature and truncation."""
+        assert metadata.max_num_logprobs is not None
+        if raw is not None:
+            values = raw
+        elif self.logprobs_mode == "processed_logprobs":
+            values = processed.log_softmax(dim=-1)
+        else:
+            values = processed
+        return gather_logprobs(values, metadata.max_num_logprobs, tokens)
 
     def _cpu_rng(self, logits: torch.Tensor) -> np.random.Generator | None:
         if logits.device.type != "cpu":
