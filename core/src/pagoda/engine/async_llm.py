@@ -232,10 +232,7 @@ class AsyncLLM:
         The caller must iterate the returned stream to its end or call ``abort()`` on it. A
         ``lora_request`` must have been added first (``add_lora``; ``generate`` / ``encode`` do it).
         """
-        self._check_alive()
-        self._ensure_started()
-        self._check_unused(request_id)
-        self._check_lora_loaded(lora_request)
+        self._check_admissible(request_id, lora_request)
         prepared = self.processor.process(request_id, prompt, sampling_params, time.time(), priority, lora_request)
         return self._queue(request_id, prepared, sampling_params)
 
@@ -249,10 +246,7 @@ class AsyncLLM:
     ) -> RequestStream:
         """``add_request`` with the preparation on ``prep_executor``: the event loop (and every other
         request's stream) never waits on a long prompt's tokenization or a long ``bad_words`` list."""
-        self._check_alive()
-        self._ensure_started()
-        self._check_unused(request_id)
-        self._check_lora_loaded(lora_request)
+        self._check_admissible(request_id, lora_request)
         arrival = time.time()
         prepared = await self.run_prep(self.processor.process, request_id, prompt, sampling_params, arrival,
                                        priority, lora_request)
@@ -263,6 +257,13 @@ class AsyncLLM:
     async def run_prep(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the preparation thread (tokenizer work, in the order it was asked for)."""
         return await asyncio.get_running_loop().run_in_executor(self.prep_executor, fn, *args)
+
+    def _check_admissible(self, request_id: str, lora_request: LoRARequest | None) -> None:
+        """What a request must pass before it is prepared: a live engine, a fresh id, a loaded adapter."""
+        self._check_alive()
+        self._ensure_started()
+        self._check_unused(request_id)
+        self._check_lora_loaded(lora_request)
 
     def _check_alive(self) -> None:
         if self.engine_core.dead_error is not None:
