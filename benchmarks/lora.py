@@ -18,12 +18,13 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
+
+from benchmarks._rounds import alternate
 
 CONFIGS = ("base", "lora-engine", "lora8")
 INPUT_LEN, OUTPUT_LEN, NUM_ADAPTERS, RANK = 128, 128, 8, 16
@@ -196,18 +197,8 @@ def main() -> None:
     hf_config = resolve_model(EngineArgs().create_engine_config().model, resolve_platform("cpu")).hf_config
     root = Path(tempfile.mkdtemp(prefix="pagoda-lora-bench-"))
     adapters = json.dumps([str(p) for p in write_adapters(root, hf_config)])
-    print(f"# load average before: {os.getloadavg()}")
-    runs: dict[str, list[dict]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        for name in names:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.lora", "--one", name, "--threads", str(args.threads),
-                                  "--num", str(args.num), "--adapters", adapters],
-                                 capture_output=True, text=True, check=True)
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            result.update(round=r, loadavg=os.getloadavg()[0])
-            print(json.dumps(result), flush=True)
-            runs[name].append(result)
-    print(f"# load average after: {os.getloadavg()}")
+    runs = alternate("benchmarks.lora", names, args.rounds,
+                     ["--threads", str(args.threads), "--num", str(args.num), "--adapters", adapters])
     print("| config | output tok/s (median; runs) |")
     print("|---|---|")
     for name, rs in runs.items():

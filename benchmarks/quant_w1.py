@@ -14,8 +14,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
+
+from benchmarks._rounds import alternate
 
 CONFIGS = {
     # name: (quantization, dtype, enforce_eager)
@@ -57,17 +57,7 @@ def main() -> None:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
-    print(f"# load average before: {os.getloadavg()}")
-    runs: dict[str, list[dict]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        for name in names:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.quant_w1", "--one", name, "--threads", str(args.threads)],
-                                 capture_output=True, text=True, check=True)
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            result.update(round=r, loadavg=os.getloadavg()[0])
-            print(json.dumps(result), flush=True)
-            runs[name].append(result)
-    print(f"# load average after: {os.getloadavg()}")
+    runs = alternate("benchmarks.quant_w1", names, args.rounds, ["--threads", str(args.threads)])
     print("| config | output tok/s (median; runs) | RSS after load MiB |")
     print("|---|---|---|")
     for name, rs in runs.items():
