@@ -39,10 +39,11 @@ def _error(r: httpx.Response, status: int = 400) -> dict[str, Any]:
 
 
 class _Beside:
-    """Polls /health every 0.1 s and times an ordinary completion while a probe runs."""
+    """Polls /health every 0.1 s and times an ordinary request (a completion unless told) while a probe runs."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, path: str = "/v1/completions", body: dict[str, Any] = ORDINARY) -> None:
         self.url = url
+        self.path, self.body = path, body
         self.worst_health = 0.0
         self.ordinary: list[float] = []
         self.failures: list[str] = []
@@ -53,7 +54,10 @@ class _Beside:
         with httpx.Client(timeout=60) as client:
             while not self._stop.is_set():
                 t = time.monotonic()
-                status = client.get(self.url + "/health").status_code
+                try:
+                    status = client.get(self.url + "/health").status_code
+                except httpx.HTTPError as exc:  # a timeout is the worst stall of all: never lost with the thread
+                    status = repr(exc)
                 if status != 200:
                     self.failures.append(f"/health {status}")
                 self.worst_health = max(self.worst_health, time.monotonic() - t)
@@ -63,7 +67,11 @@ class _Beside:
         with httpx.Client(timeout=120) as client:
             while not self._stop.is_set():
                 t = time.monotonic()
-                r = client.post(self.url + "/v1/completions", json=ORDINARY)
+                try:
+                    r = client.post(self.url + self.path, json=self.body)
+                except httpx.HTTPError as exc:
+                    self.failures.append(f"{self.path}: {exc!r}")
+                    continue
                 if r.status_code != 200:
                     self.failures.append(r.text)
                 self.ordinary.append(time.monotonic() - t)

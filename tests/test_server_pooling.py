@@ -275,6 +275,21 @@ def test_truncation_keeps_requests_in_the_context(tiny: Any) -> None:
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 64
 
 
+def test_long_pooling_inputs_are_tokenized_off_the_event_loop(tiny: Any) -> None:
+    # issue 39: the pooling routes tokenized their inputs on the event loop (a 10 MB prompt stalled /health
+    # for seconds on the generate routes before they moved to the preparation thread)
+    from tests.test_server_hostile import STALL, _Beside
+
+    server, _, _, _ = tiny("embed")
+    long_text = "w7 " * 3_500_000  # 10.5 MB, truncated to 10 tokens: the whole text is tokenized first
+    with _Beside(server.url, "/v1/embeddings", {"input": "w5 w6"}) as beside:
+        r = httpx.post(server.url + "/v1/embeddings", timeout=600,
+                       json={"input": long_text, "add_special_tokens": False, "truncate_prompt_tokens": 10})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 10, r.text[:300]
+    assert beside.worst_health < STALL, beside.worst_health
+    assert beside.ordinary
+
+
 def test_bad_score_rerank_and_pooling_requests(tiny: Any) -> None:
     server, _, _, _ = tiny("cross_encoder")
     _error(_post(server, "/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}), 400)

@@ -340,7 +340,7 @@ class AsyncLLM:
                 pooling_params.__post_init__()
         if lora_request is not None:
             await self.add_lora(lora_request)
-        stream = self.add_request(request_id, prompt, pooling_params, priority, lora_request)
+        stream = await self.add_request_async(request_id, prompt, pooling_params, priority, lora_request)
         async for out in stream:
             yield out
 

@@ -44,7 +44,7 @@ async def create_embedding(ctx: ServingContext, req: EmbeddingCompletionRequest 
                            raw_request: Request) -> dict[str, Any]:
     ctx.check_model(req.model)
     require_task(ctx, "/v1/embeddings", "embed")
-    prompts = _prompts(ctx, req)
+    prompts = await ctx.engine.run_prep(_prompts, ctx, req)  # tokenizing: off the event loop
     params = pooling_params(task="embed", dimensions=req.dimensions, normalize=req.normalize,
                             truncate_prompt_tokens=req.truncate_prompt_tokens)
     request_id = req.request_id or new_id("embd")
@@ -61,7 +61,7 @@ async def create_pooling(ctx: ServingContext, req: PoolingCompletionRequest | Po
     task = req.task or default_pooling_task(ctx)
     # "encode" is the generic per-token task: the model's token_embed or token_classify
     require_task(ctx, "/pooling", *(("encode", "token_embed", "token_classify") if task == "encode" else (task or "embed",)))
-    prompts = _prompts(ctx, req)
+    prompts = await ctx.engine.run_prep(_prompts, ctx, req)  # tokenizing: off the event loop
     params = pooling_params(task=task, dimensions=req.dimensions, normalize=req.normalize,
                             use_activation=req.use_activation, truncate_prompt_tokens=req.truncate_prompt_tokens)
     request_id = req.request_id or new_id("pool")
@@ -132,7 +132,7 @@ def _plugin_errors(what: str, status: int) -> Iterator[None]:
 async def create_classify(ctx: ServingContext, req: ClassificationRequest, raw_request: Request) -> dict[str, Any]:
     ctx.check_model(req.model)
     require_task(ctx, "/classify", "classify")
-    prompts = input_prompts(ctx, req.input, req.add_special_tokens, req.truncate_prompt_tokens)
+    prompts = await ctx.engine.run_prep(input_prompts, ctx, req.input, req.add_special_tokens, req.truncate_prompt_tokens)
     params = pooling_params(task="classify", use_activation=req.use_activation,
                             truncate_prompt_tokens=req.truncate_prompt_tokens)
     request_id = req.request_id or new_id("classify")

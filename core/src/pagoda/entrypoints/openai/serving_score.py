@@ -68,7 +68,8 @@ async def compute_scores(ctx: ServingContext, raw_request: Request, pairs: list[
     task = require_task(ctx, path, "score", "embed")
     if task == "score":
         truncate = truncation_length(ctx, truncate_prompt_tokens)
-        prompts = [_pair_prompt(ctx, a, b, truncate, param) for a, b in pairs]
+        # tokenizing every pair: off the event loop
+        prompts = await ctx.engine.run_prep(lambda: [_pair_prompt(ctx, a, b, truncate, param) for a, b in pairs])
         params = pooling_params(task="score", use_activation=use_activation)
         outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, priority, param)
         scores = []
@@ -83,7 +84,7 @@ async def compute_scores(ctx: ServingContext, raw_request: Request, pairs: list[
                        "of embeddings", 400, "use_activation")
     # an embedding model: embed each distinct text once, then the cosine of each pair
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    prompts = input_prompts(ctx, texts, True, truncate_prompt_tokens, param)
+    prompts = await ctx.engine.run_prep(input_prompts, ctx, texts, True, truncate_prompt_tokens, param)
     params = pooling_params(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
     outputs = await run_pooling(ctx, raw_request, prompts, params, request_id, priority, param)
     by_text = {t: pooled_data(o).flatten() for t, o in zip(texts, outputs)}
