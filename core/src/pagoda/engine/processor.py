@@ -18,7 +18,7 @@ from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.logits_processors import resolve_logits_processors
 from pagoda.engine.messages import EngineCoreRequest
 from pagoda.engine.output_processor import ParentState, RequestState
-from pagoda.multimodal.processing import load_mm_processor
+from pagoda.multimodal.processing import MultiModalProcessor, load_mm_processor
 from pagoda.inputs import parse_prompt
 from pagoda.model_loader import load_tokenizer
 from pagoda.pooling_params import PoolingParams
@@ -67,6 +67,11 @@ class Processor:
         self.supported_tasks: tuple[str, ...] = ("generate",) if model.runner_type == "generate" else ()
         # adapters whose config check_lora read already: lora_int_id -> (name, path)
         self._checked_loras: dict[int, tuple[str, str]] = {}
+
+    @property
+    def mm_processor(self) -> MultiModalProcessor | None:
+        """The model's multimodal processor; None for a text-only model."""
+        return self.input_processor.mm_processor
 
     def _child_params(self, params: SamplingParams, prompt_len: int, rank_by_logprob: bool) -> SamplingParams:
         p = params.clone()

@@ -31,6 +31,12 @@ class MediaPolicy:
     fetch_timeout: float = 10.0
     max_image_bytes: int = 20 * 1024 * 1024
 
+    @classmethod
+    def from_model_config(cls, model_config: Any) -> MediaPolicy:
+        """The policy of ``allowed_local_media_path`` / ``allowed_media_domains`` (engine arguments, as vLLM's)."""
+        return cls(allowed_local_media_path=model_config.allowed_local_media_path,
+                   allowed_media_domains=tuple(d.lower() for d in model_config.allowed_media_domains or ()))
+
     def load_image(self, url: Any) -> Any:
         """-> a decoded ``PIL.Image`` (RGB as the processors expect it); ValueError when refused or broken."""
         if not isinstance(url, str) or not url:

@@ -142,6 +142,11 @@ class MultiModalProcessor:
             raise ValueError(f"the model config at {path} names no image token (image_token_index)")
         return cls(processor, int(token_id), **kwargs)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The processor's chat template (where a checkpoint keeps it beside the processor, not the tokenizer)."""
+        return getattr(self.processor, "chat_template", None)
+
     def process(self, text: str, mm_data: Any, mm_processor_kwargs: dict[str, Any] | None = None
                 ) -> tuple[list[int], MultiModalInputs]:
         """-> (the prompt's token ids, placeholders expanded; its items). ValueError for bad input."""
