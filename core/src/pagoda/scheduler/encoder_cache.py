@@ -6,8 +6,10 @@ the item's content hash until evicted, so a prompt prefilled in several chunks, 
 comes back, and another request with the same image all reuse it. This class decides what the runner
 holds: it counts each entry's size in placeholder tokens against ``cache_size``, tracks which requests
 reference it, and evicts only unreferenced entries (least recently released first), telling the runner
-through ``SchedulerOutput.free_encoder_mm_hashes``. A finished, aborted or preempted request releases its
-references (``release``); its entries stay until space is needed.
+through ``SchedulerOutput.free_encoder_mm_hashes``. A request releases an item's entry once a step computes
+past its placeholders, and all of them when it finishes, is aborted or is preempted (``release``); entries
+stay until space is needed. The runner applies evictions before the next step's encoder runs, after the
+step that read them, so an entry is never dropped under a step that uses it.
 """
 
 from __future__ import annotations
@@ -62,9 +64,13 @@ class EncoderCacheManager:
             self._refs.pop(identifier, None)
             self._freeable.pop(identifier, None)
 
-    def release(self, request: Request) -> None:
-        """``request`` no longer reads its entries (finished, aborted or preempted): they become evictable."""
+    def release(self, request: Request, up_to: int | None = None) -> None:
+        """``request`` no longer reads its entries (finished, aborted or preempted): they become evictable.
+        ``up_to``: only the entries of items whose placeholders all lie before that position (computed:
+        the request never reads them again unless it is preempted and recomputes)."""
         for feature in request.mm_features:
+            if up_to is not None and feature.placeholder.end > up_to:
+                continue
             refs = self._refs.get(feature.identifier)
             if refs is None:
                 continue

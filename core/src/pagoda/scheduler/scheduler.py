@@ -277,8 +277,12 @@ class Scheduler:
         # Advance now: the next schedule() may run before this step's output is
         # applied (pipelined engines) and must not hand out the same tokens again.
         for rid, n in step.num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            req = self.requests[rid]
+            req.num_computed_tokens += n
             self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+            if req.mm_features:
+                # items this step computes past are read for the last time by it
+                self.encoder_cache.release(req, up_to=req.num_computed_tokens)
         return out
 
     def _admit_compiled(self) -> None:

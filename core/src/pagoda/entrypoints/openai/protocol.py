@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
@@ -199,6 +199,19 @@ class TextContentPart(_Body):
     text: StrictStr
 
 
+class ImageURL(_Body):
+    url: StrictStr
+    # OpenAI's resolution hint; the model's processor decides the resolution, so only "auto" is accepted
+    detail: Literal["auto"] | None = None
+
+
+class ImageURLContentPart(_Body):
+    """An image for a multimodal model: a data: URL, or http(s):// / file:// where the server allows them."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ToolCallFunction(_Body):
     name: StrictStr
     arguments: StrictStr
@@ -249,7 +262,7 @@ class ExtractedToolCallInformation(BaseModel):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextContentPart] | None = None
+    content: StrictStr | list[Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
