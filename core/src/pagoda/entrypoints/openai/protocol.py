@@ -267,6 +267,24 @@ class ChatMessage(_Body):
     tool_call_id: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _content_part_types(cls, data: Any) -> Any:
+        # named here: the union's own error would only say the content is not a string
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("text", "image_url"):
+                    raise ValueError(f"content[{i}] has type {kind!r}: the supported content parts are 'text' and "
+                                     "'image_url'")
+                detail = part.get("image_url", {}).get("detail") if kind == "image_url" and isinstance(
+                    part.get("image_url"), dict) else None
+                if detail not in (None, "auto"):
+                    raise ValueError(f"content[{i}].image_url.detail={detail!r} is not supported: the model's "
+                                     "processor decides the image resolution (only 'auto')")
+        return data
+
     @model_validator(mode="after")
     def _content_present(self) -> Any:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
