@@ -101,6 +101,17 @@ def test_repeated_image_is_not_encoded_again(llm) -> None:
     assert encoder.num_encoded == before
 
 
+def test_lost_encoder_output_is_recomputed(llm, tiny_llava, processor) -> None:
+    # a step that raised after the scheduler counted an image as cached leaves the runner without it: the
+    # runner encodes it from the request's own tensors instead of failing the next step
+    image = random_image(22)
+    llm.generate({"prompt": "w5 <image>", "multi_modal_data": {"image": image}}, GREEDY)
+    runner(llm).encoder_runner.encoder_cache.clear()
+    text = "w9 w9 <image> w6"
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert out.outputs[0].token_ids == hf_generate(tiny_llava[1], processor, text, [image])
+
+
 def test_processor_kwargs_reach_the_processor_and_the_hash(llm) -> None:
     image = random_image(21)
     plain = llm.generate({"prompt": "w5 <image>", "multi_modal_data": {"image": image}}, GREEDY)[0]

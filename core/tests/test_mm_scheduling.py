@@ -150,3 +150,26 @@ def test_prefix_cache_hit_only_for_the_same_image() -> None:
     step(s)
     assert s.requests["b"].num_cached_tokens == 16  # all 4 full blocks
     assert s.requests["c"].num_cached_tokens == 4  # only the text block before the image
+
+
+def test_withdrawn_request_hands_its_encoding_over_or_forgets_it() -> None:
+    from pagoda.scheduler.scheduler import _StepBuilder
+
+    s = make(budget=64)
+    a, b, c = (mm_request("a", [("shared", 0, 8)], 10), mm_request("b", [("shared", 2, 8)], 12),
+               mm_request("c", [("own", 0, 8)], 10))
+    for r in (a, b, c):
+        s.requests[r.request_id] = r
+    step = _StepBuilder(64, 8, encoder_budget=64)
+    for r in (a, b, c):
+        n, encode = s._encoder_inputs(r, 0, r.num_tokens, step)
+        step.take(r.request_id, n)
+        s._commit_encoder_inputs(r, 0, n, encode, step)
+    assert step.encoder_inputs == {"a": [0], "c": [0]}
+    # (priority preemption of a request already in the step) a's encoding moves to b, which reads it too
+    s._unschedule("a", step)
+    assert step.encoder_inputs == {"b": [0], "c": [0]} and "shared" in s.encoder_cache
+    # c alone read its image: the entry is forgotten, never computed
+    s._unschedule("c", step)
+    assert "c" not in step.encoder_inputs and "own" not in s.encoder_cache
+    assert step.encoder_budget == 64 - 8

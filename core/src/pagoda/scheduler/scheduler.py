@@ -600,11 +600,11 @@ class Scheduler:
             return
         for i in encode:
             feature = req.mm_features[i]
-            step.encoder_budget += feature.placeholder.length
             taker = next(((other, j) for other in step.num_scheduled if other != rid
                           for j, f in enumerate(self.requests[other].mm_features)
                           if f.identifier == feature.identifier), None)
             if taker is None:
+                step.encoder_budget += feature.placeholder.length
                 self.encoder_cache.discard(feature.identifier)
             else:
                 step.encoder_inputs.setdefault(taker[0], []).append(taker[1])

@@ -3,11 +3,14 @@ embeddings with each item's outputs written over its placeholder rows (vLLM v1's
 and ``_gather_mm_embeddings``).
 
 The scheduler decides what is encoded (``SchedulerOutput.scheduled_encoder_inputs``) and what the cache
-drops (``free_encoder_mm_hashes``); this class only follows, so the two views of the cache never differ.
+drops (``free_encoder_mm_hashes``); this class follows, so the two views of the cache agree. The one
+exception is a step that raised after the scheduler counted its items as cached: an item found missing is
+then encoded on the spot from the row's own tensors.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,6 +19,9 @@ if TYPE_CHECKING:
     from pagoda.scheduler.output import SchedulerOutput
     from pagoda.worker.input_batch import InputBatch
     from pagoda.worker.step_inputs import StepInputs
+
+
+logger = logging.getLogger(__name__)
 
 
 class EncoderRunner:
@@ -38,6 +44,9 @@ class EncoderRunner:
                 if f.identifier not in self.encoder_cache and all(f.identifier != it[0] for it in items):
                     data = {k: v.to(self.device, non_blocking=True) for k, v in f.data.items()}
                     items.append((f.identifier, data, f.placeholder.length))
+        self._encode(items)
+
+    def _encode(self, items: list[tuple[str, dict[str, torch.Tensor], int]]) -> None:
         if not items:
             return
         # one call per group of same-shaped inputs: a vision tower batches images of one size
@@ -71,8 +80,13 @@ class EncoderRunner:
                     continue
                 cached = self.encoder_cache.get(f.identifier)
                 if cached is None:
-                    raise RuntimeError(f"request {rid}: the encoder output of item {f.identifier[:12]} is not cached "
-                                       "(the scheduler schedules an item's encoding with its first chunk)")
+                    # only after a step that raised between the scheduler's bookkeeping and the encoder run: the
+                    # item's tensors are at hand, so it is encoded here rather than failing this step too
+                    logger.warning("request %s: item %s was not in the encoder cache; encoding it now", rid,
+                                   f.identifier[:12])
+                    self._encode([(f.identifier, {k: v.to(self.device) for k, v in f.data.items()},
+                                   f.placeholder.length)])
+                    cached = self.encoder_cache[f.identifier]
                 writes.append((first_row + lo - start, hi - lo, cached[lo - f.placeholder.offset:hi - f.placeholder.offset]))
         if not writes:
             return None
@@ -86,5 +100,3 @@ def has_mm_rows(step: StepInputs, batch: InputBatch) -> bool:
     """Whether any scheduled request has items (a cheap check before the per-item walk)."""
     return any(batch.rows[rid].mm_features for rid in step.req_ids)
 
-
-__all__ = ["EncoderRunner", "has_mm_rows"]
