@@ -139,6 +139,7 @@ def test_chat_content_parts_equal_generate(llm) -> None:
      "limit_mm_per_prompt"),
     ({"prompt": "w5", "multi_modal_data": {"image": random_image(0)}}, "processor refused"),
     ({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": random_image(0)}}, "needs a text prompt"),
+    ("w5 <image> w6", "placeholder tokens but no multi_modal_data"),
 ])
 def test_bad_inputs_are_value_errors(llm, prompt, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -159,6 +160,13 @@ def test_bad_image_urls_are_value_errors(llm, url, message) -> None:
     conversation = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
     with pytest.raises(ValueError, match=message):
         llm.chat(conversation, GREEDY)
+
+
+def test_item_over_a_set_encoder_budget_is_refused(tiny_llava) -> None:
+    engine = LLM(str(tiny_llava[0]), dtype="float32", max_model_len=128, block_size=16,
+                 max_num_encoder_input_tokens=8)
+    with pytest.raises(ValueError, match="more than the encoder budget of 8"):
+        engine.generate({"prompt": "w5 <image>", "multi_modal_data": {"image": random_image(0)}}, GREEDY)
 
 
 def test_local_media_path(tiny_llava, tmp_path) -> None:

@@ -47,6 +47,10 @@ class InputProcessor:
         bad = [t for t in ids if t < 0 or t >= self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id(s) {bad[:5]} out of range [0, {self.vocab_size})")
+        if mm is None and self.mm_processor is not None and self.mm_processor.image_token_id in ids:
+            # the model would read the placeholder's own embedding as if it were an image
+            raise ValueError("the prompt has image placeholder tokens but no multi_modal_data: pass the images "
+                             "(one per placeholder)")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt ({len(ids)} tokens) is too long: it must be shorter than the maximum model "
