@@ -66,6 +66,14 @@ def test_mixed_batch_matches_transformers(llm, tiny_llava, processor) -> None:
     assert len(outs[0].prompt_token_ids) == 2 + IMAGE_TOKENS
 
 
+def test_decode_steps_replay_graphs(llm) -> None:
+    # image steps run eagerly on input embeddings; the decode steps after them replay the captured graphs
+    # (the platform's: CPU kernel graphs here), whose capture finds the decoder's tensors under language_model
+    graphs = runner(llm).graphs
+    llm.generate({"prompt": "w5 <image>", "multi_modal_data": {"image": random_image(30)}}, GREEDY)
+    assert graphs is not None and not graphs.off and graphs.num_replays > 0
+
+
 def test_chunked_prefill_splits_placeholders_and_encodes_once(tiny_llava, processor) -> None:
     # chunks of 6 tokens: every image's 16 placeholders span three chunks; the encoder budget (6) is smaller
     # than an image, which then runs alone in its step
