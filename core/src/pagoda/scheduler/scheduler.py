@@ -25,6 +25,7 @@ from pagoda.beam_search.group import BeamGroup
 from pagoda.beam_search.scheduling import NO_BEAM_SEARCH, BeamSearchScheduling, NoBeamSearch
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.engine.messages import EngineCoreOutput
+from pagoda.scheduler.encoder_cache import EncoderCacheManager
 from pagoda.scheduler.output import (
     CachedRequestData,
     GrammarBitmask,
@@ -32,7 +33,6 @@ from pagoda.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagoda.scheduler.encoder_cache import EncoderCacheManager
 from pagoda.scheduler.queue import FcfsQueue, PriorityQueue
 from pagoda.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from pagoda.structured_output.backend import StructuredOutputError
