@@ -94,6 +94,22 @@ def test_served_chat_equals_offline(server, tiny_llava, image_host) -> None:
         assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
 
 
+def test_streamed_equals_plain_and_n2_runs(server) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(random_image(9))}},
+                                             {"type": "text", "text": "w7"}]}]
+    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == plain.choices[0].message.content
+    # n > 1 runs each sequence on the one processed prompt (seeded sampling: the same seed, the same text)
+    two = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=1.0, n=2, seed=3)
+    again = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=1.0, n=2, seed=3)
+    assert [c.message.content for c in two.choices] == [c.message.content for c in again.choices]
+
+
 @pytest.mark.parametrize("parts, message", [
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"junk").decode()}}],
      "could not be decoded"),
