@@ -63,6 +63,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """(directory with a tiny random LLaVA 1.5 + its LlavaProcessor, the transformers model): no hub."""
+    from pagoda.testing.tiny_llava import save_tiny_llava
+
+    return save_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
 def _hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate on one unpadded prompt."""
     ids = torch.tensor([prompt])

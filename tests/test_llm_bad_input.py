@@ -34,7 +34,7 @@ def test_out_of_vocabulary_ids_are_a_value_error(llm: LLM, params: SamplingParam
 
 
 def test_multi_modal_data_is_refused(llm: LLM) -> None:
-    with pytest.raises(ValueError, match="multi_modal_data is not supported"):
+    with pytest.raises(ValueError, match="text-only: it takes no multi_modal_data"):
         llm.generate([{"prompt_token_ids": [1, 2], "multi_modal_data": {"image": object()}}],
                      SamplingParams(max_tokens=1), use_tqdm=False)
 

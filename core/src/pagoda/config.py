@@ -54,6 +54,11 @@ class ModelConfig(_Config):
     io_processor_plugin: str | None = Field(None, description="IO processor plugin (pagoda.io_processors group) that turns custom /pooling and LLM.encode requests into prompts and pooled outputs into custom responses; None = the model config's io_processor_plugin key, if any.")
     runner: RunnerOption = Field("auto", description="What the model runs as: 'generate' (sampled tokens), 'pooling' (embeddings, classification, scores: prefill only, a pooler instead of the sampler), 'auto' = the model family's kind, else by the architecture's name as vLLM decides (…ForCausalLM generates, …Model / …ForSequenceClassification pool).")
     convert: ConvertOption = Field("auto", description="Turn a generative model into a pooling one (runner 'pooling'): 'embed' (last token, normalized), 'classify' (a score head on the last token), 'reward' (every token's hidden state), as vLLM's as_embedding_model / as_seq_cls_model / as_reward_model; 'auto' = by the architecture's name; 'none' = no conversion.")
+    limit_mm_per_prompt: dict[str, int] | None = Field(None, description="Most multimodal items of each modality in one prompt (vLLM's form: {\"image\": 2}); a modality not named allows 999. A prompt over the limit is refused.")
+    mm_processor_kwargs: dict[str, Any] | None = Field(None, description="Arguments for the multimodal model's processor (transformers' AutoProcessor call) on every prompt; a prompt's own mm_processor_kwargs override them.")
+    mm_processor_cache_gb: float = Field(4.0, ge=0, description="GiB of processed multimodal inputs the front end keeps (least recently used dropped first), keyed by the prompt and its images' content hashes; 0 = no cache.")
+    allowed_local_media_path: str | None = Field(None, description="Directory whose files chat requests may name as file:// image URLs; None = file:// URLs are refused.")
+    allowed_media_domains: list[str] | None = Field(None, description="Hosts chat requests may name in http(s):// image URLs (fetched with a 10 s timeout and a 20 MiB limit); None = http(s) image URLs are refused.")
     pooler_config: PoolerConfig | dict[str, Any] | None = Field(None, description="Overrides of the model's pooler, vLLM's PoolerConfig fields: pooling_type (CLS, MEAN, LAST, ALL, STEP), normalize, dimensions, use_activation, logit_bias, step_tag_id, returned_token_ids.")
 
     @field_validator("pooler_config", mode="after")
@@ -79,6 +84,8 @@ class SchedulerConfig(_Config):
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget of one step; None = a platform default.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of waiting requests.")
+    max_num_encoder_input_tokens: int | None = Field(None, gt=0, description="Multimodal encoder budget of one step, in encoder output tokens (an image's placeholder count), beside the token budget; None = max_num_batched_tokens.")
+    encoder_cache_size: int | None = Field(None, gt=0, description="Encoder outputs (in placeholder tokens) the engine keeps, so an image is encoded once across its prompt's chunks and a preemption; None = max_num_encoder_input_tokens.")
     cuda_graph_sizes: list[PositiveInt] | None = Field(None, description="Decode batch sizes to capture graphs for; None = the platform's default (GPU: 1, 2, 4, then every 8 up to max_num_seqs, at most 512; CPU: 1, 2, 4, 8, 16, 24, 32 up to max_num_seqs).")
 
 

@@ -31,6 +31,7 @@ import ctypes
 import sys
 import threading
 import types
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -345,9 +346,11 @@ def _tensors_in(root: Any, depth: int = 16) -> list[torch.Tensor]:
     """Every tensor reachable from ``root`` through modules, containers and object attributes."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
-    stack: list[tuple[Any, int]] = [(root, 0)]
+    # breadth first: an object is expanded where it is nearest the root, so the depth limit cuts the same
+    # paths however deep a model nests its decoder (a multimodal model's language_model)
+    stack: deque[tuple[Any, int]] = deque([(root, 0)])
     while stack:
-        obj, level = stack.pop()
+        obj, level = stack.popleft()
         if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, *_OPAQUE)):
             continue
         seen.add(id(obj))

@@ -76,6 +76,8 @@ class EngineCore:
             use_pp=config.parallel_config.pipeline_parallel_size > 1,
             max_loras=config.lora_config.max_loras if config.lora_config is not None else None,
             spec_decoding=self._spec_decoding(config),
+            max_num_encoder_input_tokens=sc.max_num_encoder_input_tokens,
+            encoder_cache_size=sc.encoder_cache_size,
         )
         # adapters the workers have read and checked: lora_int_id -> its request (vLLM's add_lora registry)
         self._loras: dict[int, LoRARequest] = {}

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from pagoda.logprobs import Logprob
     from pagoda.lora.request import LoRARequest
     from pagoda.metrics.stats import SchedulerStats
+    from pagoda.multimodal.inputs import MultiModalInputs
     from pagoda.pooling_params import PoolingParams
     from pagoda.sampling_params import SamplingParams
 
@@ -50,6 +51,8 @@ class EngineCoreRequest(msgspec.Struct, gc=False):
     # predicted outputs (OpenAI's prediction): the expected output's token ids, drafted by a per-request
     # proposer (pagoda.spec_decode.prediction)
     prediction_token_ids: list[int] | None = None
+    # multimodal inputs (images): each item's content hash, placeholder range and processed tensors; None: text only
+    mm: MultiModalInputs | None = None
 
 
 class PredictionCounts(msgspec.Struct, gc=False):

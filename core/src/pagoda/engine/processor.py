@@ -18,6 +18,7 @@ from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.logits_processors import resolve_logits_processors
 from pagoda.engine.messages import EngineCoreRequest
 from pagoda.engine.output_processor import ParentState, RequestState
+from pagoda.multimodal.processing import MultiModalProcessor, load_mm_processor
 from pagoda.inputs import parse_prompt
 from pagoda.model_loader import load_tokenizer
 from pagoda.pooling_params import PoolingParams
@@ -55,7 +56,8 @@ class Processor:
         self.max_model_len = model.max_model_len
         self.vocab_size = model.vocab_size or (len(self.tokenizer) if self.tokenizer is not None else 0)
         self.eos_token_id, self.extra_stop_ids = eos_and_stop_ids(self.tokenizer, model.hf_config, model.generation)
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
+                                              load_mm_processor(config))
         self.block_size = config.block_size
         self.beam_searches = BeamSearchFrontend(self.tokenizer, self.max_model_len)
         self.runner_type: str = model.runner_type
@@ -65,6 +67,11 @@ class Processor:
         self.supported_tasks: tuple[str, ...] = ("generate",) if model.runner_type == "generate" else ()
         # adapters whose config check_lora read already: lora_int_id -> (name, path)
         self._checked_loras: dict[int, tuple[str, str]] = {}
+
+    @property
+    def mm_processor(self) -> MultiModalProcessor | None:
+        """The model's multimodal processor; None for a text-only model."""
+        return self.input_processor.mm_processor
 
     def _child_params(self, params: SamplingParams, prompt_len: int, rank_by_logprob: bool) -> SamplingParams:
         p = params.clone()
@@ -139,12 +146,12 @@ class Processor:
                              "cannot generate text: use embed / classify / score / encode")
         self._check(params, priority)
         prediction = self._prediction(prompt)
-        text, ids, salt = self.input_processor.process(prompt, params)
+        text, ids, salt, mm = self.input_processor.process(prompt, params)
         n_children = max(params.best_of or params.n, params.n)
         rank = n_children > params.n
         states: list[RequestState] = []
         requests: list[EngineCoreRequest] = []
-        hashes = prompt_block_hashes(ids, self.block_size, salt, lora_request)
+        hashes = prompt_block_hashes(ids, self.block_size, salt, lora_request, mm)
         for i in range(n_children):
             child_id = request_id if n_children == 1 else f"{i}_{request_id}"
             p = self._child_params(params, len(ids), rank)
@@ -161,7 +168,7 @@ class Processor:
             requests.append(EngineCoreRequest(child_id, ids, p, None if p.ignore_eos else self.eos_token_id,
                                               arrival_time, priority=priority, cache_salt=salt,
                                               block_hashes=hashes, lora_request=lora_request,
-                                              prediction_token_ids=prediction))
+                                              prediction_token_ids=prediction, mm=mm))
         parent = ParentState(request_id, params.n, n_children, states, params.output_kind, rank_by_logprob=rank,
                              lora_request=lora_request)
         return parent, requests
@@ -271,6 +278,8 @@ class Processor:
         if self._prediction(prompt) is not None:
             raise ValueError("prediction_token_ids (predicted outputs) does not run with beam search: its beams "
                              "are chosen over several candidates, not verified against one draft")
-        text, ids, salt = self.input_processor.process(prompt, None)
+        text, ids, salt, mm = self.input_processor.process(prompt, None)
+        if mm is not None:
+            raise ValueError("beam search does not take multi_modal_data")
         return self.beam_searches.start(request_id, text, ids, salt, params, self.eos_token_id,
                                         early_stopping, arrival_time, lora_request)

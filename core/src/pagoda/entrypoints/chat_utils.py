@@ -2,13 +2,18 @@
 
 Shared by ``LLM.chat`` and the server. Message content is a string or a list of
 ``{"type": "text", "text": ...}`` parts, joined with newlines (vLLM's "string"
-content format); other part types are refused with the type named.
+content format); other part types are refused with the type named. For a
+multimodal model, ``extract_images`` first takes the image parts (``image_url``,
+``image_pil``) out: the message keeps its parts as a list, each image a
+``{"type": "image"}`` placeholder that the model's template writes as its image
+token (vLLM's "openai" content format), and the images go to the prompt's
+``multi_modal_data`` in order.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 # Arguments render_chat_prompt passes itself; chat_template_kwargs may not override them.
@@ -38,6 +43,60 @@ def content_to_text(content: Any, where: str = "content") -> str | None:
     return "\n".join(texts)
 
 
+# content part types that carry an image (vLLM's names)
+IMAGE_PART_TYPES = ("image_url", "image_pil")
+
+
+def extract_images(messages: Sequence[Any], load_image: Callable[[Any], Any] | None
+                   ) -> tuple[list[Any], list[Any]]:
+    """-> (the messages with each image part replaced by ``{"type": "image"}``, the images in order).
+
+    ``load_image`` turns an ``image_url`` part's URL into an image (the media policy decides what it reads);
+    None: the model is text-only, and a conversation with an image part is refused before anything is read.
+    """
+    from PIL import Image
+
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        return list(messages) if isinstance(messages, Sequence) else messages, []
+    out: list[Any] = []
+    images: list[Any] = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if (isinstance(content, str) or not isinstance(content, Sequence)
+                or not any(isinstance(p, Mapping) and p.get("type") in IMAGE_PART_TYPES for p in content)):
+            out.append(message)
+            continue
+        if load_image is None:
+            raise ValueError(f"messages[{i}].content has an image part, but this model is text-only: it takes no "
+                             "images (serve a multimodal model, docs/multimodal.md)")
+        parts: list[Any] = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                images.append(load_image(url.get("url") if isinstance(url, Mapping) else url))
+                parts.append({"type": "image"})
+            elif kind == "image_pil":
+                image = part.get("image_pil")
+                if not isinstance(image, Image.Image):
+                    raise ValueError(f"messages[{i}].content[{j}].image_pil must be a PIL.Image.Image")
+                images.append(image)
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images
+
+
+def _template_content(content: Any, where: str) -> Any:
+    """A message's content for the template: text, or (with images) its parts as text / image dicts."""
+    if isinstance(content, Sequence) and not isinstance(content, str) and any(
+            isinstance(p, Mapping) and p.get("type") == "image" for p in content):
+        return [{"type": "image"} if isinstance(p, Mapping) and p.get("type") == "image"
+                else {"type": "text", "text": content_to_text([p], f"{where}[{j}]")} for j, p in enumerate(content)]
+    return content_to_text(content, where) or ""
+
+
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """Messages as plain dicts with string content, as vLLM hands them to templates.
 
@@ -54,7 +113,7 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] needs a string 'role'")
         d = dict(message)
-        d["content"] = content_to_text(message.get("content"), f"messages[{i}].content") or ""
+        d["content"] = _template_content(message.get("content"), f"messages[{i}].content")
         if d.get("tool_calls") is not None:
             d["tool_calls"] = _tool_calls_for_template(d["tool_calls"], f"messages[{i}].tool_calls")
         out.append(d)

@@ -8,9 +8,10 @@ from typing import Any
 from pagoda.beam_search import BeamSearchOutput, EarlyStopping, request_output_to_beam_search_output
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.entrypoints.chat_utils import is_conversation_list, render_chat_prompt
+from pagoda.entrypoints.chat_utils import extract_images, is_conversation_list, render_chat_prompt
 from pagoda.entrypoints.log_config import configure_default_logging
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.media import MediaPolicy
 from pagoda.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -137,12 +138,22 @@ class LLM:
         """Generate replies to one conversation or a list of them (the tokenizer's chat template, or ``chat_template``)."""
         conversations = list(messages) if is_conversation_list(messages) else [messages]
         tokenizer = self.get_tokenizer()
-        prompts = []
+        mm = self.llm_engine.processor.mm_processor
+        load_image = MediaPolicy.from_model_config(self.llm_engine.config.model).load_image if mm is not None else None
+        if chat_template is None and mm is not None and not getattr(tokenizer, "chat_template", None):
+            chat_template = mm.chat_template
+        prompts: list[dict[str, Any]] = []
         for conversation in conversations:
+            conversation, images = extract_images(conversation, load_image)
             text = render_chat_prompt(
                 tokenizer, conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=tools, chat_template_kwargs=chat_template_kwargs,
             )
+            if images:
+                # the processor expands the template's image tokens; the template wrote the special tokens
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images},
+                                "mm_processor_kwargs": {"add_special_tokens": False}})
+                continue
             # the template writes its own special tokens (BOS included)
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -106,17 +106,34 @@ def hash_block_tokens(
     return _hash_block(parent_hash, _pack_tokens(token_ids), len(token_ids), encode_extra_keys(extra_keys))
 
 
+MultiModalSpan = tuple[str, int, int]
+"""(an item's content hash, its placeholders' offset, their count): ``MultiModalInputs.spans()``."""
+
+
+def _mm_block_extra(extra_keys: tuple[Any, ...] | None, spans: Sequence[MultiModalSpan], start: int,
+                    end: int) -> bytes:
+    """A block's extra keys with the hashes of the items whose placeholders it covers: two images behind the
+    same placeholder tokens never share a block, and the chain carries the difference to every later one."""
+    items = tuple(("mm", ident, max(start, offset) - offset) for ident, offset, length in spans
+                  if offset < end and offset + length > start)
+    if not items:
+        return encode_extra_keys(extra_keys)
+    return encode_extra_keys((*(extra_keys or ()), *items))
+
+
 def hash_request_blocks(
     prev_hashes: list[BlockHash],
     token_ids: Sequence[int],
     block_size: int,
     extra_keys: tuple[Any, ...] | None = None,
+    mm_spans: Sequence[MultiModalSpan] = (),
 ) -> list[BlockHash]:
     """Extend ``prev_hashes`` in place with the keys of the full blocks not yet hashed.
 
     ``prev_hashes`` holds the keys of the first ``len(prev_hashes)`` blocks of
     ``token_ids``; each newly full block is hashed exactly once. Returns
-    ``prev_hashes`` (the same list) for convenience.
+    ``prev_hashes`` (the same list) for convenience. ``mm_spans``: the request's
+    multimodal items, mixed into the keys of the blocks they cover.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -135,6 +152,9 @@ def hash_request_blocks(
     extra = encode_extra_keys(extra_keys)
     parent = prev_hashes[-1] if prev_hashes else ROOT_BLOCK_HASH
     for i in range(num_full_blocks - start_block):
+        if mm_spans:
+            first = (start_block + i) * block_size
+            extra = _mm_block_extra(extra_keys, mm_spans, first, first + block_size)
         parent = _hash_block(parent, packed[i * bytes_per_block : (i + 1) * bytes_per_block], block_size, extra)
         prev_hashes.append(parent)
     return prev_hashes

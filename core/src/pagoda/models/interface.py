@@ -20,6 +20,8 @@ class                      helper (what core reads)    what the model then does
 ``SupportsOutputRows``     ``supports_output_rows``    returns only the rows that sample
 ``SupportsTokenTypeIds``   ``supports_token_type_ids`` reads token type ids (BERT's segment ids)
 ``SupportsLoRA``           ``supports_lora``           serves LoRA adapters on its linears (vLLM's name)
+``SupportsMultiModal``     ``supports_multimodal``     takes images: encodes them, embeds them (vLLM's name)
+``SupportsInputsEmbeds``   ``supports_inputs_embeds``  ``forward`` takes ``inputs_embeds`` (a multimodal LM)
 ``NoCudaGraphs``           ``supports_cuda_graphs``    (opts out) decode steps stay eager
 ``PoolingModel``           ``is_pooling_model``        pools hidden states (vLLM's name)
 =========================  ==========================  ============================================
@@ -153,6 +155,41 @@ class SupportsLoRA:
         return name
 
 
+class SupportsMultiModal:
+    """Takes multimodal items (vLLM's ``SupportsMultiModal``): the front end processes them with the model's
+    ``AutoProcessor`` and the runner calls the two methods below (docs/multimodal.md).
+
+    ``embed_multimodal`` turns items' processed tensors (``MultiModalFeature.data``) into one
+    ``[placeholder length, hidden]`` tensor each (the encoder: a vision tower and projector);
+    ``embed_input_ids`` embeds text tokens; ``forward`` then takes ``inputs_embeds`` ([T, hidden], the
+    text embeddings with each item's rows written over its placeholders) in place of ``input_ids``.
+    """
+
+    # the modalities the model takes (a key of multi_modal_data); the front end refuses the others
+    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
+
+    if TYPE_CHECKING:
+
+        def embed_multimodal(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+            """One ``[num placeholder tokens, hidden]`` tensor per item, in order (vLLM's name)."""
+            ...
+
+        def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+            """[T] -> [T, hidden]: the text embeddings (vLLM's name)."""
+            ...
+
+
+class SupportsInputsEmbeds:
+    """A language model whose ``forward`` takes ``inputs_embeds`` ([T, hidden], in place of the embedding of
+    ``input_ids``) and which embeds ids with ``embed_input_ids``: what a multimodal family needs of the
+    decoder it runs (reached through ``ModelRegistry``, never imported from another plugin)."""
+
+    if TYPE_CHECKING:
+
+        def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+            ...
+
+
 class SupportsOutputRows:
     """``forward`` takes ``output_rows`` and returns only those rows (beyond vLLM, whose models return every row).
 
@@ -206,6 +243,16 @@ def quant_unsupported_reason(model: object) -> str:
 def supports_lora(model: object) -> TypeIs[SupportsLoRA]:
     """``model`` declares ``SupportsLoRA`` (vLLM's name)."""
     return _declares(model, SupportsLoRA)
+
+
+def supports_multimodal(model: object) -> TypeIs[SupportsMultiModal]:
+    """``model`` (an instance or a class) declares ``SupportsMultiModal`` (vLLM's name)."""
+    return _declares(model, SupportsMultiModal)
+
+
+def supports_inputs_embeds(model: object) -> TypeIs[SupportsInputsEmbeds]:
+    """``model`` (an instance or a class) declares ``SupportsInputsEmbeds``."""
+    return _declares(model, SupportsInputsEmbeds)
 
 
 def supports_output_rows(model: object) -> TypeIs[SupportsOutputRows]:

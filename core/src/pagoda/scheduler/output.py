@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from pagoda.logprobs import Logprob
     from pagoda.lora.request import LoRARequest
+    from pagoda.multimodal.inputs import MultiModalFeature
     from pagoda.pooling_params import PoolingParams
     from pagoda.sampling_params import SamplingParams
     from pagoda.scheduler.request import Request
@@ -57,13 +58,15 @@ class NewRequestData(msgspec.Struct, gc=False):
     token_type_ids: list[int] | None = None
     # the adapter the request runs with (the runner puts it in a slot); None: the base model
     lora_request: LoRARequest | None = None
+    # multimodal items (their processed tensors and placeholder ranges); None: a text-only request
+    mm_features: list[MultiModalFeature] | None = None
 
     @classmethod
     def from_request(cls, req: Request, block_ids: list[int], beam: BeamCandidates | None) -> NewRequestData:
         return cls(req_id=req.request_id, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
                    params=req.params, block_ids=block_ids, num_computed_tokens=req.num_computed_tokens,
                    output_token_ids=req.output_token_ids, beam=beam, token_type_ids=req.token_type_ids,
-                   lora_request=req.lora_request)
+                   lora_request=req.lora_request, mm_features=req.mm_features or None)
 
 
 class CachedRequestData(msgspec.Struct, gc=False):
@@ -99,6 +102,10 @@ class SchedulerOutput(msgspec.Struct, gc=False):
     # are among the request's ``num_scheduled_tokens``; the runner verifies them and returns the accepted
     # ones plus one token of its own in ``sampled_token_ids``.
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # Multimodal (vLLM's names): req_id -> indices of its items to encode this step (their outputs go to the
+    # runner's encoder cache before the forward), and the encoder cache entries the runner drops first.
+    scheduled_encoder_inputs: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = msgspec.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pagoda.beam_search.group import BeamGroup
     from pagoda.engine.messages import EngineCoreRequest
     from pagoda.lora.request import LoRARequest
+    from pagoda.multimodal.inputs import MultiModalFeature, MultiModalInputs
     from pagoda.spec_decode.proposer import Proposer
     from pagoda.structured_output.manager import RequestStructuredOutput
 
@@ -47,10 +48,11 @@ def block_extra_keys(cache_salt: str | None, lora_request: LoRARequest | None = 
 
 
 def prompt_block_hashes(prompt_token_ids: list[int], block_size: int, cache_salt: str | None,
-                        lora_request: LoRARequest | None = None) -> list[BlockHash]:
+                        lora_request: LoRARequest | None = None, mm: MultiModalInputs | None = None) -> list[BlockHash]:
     """The keys of a prompt's full blocks: the front end computes them once, off the engine loop (the data
     parallel balancer routes by them; the core's ``Request`` takes them as they are)."""
-    return hash_request_blocks([], prompt_token_ids, block_size, block_extra_keys(cache_salt, lora_request))
+    return hash_request_blocks([], prompt_token_ids, block_size, block_extra_keys(cache_salt, lora_request),
+                               mm.spans() if mm is not None else ())
 
 
 class TypedParams:
@@ -91,6 +93,7 @@ class Request(TypedParams):
         token_type_ids: list[int] | None = None,
         block_hashes: list[BlockHash] | None = None,
         lora_request: LoRARequest | None = None,
+        mm: MultiModalInputs | None = None,
     ) -> None:
         params = sampling_params if pooling_params is None else pooling_params
         if not isinstance(params, (SamplingParams, PoolingParams)) or (sampling_params is not None
@@ -117,6 +120,9 @@ class Request(TypedParams):
         # the adapter the request runs with (None: the base model); keys its blocks and its slot
         self.lora_request = lora_request
         self.extra_keys = block_extra_keys(cache_salt, lora_request)
+        # multimodal items in prompt order (empty: text only); their hashes key the blocks they cover
+        self.mm_features: list[MultiModalFeature] = list(mm.features) if mm is not None else []
+        self._mm_spans = mm.spans() if mm is not None else []
         # the prompt's, when the front end hashed them already (an EngineCoreRequest's)
         self.block_hashes: list[BlockHash] = list(block_hashes or [])
         self._update_block_hashes()
@@ -148,7 +154,7 @@ class Request(TypedParams):
         request = cls(req.request_id, req.prompt_token_ids, sampling, req.eos_token_id, block_size,
                       arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
                       pooling_params=pooling, token_type_ids=req.token_type_ids, block_hashes=hashes,
-                      lora_request=req.lora_request)
+                      lora_request=req.lora_request, mm=req.mm)
         if req.prediction_token_ids:
             from pagoda.spec_decode.prediction import PredictionProposer
 
@@ -201,7 +207,7 @@ class Request(TypedParams):
     def _update_block_hashes(self) -> None:
         if len(self.block_hashes) < self.num_tokens // self.block_size:
             self.block_hashes = hash_request_blocks(
-                self.block_hashes, self.all_token_ids, self.block_size, self.extra_keys
+                self.block_hashes, self.all_token_ids, self.block_size, self.extra_keys, self._mm_spans
             )
 
     def __repr__(self) -> str:

@@ -25,6 +25,7 @@ from pagoda.beam_search.group import BeamGroup
 from pagoda.beam_search.scheduling import NO_BEAM_SEARCH, BeamSearchScheduling, NoBeamSearch
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.engine.messages import EngineCoreOutput
+from pagoda.scheduler.encoder_cache import EncoderCacheManager
 from pagoda.scheduler.output import (
     CachedRequestData,
     GrammarBitmask,
@@ -48,6 +49,10 @@ class _StepBuilder:
 
     budget: int
     max_reqs: int
+    # multimodal: what is left of the step's encoder budget (placeholder tokens), and the items each request
+    # encodes this step (indices into its mm_features)
+    encoder_budget: int = 0
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached: list[CachedRequestData] = field(default_factory=list)
@@ -75,8 +80,13 @@ class Scheduler:
         use_pp: bool = False,
         max_loras: int | None = None,
         spec_decoding: SpecDecoding | None = None,
+        max_num_encoder_input_tokens: int | None = None,
+        encoder_cache_size: int | None = None,
     ) -> None:
         self.kv = kv_cache_manager
+        # multimodal: the encoder budget of one step beside the token budget, and the runner's encoder cache
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens or max_num_batched_tokens
+        self.encoder_cache = EncoderCacheManager(encoder_cache_size or self.max_num_encoder_input_tokens)
         # speculative decoding (None: off); its drafts are scheduled with each request's next decode
         self.spec = spec_decoding
         self.structured_output_manager = structured_output_manager
@@ -176,6 +186,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.on_finished(req)
         self.kv.free(req)
+        self.encoder_cache.release(req)
         self.requests.pop(req.request_id, None)
         self._constrained.discard(req.request_id)
         if req.structured_output is not None and self.structured_output_manager is not None:
@@ -194,6 +205,7 @@ class Scheduler:
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
+        self.encoder_cache.release(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -237,7 +249,8 @@ class Scheduler:
         """running requests first (preempting when blocks run out) -> waiting ones, if nothing was preempted
         -> copy-on-write -> the step's output; the scheduled requests' progress advances at once."""
         self._admit_compiled()
-        step = _StepBuilder(self.max_num_batched_tokens, self._micro_batch_size())
+        step = _StepBuilder(self.max_num_batched_tokens, self._micro_batch_size(),
+                            encoder_budget=self.max_num_encoder_input_tokens)
         preempted = self._schedule_running(step)
         if not preempted:
             self._schedule_waiting(step)
@@ -256,14 +269,20 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             block_copies=copies,
             scheduled_spec_decode_tokens=step.spec_tokens,
+            scheduled_encoder_inputs=step.encoder_inputs,
+            free_encoder_mm_hashes=self.encoder_cache.take_freed(),
         )
         self._finished_ids = set()
         self._fill_grammar_bitmask(out)
         # Advance now: the next schedule() may run before this step's output is
         # applied (pipelined engines) and must not hand out the same tokens again.
         for rid, n in step.num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            req = self.requests[rid]
+            req.num_computed_tokens += n
             self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+            if req.mm_features:
+                # items this step computes past are read for the last time by it
+                self.encoder_cache.release(req, up_to=req.num_computed_tokens)
         return out
 
     def _admit_compiled(self) -> None:
@@ -290,6 +309,9 @@ class Scheduler:
         while i < len(self.running) and step.has_room():
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, step.budget)
+            encode: list[int] = []
+            if req.mm_features and num_new > 0:
+                num_new, encode = self._encoder_inputs(req, req.num_computed_tokens, num_new, step)
             if num_new <= 0 or req.request_id in self._in_flight:
                 i += 1
                 continue
@@ -317,6 +339,8 @@ class Scheduler:
                 # ``req`` itself was preempted; the list shifted under ``i``
                 continue
             step.take(req.request_id, num_new)
+            if req.mm_features:
+                self._commit_encoder_inputs(req, req.num_computed_tokens, num_new, encode, step)
             if drafts:
                 step.spec_tokens[req.request_id] = drafts
             if req.request_id not in self._in_runner:
@@ -401,6 +425,12 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = step.budget
+            encode: list[int] = []
+            if req.mm_features:
+                wanted = num_new
+                num_new, encode = self._encoder_inputs(req, num_computed, num_new, step)
+                if num_new <= 0 or (num_new < wanted and not self.enable_chunked_prefill):
+                    break  # its next image waits for encoder budget or cache space
             new_blocks = self.kv.allocate_slots(req, num_new, computed_ids, num_computed)
             if new_blocks is None:
                 if not step.num_scheduled and beams.preempt_idle():
@@ -423,6 +453,8 @@ class Scheduler:
                 loras.add(req.lora_request.lora_int_id)
             self._in_runner.add(req.request_id)
             step.take(req.request_id, num_new)
+            if req.mm_features:
+                self._commit_encoder_inputs(req, num_computed, num_new, encode, step)
             step.new_reqs.append(self._new_request_data(req))
 
     def _micro_batch_size(self) -> int:
@@ -509,6 +541,73 @@ class Scheduler:
                 break
         step.spec_tokens.pop(rid, None)
         step.budget += step.num_scheduled.pop(rid, 0)
+        self._withdraw_encoder_inputs(rid, step)
+
+    # -- multimodal encoder inputs -----------------------------------------------
+    def _encoder_inputs(self, req: Request, start: int, num_new: int, step: _StepBuilder) -> tuple[int, list[int]]:
+        """-> (the tokens ``req`` may compute from ``start``, the items it must encode for them).
+
+        Every item whose placeholders overlap the chunk needs its encoder output: a cached one is read, the
+        others are encoded this step, whole, if the encoder budget and the cache have room; otherwise the
+        chunk stops before that item (0 tokens: the request waits). A chunk may end inside an item's
+        placeholders: the rest is read from the encoder cache next step. One item larger than the whole
+        budget runs alone in a step.
+        """
+        end = start + num_new
+        budget = step.encoder_budget
+        chosen: list[int] = []
+        chosen_ids: set[str] = set()
+        planned = 0
+        for i, feature in enumerate(req.mm_features):
+            offset, length = feature.placeholder.offset, feature.placeholder.length
+            if offset >= end:
+                break
+            if offset + length <= start or feature.identifier in self.encoder_cache or feature.identifier in chosen_ids:
+                continue
+            alone = not step.encoder_inputs and not chosen
+            if (length > budget and not alone) or not self.encoder_cache.can_allocate(planned + length):
+                return max(offset - start, 0), chosen
+            chosen.append(i)
+            chosen_ids.add(feature.identifier)
+            budget -= length
+            planned += length
+        return num_new, chosen
+
+    def _commit_encoder_inputs(self, req: Request, start: int, num_new: int, encode: list[int],
+                               step: _StepBuilder) -> None:
+        """The step takes ``req``'s chunk: its new items go into the encoder cache, its cached ones are read."""
+        end = start + num_new
+        for i, feature in enumerate(req.mm_features):
+            offset, length = feature.placeholder.offset, feature.placeholder.length
+            if offset >= end:
+                break
+            if offset + length <= start:
+                continue
+            if i in encode:
+                self.encoder_cache.allocate(req, feature.identifier, length)
+                step.encoder_budget -= length
+            else:
+                self.encoder_cache.reference(req, feature.identifier)
+        if encode:
+            step.encoder_inputs[req.request_id] = encode
+
+    def _withdraw_encoder_inputs(self, rid: str, step: _StepBuilder) -> None:
+        """A request taken back out of the step: the items it was to encode are not computed. One that another
+        request of the step reads is encoded for that request instead; the others leave the cache."""
+        req = self.requests.get(rid)
+        encode = step.encoder_inputs.pop(rid, [])
+        if req is None:
+            return
+        for i in encode:
+            feature = req.mm_features[i]
+            taker = next(((other, j) for other in step.num_scheduled if other != rid
+                          for j, f in enumerate(self.requests[other].mm_features)
+                          if f.identifier == feature.identifier), None)
+            if taker is None:
+                step.encoder_budget += feature.placeholder.length
+                self.encoder_cache.discard(feature.identifier)
+            else:
+                step.encoder_inputs.setdefault(taker[0], []).append(taker[1])
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         return NewRequestData.from_request(req, self.kv.get_block_ids(req.request_id),

@@ -6,13 +6,14 @@ building a step's flat batch is bulk index math rather than per-token Python.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.inputs import MultiModalFeature
 from pagoda.scheduler.output import BeamCandidates, NewRequestData
 from pagoda.scheduler.request import TypedParams
 
@@ -27,6 +28,8 @@ class RowState(TypedParams):
     # a beam search row reports candidates instead of sampling
     beam: BeamCandidates | None = None
     lora_request: LoRARequest | None = None
+    # multimodal items (processed tensors, placeholder ranges); empty: text only
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
 
 class InputBatch:
@@ -71,7 +74,7 @@ class InputBatch:
             self.token_type_ids[row, :n] = new.token_type_ids if new.token_type_ids is not None else 0
         self.lora_slot[row] = -1
         state = RowState(new.req_id, row, params, new.num_prompt_tokens, new.output_token_ids, new.beam,
-                         new.lora_request)
+                         new.lora_request, list(new.mm_features or ()))
         self.rows[new.req_id] = state
         return state
 

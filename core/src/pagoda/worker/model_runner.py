@@ -24,11 +24,18 @@ from pagoda.lora.model_manager import LoRAModelManager, lora_dtype
 from pagoda.model_loader import iter_weights
 from pagoda.model_loader.kv_scales import CheckpointKVScales
 from pagoda.models.adapters import as_pooling_model
-from pagoda.models.interface import is_pooling_model, supports_output_rows, supports_pp, supports_token_type_ids
+from pagoda.models.interface import (
+    is_pooling_model,
+    supports_multimodal,
+    supports_output_rows,
+    supports_pp,
+    supports_token_type_ids,
+)
 from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
 from pagoda.quantization.model import checkpoint_module_filter, process_weights_after_loading, quantize_model
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.worker.encoder_runner import EncoderRunner, has_mm_rows
 from pagoda.worker.graphs import DecodeGraphRunner, GraphInputs, create_decode_graphs
 from pagoda.worker.host_memory import zeros_lazy
 from pagoda.worker.input_batch import InputBatch
@@ -101,6 +108,8 @@ class ModelRunner:
         self.pp = get_pp_group()
         # enable_lora: the adapters' host cache and slots (pagoda.lora.model_manager), set by load_model
         self.lora_manager: LoRAModelManager | None = None
+        # a SupportsMultiModal model's encoder runs and encoder-output cache, set by load_model
+        self.encoder_runner: EncoderRunner | None = None
 
     # -- set-up --------------------------------------------------------------
     def load_model(self) -> None:
@@ -115,6 +124,8 @@ class ModelRunner:
         # before the kernels: a layer with an adapter keeps its activation out of the matmul
         self.lora_manager = self._lora_manager(arch)
         self._bind_kernels(arch, time.perf_counter() - t0)
+        if supports_multimodal(self.model):
+            self.encoder_runner = EncoderRunner(self.model, self.device)
 
     def _lora_manager(self, arch: str) -> LoRAModelManager | None:
         lora = self.config.lora_config
@@ -387,6 +398,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """prepare inputs -> forward -> (last stage) the output head: sampler or pooler."""
         self._apply_diffs(so)
+        if self.encoder_runner is not None:
+            self.encoder_runner.run_encoders(so, self.batch)
         if not so.num_scheduled_tokens:
             return ModelRunnerOutput.empty([])
         step = prepare_step_inputs(self.batch, so, self.block_size)
@@ -403,24 +416,32 @@ class ModelRunner:
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor, bool]:
         """-> (hidden states, whether they hold only the rows that sample). A pure-decode step replays a
-        captured graph where one serves it; every other step runs eagerly."""
-        if self.graphs is not None and not step.wants_prompt_logprobs:
+        captured graph where one serves it; every other step runs eagerly (a step with image placeholders
+        among its tokens too: it runs on input embeddings)."""
+        dev = self.device
+        input_ids: torch.Tensor | None = None
+        extra: dict[str, Any] = {}
+        if self.encoder_runner is not None and has_mm_rows(step, self.batch):
+            input_ids = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
+            embeds = self.encoder_runner.inputs_embeds(step, self.batch, input_ids)
+            if embeds is not None:
+                extra["inputs_embeds"] = embeds
+        if self.graphs is not None and not step.wants_prompt_logprobs and not extra:
             hidden = self.graphs.replay(step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
                                         step.block_tables, step.num_scheduled)
             if hidden is not None:
                 return hidden, False
-        dev = self.device
-        extra: dict[str, Any] = {}
         if self.batch.token_type_ids is not None:
             token_types = self.batch.token_type_ids[step.token_rows, step.positions]
-            extra = self._extra_inputs(torch.from_numpy(token_types).to(dev, non_blocking=True))
+            extra.update(self._extra_inputs(torch.from_numpy(token_types).to(dev, non_blocking=True)))
         extra.update(stage_inputs(self.pp, self.model, step.num_tokens, self.dtype, dev, receive=True))
         output_rows = self._output_rows(step)
         if output_rows is not None:
             extra["output_rows"] = torch.from_numpy(output_rows).to(dev, non_blocking=True)
         md = self.attn_backend.prepare(step.attention_metadata(dev))
-        hidden = self.model(torch.from_numpy(step.input_ids).to(dev, non_blocking=True),
-                            torch.from_numpy(step.positions).to(dev, non_blocking=True), md, **extra)
+        if input_ids is None:
+            input_ids = torch.from_numpy(step.input_ids).to(dev, non_blocking=True)
+        hidden = self.model(input_ids, torch.from_numpy(step.positions).to(dev, non_blocking=True), md, **extra)
         return hidden, output_rows is not None
 
     def _output_rows(self, step: StepInputs) -> np.ndarray | None:

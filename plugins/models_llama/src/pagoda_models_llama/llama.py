@@ -32,6 +32,7 @@ from pagoda.layers import (
 )
 from pagoda.models.interface import (
     NoCudaGraphs,
+    SupportsInputsEmbeds,
     SupportsLoRA,
     SupportsOutputRows,
     SupportsPP,
@@ -153,12 +154,15 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 intermediate_tensors: IntermediateTensors | None = None,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+                output_rows: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         if output_rows is not None and not self.is_last_stage:
             raise ValueError("output_rows: only the last pipeline stage computes the model's output rows")
         cos, sin = self.rotary_emb.cos_sin(positions)  # gathered once per step, shared by all layers
         residual: torch.Tensor | None = None
-        if intermediate_tensors is None:
+        if inputs_embeds is not None:  # a multimodal model's: text embeddings with its items' rows written in
+            hidden = inputs_embeds
+        elif intermediate_tensors is None:
             hidden = self.embed_tokens(input_ids)
         else:  # a later pipeline stage continues the previous one's residual stream
             hidden, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
@@ -181,13 +185,13 @@ def _with_lm_head_from_embedding(weights: Iterable[tuple[str, torch.Tensor]]) ->
             yield "lm_head.weight", tensor
 
 
-class LlamaForCausalLM(nn.Module, SupportsPP, SupportsQuant, SupportsLoRA, SupportsOutputRows):
+class LlamaForCausalLM(nn.Module, SupportsPP, SupportsQuant, SupportsLoRA, SupportsOutputRows, SupportsInputsEmbeds):
     """The engine-facing model (see ``pagoda.models.interface.CausalLMModel``).
 
     SupportsPP: make_layers, PPMissingLayer, IntermediateTensors. SupportsQuant: load_weights calls a
     quantization method's weight_loader. SupportsLoRA: every projection is a core linear, q/k/v and
     gate/up packed as ``packed_modules_mapping`` says. SupportsOutputRows: forward(output_rows=...)
-    returns only those rows.
+    returns only those rows. SupportsInputsEmbeds: forward(inputs_embeds=...) (a multimodal family's decoder).
     """
 
     # fused parameter -> the checkpoint projections stacked into it, in row order (vLLM's name)
@@ -225,8 +229,13 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsQuant, SupportsLoRA, Suppo
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 intermediate_tensors: IntermediateTensors | None = None,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, metadata, intermediate_tensors, output_rows)
+                output_rows: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, metadata, intermediate_tensors, output_rows, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden] (vLLM's name): what a multimodal model writes its items' embeddings into."""
+        return self.model.embed_tokens(input_ids)
 
     def make_empty_intermediate_tensors(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
         """What a stage receives from the previous one (vLLM's name): the hidden states and the residual."""

@@ -57,6 +57,9 @@ def engine_args_from_cli(values: dict[str, Any]) -> EngineArgs:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise typer.BadParameter(f"--{name.replace('_', '-')} must be JSON: {exc}") from exc
+        elif isinstance(value, str) and "list[str]" in str(info.annotation):
+            # a JSON list, or vLLM's space-separated values (given as one argument) / comma-separated ones
+            value = json.loads(value) if value.lstrip().startswith("[") else value.replace(",", " ").split()
         cleaned[name] = value
     return EngineArgs(**cleaned)
 

@@ -53,6 +53,7 @@ from pagoda.entrypoints.openai.tool_calls import resolve_tool_parser
 from pagoda.model_loader import ModelLoadError
 from pagoda.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagoda.metrics.prometheus import PrometheusStatLogger
+from pagoda.multimodal.media import MediaPolicy
 from pagoda.plugins.io_processors import IOProcessor, get_io_processor
 from pagoda.plugins.manager import PluginError
 from pagoda.version import __version__
@@ -124,7 +125,11 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
         tool_parser=resolve_tool_parser(server_args.enable_auto_tool_choice, server_args.tool_call_parser,
                                         server_args.tool_parser_plugin),
         tokenize_executor=ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenize"),
+        media=MediaPolicy.from_model_config(engine.config.model),
     )
+    mm = engine.processor.mm_processor
+    if ctx.chat_template is None and mm is not None and not getattr(engine.get_tokenizer(), "chat_template", None):
+        ctx.chat_template = mm.chat_template  # a checkpoint that keeps its template beside the processor
     ctx.models = ServingModels(engine, model_names, engine.model_config.model or "SmolLM2-135M-Instruct",
                                engine.max_model_len, created=ctx.created)
     app.state.ctx = ctx

@@ -8,7 +8,7 @@ from typing import Any
 from pagoda.entrypoints.chat_utils import render_chat_prompt
 from pagoda.entrypoints.deadline import DeadlineExceeded, call_with_deadline
 from pagoda.entrypoints.openai.errors import APIError
-from pagoda.entrypoints.openai.protocol import ChatMessage
+from pagoda.entrypoints.openai.protocol import ChatMessage, ImageURLContentPart, TextContentPart
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -27,10 +27,16 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Content parts are joined with newlines (vLLM's "string" content format)."""
+    """Text parts are joined with newlines (vLLM's "string" content format); content with image parts stays
+    a list of part dicts (``pagoda.entrypoints.chat_utils.extract_images`` takes the images out)."""
     out: list[dict[str, Any]] = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(p.text for p in m.content)
+        content: Any = m.content
+        if isinstance(content, list):
+            if any(isinstance(p, ImageURLContentPart) for p in content):
+                content = [p.model_dump(exclude_none=True) for p in content]
+            else:
+                content = "\n".join(p.text for p in content if isinstance(p, TextContentPart))
         d: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
@@ -44,7 +50,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def render_chat(
     tokenizer: Any,
-    messages: list[ChatMessage],
+    messages: list[ChatMessage] | list[dict[str, Any]],
     *,
     request_template: str | None,
     server_template: str | None,
@@ -76,7 +82,7 @@ def render_chat(
     try:
         return call_with_deadline(lambda: render_chat_prompt(
             tokenizer,
-            message_dicts(messages),
+            messages if all(isinstance(m, dict) for m in messages) else message_dicts(messages),  # type: ignore[arg-type]
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
@@ -199,6 +199,19 @@ class TextContentPart(_Body):
     text: StrictStr
 
 
+class ImageURL(_Body):
+    url: StrictStr
+    # OpenAI's resolution hint; the model's processor decides the resolution, so only "auto" is accepted
+    detail: Literal["auto"] | None = None
+
+
+class ImageURLContentPart(_Body):
+    """An image for a multimodal model: a data: URL, or http(s):// / file:// where the server allows them."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ToolCallFunction(_Body):
     name: StrictStr
     arguments: StrictStr
@@ -249,10 +262,28 @@ class ExtractedToolCallInformation(BaseModel):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextContentPart] | None = None
+    content: StrictStr | list[Annotated[TextContentPart | ImageURLContentPart, Field(discriminator="type")]] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_part_types(cls, data: Any) -> Any:
+        # named here: the union's own error would only say the content is not a string
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("text", "image_url"):
+                    raise ValueError(f"content[{i}] has type {kind!r}: the supported content parts are 'text' and "
+                                     "'image_url'")
+                detail = part.get("image_url", {}).get("detail") if kind == "image_url" and isinstance(
+                    part.get("image_url"), dict) else None
+                if detail not in (None, "auto"):
+                    raise ValueError(f"content[{i}].image_url.detail={detail!r} is not supported: the model's "
+                                     "processor decides the image resolution (only 'auto')")
+        return data
 
     @model_validator(mode="after")
     def _content_present(self) -> Any:

@@ -10,9 +10,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagoda.entrypoints.openai.chat_template import render_chat
+from pagoda.entrypoints.chat_utils import extract_images
+from pagoda.entrypoints.openai.chat_template import message_dicts, render_chat
+from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.logprobs_format import TokenText, chat_logprobs, prompt_logprobs_json
-from pagoda.entrypoints.openai.protocol import ChatCompletionRequest
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ImageURLContentPart, TextContentPart
 from pagoda.entrypoints.openai.reasoning import ChatReasoning, chat_reasoning, reasoning_fields
 from pagoda.entrypoints.openai.serving_common import (
     PredictionUsage,
@@ -33,9 +35,9 @@ from pagoda.entrypoints.openai.serving_common import (
 from pagoda.entrypoints.openai.tool_calls import ChatToolCalls, prepare_tool_calls
 
 
-def _render(ctx: ServingContext, req: Any) -> str:
+def _render(ctx: ServingContext, req: Any, messages: list[dict[str, Any]] | None = None) -> str:
     return render_chat(
-        ctx.need_tokenizer(), req.messages,
+        ctx.need_tokenizer(), req.messages if messages is None else messages,
         request_template=req.chat_template, server_template=ctx.chat_template,
         template_kwargs=req.template_kwargs(),
         add_generation_prompt=req.add_generation_prompt,
@@ -62,13 +64,45 @@ async def chat_prompt_async(ctx: ServingContext, req: Any, bounded: bool = True)
     return text, await ctx.encode_unbounded(text, req.add_special_tokens)
 
 
+def has_image_parts(req: Any) -> bool:
+    return any(isinstance(m.content, list) and any(isinstance(p, ImageURLContentPart) for p in m.content)
+               for m in req.messages)
+
+
+async def mm_chat_prompt(ctx: ServingContext, req: Any) -> tuple[str, list[int], dict[str, Any]]:
+    """A conversation with images -> (its text, its token ids with the placeholders expanded, the prompt).
+
+    The images are read (and fetched, where the media policy allows it) off the event loop; a refused or
+    broken one, or a text-only model, is a 400 naming ``messages``."""
+    mm = ctx.engine.processor.mm_processor
+    load_image = ctx.media.load_image if mm is not None else None
+    try:
+        messages, images = await asyncio.to_thread(extract_images, message_dicts(req.messages), load_image)
+    except ValueError as exc:
+        raise APIError(str(exc), 400, "messages") from None
+    text = await asyncio.to_thread(_render, ctx, req, messages)
+    assert mm is not None  # extract_images refused the images of a text-only model
+    kwargs = {"add_special_tokens": req.add_special_tokens}
+    try:
+        # processed once here for the prompt's length; the engine's processor finds it in its cache
+        ids, _ = await ctx.engine.run_prep(mm.process, text, {"image": images}, kwargs)
+    except ValueError as exc:
+        raise APIError(str(exc), 400, "messages") from None
+    return text, ids, {"prompt": text, "multi_modal_data": {"image": images}, "mm_processor_kwargs": kwargs}
+
+
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
     lora_request = await ctx.resolve_model(req.model)
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     check_limits(ctx, req, num_logprobs)
     tool_calls = prepare_tool_calls(ctx, req)
     req = tool_calls.request  # an auto tool parser may need it generated differently
-    text, ids = await chat_prompt_async(ctx, req)
+    prompt: dict[str, Any]
+    if has_image_parts(req):
+        text, ids, prompt = await mm_chat_prompt(ctx, req)
+    else:
+        text, ids = await chat_prompt_async(ctx, req)
+        prompt = {"prompt": text, "prompt_token_ids": ids}
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_prompt_length(ctx, len(ids), requested,
                                      "max_completion_tokens" if req.max_completion_tokens is not None else "messages")
@@ -79,7 +113,6 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     params = tool_calls.constrain(build_sampling_params(req, max_tokens, num_logprobs, req.stream,
                                                         ctx.default_sampling))
     request_id = new_id("chatcmpl") if req.request_id is None else req.request_id
-    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
     if req.cache_salt is not None:
         prompt["cache_salt"] = req.cache_salt
     await prediction_prompt(ctx, prompt, req.prediction)
@@ -89,7 +122,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     echo_text = ""
     if req.echo and req.messages[-1].role == "assistant":
         last = req.messages[-1].content
-        echo_text = last if isinstance(last, str) else "\n".join(p.text for p in last or [])
+        echo_text = last if isinstance(last, str) else "\n".join(p.text for p in last or []
+                                                                  if isinstance(p, TextContentPart))
     if req.stream:
         events = _events(ctx, req, streams, request_id, created, len(ids), token_text, num_logprobs, echo_text,
                          tool_calls, [chat_reasoning(ctx, req, ids) for _ in range(req.n)])

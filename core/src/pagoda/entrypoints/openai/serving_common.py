@@ -20,6 +20,7 @@ from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import PredictionContent, _SamplingFields
 from pagoda.entrypoints.openai.structured_outputs import structured_outputs_of
 from pagoda.lora.request import LoRARequest
+from pagoda.multimodal.media import MediaPolicy
 from pagoda.outputs import CompletionOutput
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.structured_output.backend import StructuredOutputError
@@ -62,6 +63,8 @@ class ServingContext:
     # there never queues ahead of a generation request's prompt on the engine's preparation thread
     tokenize_executor: Any = None
     _tokenize_copy: Any = None
+    # where chat image_url parts may be read from (--allowed-local-media-path, --allowed-media-domains)
+    media: MediaPolicy = field(default_factory=MediaPolicy)
 
     @property
     def model_name(self) -> str:
