@@ -265,3 +265,64 @@ def test_bad_bodies_and_sdk_errors(server: Any, client: Any) -> None:
         client.messages.create(model="claude-nonexistent", max_tokens=4, messages=ASK)
     # the server still serves after them
     assert client.messages.create(model=MODEL, max_tokens=2, messages=ASK).usage.output_tokens == 2
+
+
+def _fuzz_strategy() -> Any:
+    from hypothesis import strategies as st
+
+    junk = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                     st.text(max_size=6), st.lists(st.integers(-5, 50), max_size=3),
+                     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+    block = st.one_of(
+        st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(st.text(max_size=10), junk)}),
+        st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.text(max_size=4), "name": st.text(max_size=4),
+                               "input": st.one_of(st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+                                                  junk)}),
+        st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.one_of(st.text(max_size=4), junk),
+                               "content": st.one_of(st.text(max_size=6), junk)}),
+        st.fixed_dictionaries({"type": st.sampled_from(["image", "thinking", "document", "x"])}), junk)
+    message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant", "system"]), junk),
+                                     "content": st.one_of(st.text(max_size=12), st.lists(block, max_size=3), junk)})
+    tool = st.fixed_dictionaries({"name": st.one_of(st.sampled_from(["f", "bad name"]), junk),
+                                  "input_schema": st.one_of(st.just({"type": "object"}), junk)},
+                                 optional={"type": st.sampled_from(["custom", "bash_20250124"])})
+    return st.fixed_dictionaries(
+        {"messages": st.one_of(st.lists(message, min_size=1, max_size=3), junk),
+         "max_tokens": st.one_of(st.integers(-2, 4), st.sampled_from([None, "4", 1.5, 10**9]))},
+        optional={"model": st.one_of(st.just(MODEL), st.text(max_size=5), junk),
+                  "system": st.one_of(st.text(max_size=8), st.lists(block, max_size=2), junk),
+                  "stop_sequences": st.one_of(st.lists(st.text(max_size=3), max_size=2), junk),
+                  "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), junk),
+                  "top_p": st.one_of(st.floats(-0.5, 1.5, allow_nan=False), junk),
+                  "top_k": st.one_of(st.integers(-3, 5), junk),
+                  "tools": st.one_of(st.lists(tool, max_size=2), junk),
+                  "tool_choice": st.one_of(st.fixed_dictionaries(
+                      {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                      optional={"name": st.sampled_from(["f", "g"])}), junk),
+                  "thinking": st.one_of(st.sampled_from([{"type": "disabled"}, {"type": "enabled"}]), junk),
+                  "metadata": junk, "stream": st.booleans()})
+
+
+def test_fuzzed_bodies_get_a_message_or_an_anthropic_4xx(server: Any) -> None:
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+    @given(body=_fuzz_strategy())
+    def check(body: dict[str, Any]) -> None:
+        body.setdefault("model", MODEL)
+        headers = {"x-api-key": KEY, "content-type": "application/json"}
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", server.url + "/v1/messages", content=json.dumps(body), headers=headers) as r:
+                raw = r.read().decode()
+        assert r.status_code < 500, (body, raw)
+        if r.status_code >= 400:
+            err = json.loads(raw)
+            assert err["type"] == "error" and set(err["error"]) == {"type", "message"}, raw
+        elif body.get("stream") is True:
+            assert raw.rstrip().split("\n")[0] == "event: message_start" and "event: message_stop" in raw, raw
+        else:
+            assert json.loads(raw)["type"] == "message"
+
+    check()
+    assert httpx.get(server.url + "/health").status_code == 200
