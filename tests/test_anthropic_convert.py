@@ -61,6 +61,20 @@ def test_tool_choice_mapping() -> None:
     assert counted.chat_template_kwargs == {"enable_thinking": False} and counted.max_tokens is None
 
 
+def test_output_config_is_response_format_and_effort() -> None:
+    schema = {"type": "object"}
+    msgs = [{"role": "user", "content": "x"}]
+    chat = chat_request(_request(messages=msgs, output_config={"effort": "low", "format": {
+        "type": "json_schema", "schema": schema}}))
+    assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    assert chat.reasoning_effort == "low"
+    assert chat_request(_request(messages=msgs, output_format={"type": "json_schema", "schema": schema})) \
+        .response_format["json_schema"]["schema"] == schema
+    with pytest.raises(ValueError, match="both"):
+        _request(messages=msgs, output_format={"type": "json_schema", "schema": schema},
+                 output_config={"format": {"type": "json_schema", "schema": schema}})
+
+
 def _chat(message: dict[str, Any], finish: str, matched: Any = None) -> dict[str, Any]:
     return {"id": "msg_1", "model": "m", "usage": {"prompt_tokens": 5, "completion_tokens": 7},
             "choices": [{"message": message, "finish_reason": finish, "stop_reason": matched}]}

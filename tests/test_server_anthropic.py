@@ -193,6 +193,28 @@ def test_count_tokens_is_the_prompt_the_server_runs(client: Any) -> None:
     assert longer > counted
 
 
+def test_output_config_json_schema(client: Any) -> None:
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Forecast(BaseModel):
+        unit: Literal["celsius", "fahrenheit"]
+        sunny: bool
+
+    # the SDK's parse helper sends output_config.format and reads the text back into the model
+    parsed = client.messages.parse(model=MODEL, max_tokens=60, messages=WEATHER_ASK, output_format=Forecast,
+                                   extra_body=GREEDY)
+    assert parsed.stop_reason == "end_turn"
+    assert isinstance(parsed.parsed_output, Forecast)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+              "required": ["city"], "additionalProperties": False}
+    for field in ({"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+                  {"output_format": {"type": "json_schema", "schema": schema}}):
+        r = client.messages.create(model=MODEL, max_tokens=30, messages=WEATHER_ASK, extra_body={**GREEDY, **field})
+        jsonschema.validate(json.loads(_text(r)), schema)
+
+
 def test_api_key(server: Any) -> None:
     body = {"model": MODEL, "max_tokens": 2, "messages": ASK}
     for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
@@ -235,10 +257,14 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
     ({"max_tokens": 4, "messages": ASK, "mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, 400,
      "mcp_servers"),
     ({"max_tokens": 4, "messages": ASK, "temperature": "hot"}, 400, "temperature"),
+    ({"max_tokens": 4, "messages": ASK, "output_config": {"format": {"type": "xml"}}}, 400, "output_config"),
+    ({"max_tokens": 4, "messages": ASK, "tools": TOOLS, "tool_choice": FORCED,
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, 400, "tool_choice"),
     ({"max_tokens": 100000, "messages": ASK}, 400, "max_tokens"),
     ({"max_tokens": 4, "messages": ASK, "model": "claude-nonexistent"}, 404, "claude-nonexistent"),
 ], ids=["no-max-tokens", "zero-max-tokens", "no-messages", "system-role", "image", "unknown-block",
         "tool-use-in-user", "thinking", "unknown-tool", "any-without-tools", "server-tool", "mcp", "bad-temperature",
+        "bad-output-format", "output-format-and-forced-tool",
         "over-context", "unknown-model"])
 def test_bad_shapes_get_anthropic_errors(server: Any, body: dict[str, Any], status: int, words: str) -> None:
     r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, **body}, headers={"x-api-key": KEY},

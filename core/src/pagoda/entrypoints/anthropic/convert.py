@@ -6,6 +6,8 @@ chat template, tool handling, structured outputs and sampling, so both APIs answ
 - thinking blocks of earlier turns are dropped, as Anthropic drops them from the context.
 - ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` -> ``auto`` / ``required`` / the named function /
   ``none``; ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``.
+- ``output_config.format`` (or ``output_format``) -> ``response_format`` ``json_schema``;
+  ``output_config.effort`` -> ``reasoning_effort``.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ def _tool_fields(req: _Conversation) -> dict[str, Any]:
 def chat_request(req: _Conversation, request_id: str | None = None) -> ChatCompletionRequest:
     """The chat completion ``req`` asks for (a CountTokensRequest: the prompt part only)."""
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req), **_tool_fields(req)}
+    if req.json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": req.json_schema}}
+    if req.output_config is not None and req.output_config.effort is not None:
+        body["reasoning_effort"] = req.output_config.effort
     if req.thinking is not None:
         # {"type": "disabled"} (the only one accepted): templates that think by default are told not to
         body["chat_template_kwargs"] = {"enable_thinking": False}

@@ -20,10 +20,6 @@ REFUSED_FIELDS: dict[str, str] = {
     "container": "container is not supported: this server runs no code-execution container",
     "context_management": "context_management is not supported: this server does not edit the conversation; "
                           "send the context you want the model to see",
-    "output_format": "output_format is not supported on /v1/messages yet: use /v1/chat/completions' "
-                     "response_format for JSON-schema constrained output",
-    "output_config": "output_config is not supported on /v1/messages yet: use /v1/chat/completions' "
-                     "response_format for JSON-schema constrained output",
 }
 
 # Content block types a request may hold, and what each is refused for when it cannot be read.
@@ -117,6 +113,24 @@ class Tool(_Block):
     input_schema: dict[str, Any]
 
 
+class OutputFormat(BaseModel):
+    """Anthropic's structured outputs: the answer is JSON that ``schema`` accepts (the chat's
+    ``response_format`` ``json_schema``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # the chat's reasoning_effort (the same five levels reach the chat template, as on /v1/chat/completions)
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
 class ToolChoice(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -169,6 +183,9 @@ class _Conversation(_Body):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    # the older, beta spelling of output_config.format
+    output_format: OutputFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -183,6 +200,8 @@ class _Conversation(_Body):
             # no engine-side thinking budget exists, so budget_tokens could not be kept
             raise FieldError(f"thinking {self.thinking.get('type')!r} is not supported: this server cannot bound "
                              'the thinking by budget_tokens; only {"type": "disabled"} is accepted', "thinking")
+        if self.output_format is not None and self.output_config is not None and self.output_config.format is not None:
+            raise FieldError("output_format and output_config.format both set: send one", "output_format")
         choice = self.tool_choice
         if choice is not None and choice.type != "none" and not self.tools:
             raise FieldError(f"tool_choice {choice.type!r} needs tools", "tool_choice")
@@ -192,6 +211,13 @@ class _Conversation(_Body):
                 raise FieldError(f"tool_choice names the tool {choice.name!r}, which is not in tools {names}",
                                  "tool_choice")
         return self
+
+    @property
+    def json_schema(self) -> dict[str, Any] | None:
+        """The schema the answer must follow (output_config.format or output_format), if any."""
+        fmt = self.output_config.format if self.output_config is not None else None
+        fmt = fmt or self.output_format
+        return fmt.schema_ if fmt is not None else None
 
     @property
     def system_text(self) -> str | None:
