@@ -51,6 +51,11 @@ def test_body_limit_and_cors(keyed_server: Any) -> None:
     url = keyed_server.url
     r = httpx.post(url + "/v1/completions", json={"prompt": [1] * 5000}, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+    # the Anthropic routes answer the cap, and a wrong key, in Anthropic's shape; x-api-key is a key too
+    r = httpx.post(url + "/v1/messages", json={"messages": "x" * 5000}, headers={"x-api-key": KEY})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large" and r.json()["type"] == "error"
+    r = httpx.post(url + "/v1/messages", json={}, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     pre = httpx.options(url + "/v1/completions", headers={"Origin": "https://ok.example",
                                                            "Access-Control-Request-Method": "POST"})
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://ok.example"
@@ -61,7 +66,8 @@ def test_body_limit_and_cors(keyed_server: Any) -> None:
 
 @pytest.mark.parametrize(("method", "path"), [
     ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/pooling"), ("POST", "/score"), ("POST", "/rerank"),
-    ("POST", "/v2/rerank"), ("POST", "/classify"), ("GET", "/openapi.json"),
+    ("POST", "/v2/rerank"), ("POST", "/classify"), ("GET", "/openapi.json"), ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
 ])
 def test_every_path_but_the_probes_needs_the_key(keyed_server: Any, method: str, path: str) -> None:
     # before, only /v1/* was guarded (vLLM's prefix): these answered anyone

@@ -138,7 +138,7 @@ _VARIABLES: list[EnvVar[Any]] = [
            "Attention backend by name; unset: the platform's preference. --attention-backend wins over it.",
            _CORE, parse_str),
     EnvVar("PAGODA_API_KEY", "str", None,
-           "API key the server requires as 'Authorization: Bearer KEY' on every path but /health, /ping, "
+           "API key the server requires as 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every path but /health, /ping, "
            "/metrics and /version, and the CLI clients send.",
            _CORE, parse_verbatim),
     EnvVar("PAGODA_ALLOW_LONG_MAX_MODEL_LEN", "bool", False,

@@ -35,7 +35,7 @@ def serve(
     port: int = typer.Option(8000, "--port", help="Port to bind."),
     uds: str | None = typer.Option(None, "--uds", help="Serve on this Unix domain socket path instead of --host/--port."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="PAGODA_API_KEY",
-                                       help="Require 'Authorization: Bearer KEY' on every path but /health, /ping, /metrics, /version "
+                                       help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every path but /health, /ping, /metrics, /version "
                                             "(or PAGODA_API_KEY)."),
     served_model_name: list[str] | None = typer.Option(None, "--served-model-name",
                                                        help="Model name(s) the API answers to; repeatable."),

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from pagoda import envs
 from pagoda.config import EngineArgs
 from pagoda.engine.async_llm import AsyncLLM, EngineDeadError
+from pagoda.entrypoints.anthropic.routes import add_anthropic_routes
 from pagoda.entrypoints.openai.chat_template import load_chat_template
 from pagoda.entrypoints.openai.listen import bind_socket  # noqa: F401 - its old home
 from pagoda.entrypoints.openai.errors import (
@@ -220,6 +221,8 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
     async def chat_completions(raw_request: Request) -> Any:
         require_generate(ctx, "/v1/chat/completions")
         return await create_chat_completion(ctx, await _parse(raw_request, ChatCompletionRequest), raw_request)
+
+    add_anthropic_routes(app, ctx, route)  # /v1/messages, /v1/messages/count_tokens
 
     # -- tokenizer -------------------------------------------------------------------------
     @route("/tokenize", TokenizeCompletionRequest)

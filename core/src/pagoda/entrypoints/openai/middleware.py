@@ -6,14 +6,18 @@ import json
 import secrets
 from typing import Any
 
+from pagoda.entrypoints.anthropic.errors import anthropic_error_body, is_anthropic_path
 from pagoda.entrypoints.openai.errors import error_body
 
 Scope = dict[str, Any]
 ASGIApp = Any
 
 
-async def _send_error(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps(error_body(message, status)).encode()
+async def _send_error(send: Any, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None,
+                      path: str = "") -> None:
+    # the Anthropic routes answer in Anthropic's error shape, even before their handler runs
+    shape = anthropic_error_body if is_anthropic_path(path) else error_body
+    body = json.dumps(shape(message, status)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *(headers or [])]})
@@ -27,21 +31,26 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on every path but ``OPEN_PATHS`` (vLLM guards /v1/* only,
-    which left /tokenize, /pooling, /score and /rerank open to anyone who can reach the port)."""
+    """Requires ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's header, which its SDK
+    sends) on every path but ``OPEN_PATHS`` (vLLM guards /v1/* only, which left /tokenize, /pooling, /score
+    and /rerank open to anyone who can reach the port)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_x_api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if not secrets.compare_digest(given, self.expected):
-            await _send_error(send, 401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                              [(b"www-authenticate", b"Bearer")])
+        headers = dict(scope.get("headers") or [])
+        # both compared whatever the first gives, so the answer takes as long either way
+        bearer = secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
+        x_api_key = secrets.compare_digest(headers.get(b"x-api-key", b""), self.expected_x_api_key)
+        if not (bearer or x_api_key):
+            await _send_error(send, 401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                              "'x-api-key: <key>'", [(b"www-authenticate", b"Bearer")], scope["path"])
             return
         await self.app(scope, receive, send)
 
@@ -90,7 +99,7 @@ class BodySizeLimitMiddleware:
         if length is not None:
             try:
                 if int(length) > self.max_bytes:
-                    await _send_error(send, 413, too_big)
+                    await _send_error(send, 413, too_big, path=scope["path"])
                     return
             except ValueError:
                 await _send_error(send, 400, "the Content-Length header is not a number")
@@ -117,7 +126,7 @@ class BodySizeLimitMiddleware:
             await self.app(scope, counting_receive, tracking_send)
         except _BodyTooLarge:
             if not response_started:
-                await _send_error(send, 413, too_big)
+                await _send_error(send, 413, too_big, path=scope["path"])
 
 
 class _BodyTooLarge(Exception):

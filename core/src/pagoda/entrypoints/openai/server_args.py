@@ -16,7 +16,7 @@ class ServerArgs(BaseModel):
     host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 exposes the server to the network.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 = any free port).")
     uds: str | None = Field(None, description="Unix domain socket path to serve on instead of host/port (vLLM's).")
-    api_key: str | None = Field(None, description="Require 'Authorization: Bearer KEY' on every path but /health, /ping, /metrics and /version (or PAGODA_API_KEY).")
+    api_key: str | None = Field(None, description="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY', Anthropic's header) on every path but /health, /ping, /metrics and /version (or PAGODA_API_KEY).")
     served_model_name: list[str] | None = Field(None, description="Names the API answers to; the first is reported.")
     lora_modules: list[str] | None = Field(
         None, description="LoRA adapters served at start (needs --enable-lora): name=path, or vLLM's JSON "
