@@ -402,6 +402,11 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return self._sleeping
 
+    async def get_memory_bytes(self) -> int:
+        """The engine's weights plus KV cache in bytes (what a model pool's memory budget counts)."""
+        self._ensure_started()
+        return int(await asyncio.wrap_future(self.engine_core.call_utility("get_memory_bytes")))
+
     async def abort(self, request_id: str | list[str]) -> None:
         """Stop requests; their streams end with a finished output (finish_reason "abort")."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

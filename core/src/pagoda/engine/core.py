@@ -62,6 +62,7 @@ class EngineCore:
             self.model_executor.shutdown()
             raise
         self.block_size = memory.block_size
+        self.memory = memory
         self.kv_cache_manager = KVCacheManager(
             memory.num_blocks, memory.block_size, enable_caching=enable_caching
         )
@@ -226,6 +227,10 @@ class EngineCore:
 
     def is_sleeping(self) -> bool:
         return bool(self._sleep_level)
+
+    def get_memory_bytes(self) -> int:
+        """What this engine holds for its model: the weights plus the KV cache (one rank's), as sized at start."""
+        return self.memory.weights_bytes + self.memory.kv_cache_bytes
 
     def add_beam_search(self, group: BeamGroup, root: EngineCoreRequest) -> None:
         if root.lora_request is not None:

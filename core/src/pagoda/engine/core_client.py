@@ -32,7 +32,8 @@ from pagoda.platforms import Platform
 logger = logging.getLogger(__name__)
 
 # EngineCore methods a front end may call between steps (call_utility), with a result back.
-UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras", "sleep", "wake_up", "is_sleeping"})
+UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras", "sleep", "wake_up", "is_sleeping",
+                             "get_memory_bytes"})
 
 
 def run_utility(core: EngineCore, method: str, args: tuple[Any, ...], future: Future[Any]) -> None:
