@@ -186,3 +186,39 @@ def test_lru_under_max_loaded_models_one(paths: dict[str, Any], start_server: An
     assert results == [expected[a], expected[b]]
     log = server.output()
     assert "least recently used" in log
+
+
+def test_keep_alive_parses_ollama_durations() -> None:
+    from pagoda.entrypoints.openai.model_pool import parse_keep_alive
+
+    assert parse_keep_alive(0) == 0 and parse_keep_alive(30) == 30 and parse_keep_alive("1.5") == 1.5
+    assert parse_keep_alive("5m") == 300 and parse_keep_alive("1h") == 3600 and parse_keep_alive("250ms") == 0.25
+    assert parse_keep_alive(-1) is None and parse_keep_alive("-1m") is None
+    for bad in ("soon", "5 minutes", True, None, [1]):
+        with pytest.raises(ValueError, match="keep_alive"):
+            parse_keep_alive(bad)
+
+
+@pytest.mark.parametrize("config, args, message", [
+    ({"models": [{"served_model_name": "x"}]}, [], "'model' is missing"),
+    ({"models": [{"model": "m", "no_such_option": 1}]}, [], "no_such_option"),
+    ({"models": [{"model": "m", "lora_modules": ["a=/b"]}]}, [], "needs enable_lora"),
+    ({"models": []}, [], "non-empty list"),
+    ({"models": [{"model": "m", "keep_alive": "soon"}]}, [], "keep_alive"),
+    ({"models": [{"model": "a", "served_model_name": "x"}, {"model": "b", "served_model_name": "x"}]}, [],
+     "two models are served as 'x'"),
+    (None, ["a", "b", "--served-model-name", "x"], "--served-model-name and --lora-modules"),
+])
+def test_bad_many_model_options_are_refused_before_anything_loads(tmp_path: Path, config: Any, args: list[str],
+                                                                  message: str) -> None:
+    import subprocess
+    import sys
+
+    if config is not None:
+        (tmp_path / "m.yaml").write_text(yaml.safe_dump(config))
+        args = ["--models-config", str(tmp_path / "m.yaml"), *args]
+    out = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", *args, "--port", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    text = " ".join((out.stderr + out.stdout).replace("│", " ").split())  # (typer's box wraps long lines)
+    assert message in text, out.stderr[-3000:]

@@ -190,7 +190,7 @@ def _model_specs(engine_args: EngineArgs, more_models: list[str], models_config:
     """The models of a many-model server (several MODELs or --models-config); None: the one-model server."""
     if not more_models and models_config is None:
         return None
-    from pagoda.entrypoints.openai.model_pool import spec_for_model, specs_from_config
+    from pagoda.entrypoints.openai.model_pool import served_name_index, spec_for_model, specs_from_config
 
     if served_model_name or lora_modules:
         raise ValueError("--served-model-name and --lora-modules name one model's names and adapters: with several "
@@ -199,6 +199,7 @@ def _model_specs(engine_args: EngineArgs, more_models: list[str], models_config:
     specs = [spec_for_model(m, engine_args) for m in positional]
     if models_config is not None:
         specs += specs_from_config(models_config, engine_args)
+    served_name_index(specs)
     return specs
 
 

@@ -130,6 +130,17 @@ def specs_from_config(path: str, base: EngineArgs) -> list[ModelSpec]:
     return [spec_from_entry(entry, base, f"--models-config {path} models[{i}]") for i, entry in enumerate(models)]
 
 
+def served_name_index(specs: list[ModelSpec]) -> dict[str, int]:
+    """Served name -> the index of its model; ValueError when two models claim one name."""
+    index: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        for name in spec.served_model_names:
+            if name in index:
+                raise ValueError(f"two models are served as {name!r}: give each its own served_model_name")
+            index[name] = i
+    return index
+
+
 @dataclass
 class ModelEntry:
     spec: ModelSpec
@@ -168,12 +179,7 @@ class ModelPool:
                  memory_budget_bytes: int | None = None, idle_timeout_s: float | None = None,
                  load_timeout_s: float = 600.0) -> None:
         self.entries = [ModelEntry(spec) for spec in specs]
-        self._by_name: dict[str, ModelEntry] = {}
-        for entry in self.entries:
-            for name in entry.spec.served_model_names:
-                if name in self._by_name:
-                    raise ValueError(f"two models are served as {name!r}: give each its own served_model_name")
-                self._by_name[name] = entry
+        self._by_name = {name: self.entries[i] for name, i in served_name_index(specs).items()}
         self._loader = loader
         self.max_loaded_models = max_loaded_models
         self.memory_budget_bytes = memory_budget_bytes
