@@ -53,3 +53,30 @@ def test_sleep_needs_enable_sleep_mode_and_a_valid_level(tiny_model_dir: Any, ll
     with pytest.raises(ValueError, match="enable_sleep_mode"):
         plain.sleep(level=1)
     assert len(_ids(plain)) == 2  # refused, and still serving
+
+
+def test_served_sleep_on_a_one_model_server(tiny_model_dir: Any, start_server: Any) -> None:
+    """vLLM's /sleep, /wake_up, /is_sleeping (PAGODA_SERVER_DEV_MODE=1) on the one-model server."""
+    import httpx
+
+    path, _ = tiny_model_dir("llama")
+    server = start_server([str(path), "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "256",
+                           "--num-kv-blocks", "64", "--enable-sleep-mode"], env={"PAGODA_SERVER_DEV_MODE": "1"})
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+
+    def ids() -> list[str]:
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["logprobs"]["tokens"])
+
+    before = ids()
+    for level in (1, 2):
+        assert httpx.post(server.url + "/sleep", params={"level": level}, timeout=60).status_code == 200
+        assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and "asleep" in r.json()["error"]["message"]
+        assert httpx.post(server.url + "/wake_up", timeout=120).status_code == 200
+        assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": False}
+        assert ids() == before
+    assert httpx.get(server.url + "/health").status_code == 200
