@@ -222,3 +222,23 @@ def test_bad_many_model_options_are_refused_before_anything_loads(tmp_path: Path
     assert out.returncode != 0
     text = " ".join((out.stderr + out.stdout).replace("│", " ").split())  # (typer's box wraps long lines)
     assert message in text, out.stderr[-3000:]
+
+
+def test_one_models_dead_engine_leaves_the_server_serving(server: Any, paths: dict[str, Any], hf_greedy: Any) -> None:
+    import os
+    import re
+    import signal
+
+    assert httpx.post(server.url + "/v1/models/unload", json={"model": "gen-b"}, timeout=60).status_code == 200
+    # a fresh load, kept loaded (an earlier test left gen-b's keep_alive at 0)
+    assert _ids(server, "gen-b", keep_alive=-1) == hf_greedy(paths["qwen_hf"], PROMPT, NEW)
+    # the load just done logged its engine-core process last
+    pid = int(re.findall(r"engine core 0 runs in process (\d+)", server.output())[-1])
+    os.kill(pid, signal.SIGKILL)
+    _wait_state(server, "gen-b", "unloaded")
+    card = {c["id"]: c for c in httpx.get(server.url + "/v1/models").json()["data"]}["gen-b"]
+    assert "engine died" in card["error"]
+    assert server.proc.poll() is None and httpx.get(server.url + "/health").status_code == 200
+    assert _ids(server, "gen-a") == hf_greedy(paths["llama_hf"], PROMPT, NEW)
+    # its next request loads it again
+    assert _ids(server, "gen-b") == hf_greedy(paths["qwen_hf"], PROMPT, NEW)
