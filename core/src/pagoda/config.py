@@ -48,6 +48,7 @@ class ModelConfig(_Config):
     trust_remote_code: bool = Field(False, description="Let transformers run the model directory's own Python code (config, tokenizer and, through the transformers fallback, the model: auto_map). Off: such a model is refused.")
     model_impl: Literal["auto", "pagoda", "transformers"] = Field("auto", description="Which implementation serves the model: 'pagoda' = a model-family plugin's own, 'transformers' = the transformers fallback (pagoda-models-transformers) over pagoda's paged attention, 'auto' = the first if a family implements the architecture, else the second.")
     served_model_name: str | None = Field(None, description="Model name the server reports; defaults to the model path.")
+    enable_sleep_mode: bool = Field(False, description="Allow sleep(level) / wake_up() (vLLM's): level 1 frees the KV cache, level 2 the weights too (read again from the checkpoint on wake_up); see docs/server.md, \"Sleep mode\".")
     max_logprobs: int = Field(20, ge=0, description="Largest number of logprobs a request may ask for.")
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field("raw_logprobs", description="What logprobs report.")
     enforce_eager: bool = Field(False, description="Never capture decode graphs (CUDA graphs on a GPU, kernel graphs on CPU); every step runs eagerly.")

@@ -160,6 +160,10 @@ _VARIABLES: list[EnvVar[Any]] = [
            "1: the server offers /v1/load_lora_adapter and /v1/unload_lora_adapter (as "
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING); for local development only: anyone who reaches the API can load files.",
            _CORE, parse_bool),
+    EnvVar("PAGODA_SERVER_DEV_MODE", "bool", False,
+           "1: the server offers vLLM's development endpoints /sleep, /wake_up and /is_sleeping (as "
+           "VLLM_SERVER_DEV_MODE); the engine needs --enable-sleep-mode for /sleep to succeed.",
+           _CORE, parse_bool),
     EnvVar("PAGODA_LORA_RESOLVER_CACHE_DIR", "path", None,
            "Directory the built-in filesystem LoRA resolver looks in: a request whose model names no loaded adapter "
            "is served <dir>/<name> when that is a PEFT LoRA adapter of the base model (as VLLM_LORA_RESOLVER_CACHE_DIR; "
@@ -226,6 +230,7 @@ if TYPE_CHECKING:  # what ``pagoda.envs.<NAME>`` returns for core's own; a plugi
     PAGODA_DISABLE_CACHE: bool
     PAGODA_EXECUTE_MODEL_TIMEOUT_SECONDS: int
     PAGODA_ALLOW_RUNTIME_LORA_UPDATING: bool
+    PAGODA_SERVER_DEV_MODE: bool
     PAGODA_LORA_RESOLVER_CACHE_DIR: Path | None
     PAGODA_ENABLE_V1_MULTIPROCESSING: bool
     PAGODA_KERNELS_IMPL: str

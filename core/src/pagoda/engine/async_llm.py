@@ -37,7 +37,7 @@ from pagoda.engine.processor import Processor
 from pagoda.lora.request import LoRARequest
 from pagoda.metrics.requests import RequestMetrics
 from pagoda.metrics.stats import IterationStats, SchedulerStats, StatLogger
-from pagoda.engine.errors import EngineDeadError, EngineGenerateError
+from pagoda.engine.errors import EngineDeadError, EngineGenerateError, EngineSleepingError
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import RequestOutputKind, SamplingParams
@@ -169,6 +169,7 @@ class AsyncLLM:
         self._loras: set[int] = set()
         self.processor.supported_tasks = self.supported_tasks
         self._tracked: dict[str, _Tracked] = {}
+        self._sleeping = False
         # log_stats=False: stat loggers get no records
         self.stat_loggers: list[StatLogger] = []
         self.log_stats = log_stats
@@ -268,6 +269,8 @@ class AsyncLLM:
     def _check_alive(self) -> None:
         if self.engine_core.dead_error is not None:
             raise EngineDeadError(f"the engine core died: {self.engine_core.dead_error!r}")
+        if self._sleeping:
+            raise EngineSleepingError("the engine is asleep: wake_up() it first")
 
     def _check_unused(self, request_id: str) -> None:
         if self.output_processor.has(request_id):
@@ -365,6 +368,34 @@ class AsyncLLM:
     async def list_loras(self) -> set[int]:
         self._ensure_started()
         return set(await asyncio.wrap_future(self.engine_core.call_utility("list_loras")))
+
+    # -- sleep mode (vLLM's AsyncLLM.sleep / wake_up / is_sleeping; needs enable_sleep_mode) -------------
+    async def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) or the weights too (level 2); requests are refused until ``wake_up``.
+        ValueError while requests are in flight, or without enable_sleep_mode."""
+        if self._tracked:
+            raise ValueError(f"the engine has {len(self._tracked)} request(s) in flight; sleep once they finish")
+        self._ensure_started()
+        # refused from here on: a request queued behind the sleep call would find no KV cache
+        self._sleeping = True
+        try:
+            await asyncio.wrap_future(self.engine_core.call_utility("sleep", level))
+        except BaseException:
+            self._sleeping = False
+            raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self._ensure_started()
+        await asyncio.wrap_future(self.engine_core.call_utility("wake_up", tags))
+        self._sleeping = False
+
+    async def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    async def get_memory_bytes(self) -> int:
+        """The engine's weights plus KV cache in bytes (what a model pool's memory budget counts)."""
+        self._ensure_started()
+        return int(await asyncio.wrap_future(self.engine_core.call_utility("get_memory_bytes")))
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Stop requests; their streams end with a finished output (finish_reason "abort")."""

@@ -62,6 +62,7 @@ class EngineCore:
             self.model_executor.shutdown()
             raise
         self.block_size = memory.block_size
+        self.memory = memory
         self.kv_cache_manager = KVCacheManager(
             memory.num_blocks, memory.block_size, enable_caching=enable_caching
         )
@@ -82,6 +83,7 @@ class EngineCore:
         # adapters the workers have read and checked: lora_int_id -> its request (vLLM's add_lora registry)
         self._loras: dict[int, LoRARequest] = {}
         self._reported_preemptions = 0
+        self._sleep_level = 0
         # vLLM's batch queue: steps sent to the executor whose output is not applied yet, oldest first
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         self.batch_queue_size = self.model_executor.max_concurrent_batches
@@ -187,6 +189,50 @@ class EngineCore:
 
     def list_loras(self) -> set[int]:
         return set(self._loras)
+
+    # -- sleep mode (vLLM's EngineCore.sleep / wake_up / is_sleeping) ---------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) or the weights too (level 2) while the engine idles.
+
+        Refused while requests are in the engine: their KV cache would go with it."""
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True (--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.scheduler.has_unfinished_requests() or self.batch_queue:
+            raise ValueError("the engine has requests in flight; sleep once they finish")
+        while self.scheduler.has_finished_ids_pending():
+            self.step()  # an empty step: the runner forgets the finished requests before its batch goes
+        if self._sleep_level:
+            raise ValueError(f"the engine is asleep already (level {self._sleep_level})")
+        self.model_executor.collective_rpc("sleep", (level,))
+        # the cached prefixes' blocks are gone with the cache
+        self.kv_cache_manager.reset_prefix_cache()
+        self._sleep_level = level
+        logger.info("engine asleep (level %d: %s freed)", level, "KV cache" if level == 1 else "KV cache and weights")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Rebuild what ``sleep`` freed (vLLM's ``tags`` pick weights or kv_cache; pagoda restores both at
+        once, so a tag other than those two is refused). A no-op when awake."""
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags must be 'weights' and/or 'kv_cache', got {sorted(unknown)}")
+        if not self._sleep_level:
+            return
+        self.model_executor.collective_rpc("wake_up")
+        level, self._sleep_level = self._sleep_level, 0
+        if level == 2:
+            # the reloaded model has no adapters yet: give it back the ones the engine had
+            for lora in self._loras.values():
+                self.model_executor.collective_rpc("add_lora", (lora,))
+        logger.info("engine awake (from level %d)", level)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._sleep_level)
+
+    def get_memory_bytes(self) -> int:
+        """What this engine holds for its model: the weights plus the KV cache (one rank's), as sized at start."""
+        return self.memory.weights_bytes + self.memory.kv_cache_bytes
 
     def add_beam_search(self, group: BeamGroup, root: EngineCoreRequest) -> None:
         if root.lora_request is not None:

@@ -32,7 +32,8 @@ from pagoda.platforms import Platform
 logger = logging.getLogger(__name__)
 
 # EngineCore methods a front end may call between steps (call_utility), with a result back.
-UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras"})
+UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras", "sleep", "wake_up", "is_sleeping",
+                             "get_memory_bytes"})
 
 
 def run_utility(core: EngineCore, method: str, args: tuple[Any, ...], future: Future[Any]) -> None:
@@ -114,6 +115,15 @@ class InprocClient:
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return self.core.get_supported_tasks()
+
+    def sleep(self, level: int) -> None:
+        self.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -68,6 +68,7 @@ class LLMEngine:
         """Queue a request: ``SamplingParams`` generate, ``PoolingParams`` pool (one ``PoolingRequestOutput``);
         ``lora_request``: the adapter it runs with (enable_lora)."""
         params = params or SamplingParams()
+        self._check_awake()
         if self.output_processor.has(request_id) or request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time() if arrival_time is None else arrival_time
@@ -89,6 +90,7 @@ class LLMEngine:
 
         Finishes with one RequestOutput whose outputs are the best beams, best first.
         """
+        self._check_awake()
         if self.output_processor.has(request_id) or request_id in self.beam_searches:
             raise ValueError(f"request id {request_id!r} is already in use")
         group, root = self.processor.process_beam_search(request_id, prompt, params, arrival_time, early_stopping,
@@ -128,6 +130,20 @@ class LLMEngine:
 
     def list_loras(self) -> set[int]:
         return self.engine_core.list_loras()
+
+    # -- sleep mode (vLLM's LLMEngine.sleep / wake_up / is_sleeping) -----------------------------------
+    def sleep(self, level: int = 1) -> None:
+        self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
+    def _check_awake(self) -> None:
+        if self.engine_core.is_sleeping():
+            raise ValueError("the engine is asleep: call wake_up() before generating")
 
     def get_stats(self) -> SchedulerStats:
         """The core's gauges (running, waiting, KV usage, prefix cache) as data."""

@@ -84,6 +84,15 @@ class LLM:
             raise ValueError(f"got {len(loras)} lora_request(s) for {n} prompts; pass one or one per prompt")
         return loras
 
+    # -- sleep mode (vLLM's LLM.sleep / wake_up; needs enable_sleep_mode=True) -----------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) or the weights too (level 2) until ``wake_up``; generating meanwhile
+        is refused. Greedy outputs after ``wake_up`` equal those before (docs/server.md, "Sleep mode")."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm_engine.wake_up(tags)
+
     @property
     def supported_tasks(self) -> tuple[str, ...]:
         """What the model serves: ("generate",), or its pooling tasks (embed, classify, score, token_embed, ...)."""

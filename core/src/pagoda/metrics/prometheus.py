@@ -53,12 +53,12 @@ class _Same:
             m.set_to_current_time()
 
 
-class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 prefixes: tuple[str, ...] = ("pagoda",)) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+class _Families:
+    """The metric families of one registry, unlabelled: each model's logger takes its ``model_name`` series."""
+
+    def __init__(self, registry: CollectorRegistry, prefixes: tuple[str, ...]) -> None:
         labels = ["model_name"]
-        r = self.registry
+        r = registry
 
         def gauge(name: str, doc: str) -> _Same:
             return _Same([Gauge(f"{p}:{name}", doc, labels, registry=r) for p in prefixes])
@@ -69,40 +69,73 @@ class PrometheusStatLogger:
         def histogram(name: str, doc: str, buckets: list[float]) -> _Same:
             return _Same([Histogram(f"{p}:{name}", doc, labels, buckets=buckets, registry=r) for p in prefixes])
 
-        self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.").labels(model_name)
-        self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.").labels(model_name)
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.").labels(model_name)
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.").labels(model_name)
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.").labels(model_name)
-        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.").labels(model_name)
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(model_name)
-        success = counter("request_success", "Count of successfully processed requests.", ["finished_reason"])
-        self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS).labels(model_name)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _TOKEN_LATENCY_BUCKETS).labels(model_name)
+        self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.request_success = counter("request_success", "Count of successfully processed requests.", ["finished_reason"])
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _TOKEN_LATENCY_BUCKETS)
         self.time_per_output_token = histogram(
             "time_per_output_token_seconds", "Histogram of time per output token in seconds (mean over a request's decode).",
             _TOKEN_LATENCY_BUCKETS,
-        ).labels(model_name)
-        self.e2e_latency = histogram("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", _REQUEST_LATENCY_BUCKETS).labels(model_name)
-        self.queue_time = histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS).labels(model_name)
-        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.").labels(model_name)
-        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.").labels(model_name)
-        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.").labels(model_name)
-        self._accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                         "Accepted tokens per draft position.", ["position"])
-        self._model_name = model_name
-        self.spec_decode_num_accepted_tokens_per_pos: list[_Same] = []
+        )
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", _REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted tokens per draft position.", ["position"])
         token_buckets = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
         self.prompt_tokens_per_request = histogram(
-            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets).labels(model_name)
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
         self.generation_tokens_per_request = histogram(
-            "request_generation_tokens", "Number of generation tokens processed.", token_buckets).labels(model_name)
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets)
         # vLLM's LoRA gauge: the labels carry the adapters, the value the time they were read
         self.lora_info = _Same([Gauge(f"{p}:lora_requests_info", "Running stats on lora requests.",
                                       ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
                                 for p in prefixes])
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 prefixes: tuple[str, ...] = ("pagoda",), _families: _Families | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        f = _families if _families is not None else _Families(self.registry, prefixes)
+        self._families = f
+        self.num_requests_running = f.num_requests_running.labels(model_name)
+        self.num_requests_waiting = f.num_requests_waiting.labels(model_name)
+        self.kv_cache_usage = f.kv_cache_usage.labels(model_name)
+        self.prefix_cache_queries = f.prefix_cache_queries.labels(model_name)
+        self.prefix_cache_hits = f.prefix_cache_hits.labels(model_name)
+        self.num_preemptions = f.num_preemptions.labels(model_name)
+        self.prompt_tokens = f.prompt_tokens.labels(model_name)
+        self.generation_tokens = f.generation_tokens.labels(model_name)
+        self.request_success = {reason: f.request_success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.ttft = f.ttft.labels(model_name)
+        self.inter_token_latency = f.inter_token_latency.labels(model_name)
+        self.time_per_output_token = f.time_per_output_token.labels(model_name)
+        self.e2e_latency = f.e2e_latency.labels(model_name)
+        self.queue_time = f.queue_time.labels(model_name)
+        self.spec_decode_num_drafts = f.spec_decode_num_drafts.labels(model_name)
+        self.spec_decode_num_draft_tokens = f.spec_decode_num_draft_tokens.labels(model_name)
+        self.spec_decode_num_accepted_tokens = f.spec_decode_num_accepted_tokens.labels(model_name)
+        self._accepted_per_pos = f.accepted_per_pos
+        self._model_name = model_name
+        self.spec_decode_num_accepted_tokens_per_pos: list[_Same] = []
+        self.prompt_tokens_per_request = f.prompt_tokens_per_request.labels(model_name)
+        self.generation_tokens_per_request = f.generation_tokens_per_request.labels(model_name)
+        self.lora_info = f.lora_info
+
+    def for_model(self, model_name: str) -> PrometheusStatLogger:
+        """A logger for another model of the same server: the same registry and metrics, its own
+        ``model_name`` series (a many-model server's /metrics renders them all at once)."""
+        return PrometheusStatLogger(model_name, self.registry, _families=self._families)
 
     def record_iteration(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
         self.num_requests_running.set(scheduler.num_running_reqs)

@@ -113,11 +113,11 @@ def process_weights_after_loading(model: nn.Module) -> int:
         if method is not None:
             method.process_weights_after_loading(module)
             count += 1
-    _trim_heap()
+    trim_heap()
     return count
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give the heap that loading freed back to the OS (glibc keeps it otherwise).
 
     Quantized weights arrive as many mid-sized tensors that are reordered and concatenated on

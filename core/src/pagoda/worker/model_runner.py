@@ -33,7 +33,7 @@ from pagoda.models.interface import (
 )
 from pagoda.models.registry import ModelChoice, ModelRegistry
 from pagoda.platforms import Platform
-from pagoda.quantization.model import checkpoint_module_filter, process_weights_after_loading, quantize_model
+from pagoda.quantization.model import checkpoint_module_filter, process_weights_after_loading, quantize_model, trim_heap
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.encoder_runner import EncoderRunner, has_mm_rows
 from pagoda.worker.graphs import DecodeGraphRunner, GraphInputs, create_decode_graphs
@@ -110,6 +110,8 @@ class ModelRunner:
         self.lora_manager: LoRAModelManager | None = None
         # a SupportsMultiModal model's encoder runs and encoder-output cache, set by load_model
         self.encoder_runner: EncoderRunner | None = None
+        # sleep mode: 0 awake, 1 the KV cache dropped, 2 the weights too
+        self.sleep_level = 0
 
     # -- set-up --------------------------------------------------------------
     def load_model(self) -> None:
@@ -266,6 +268,45 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.calculate_kv_scales = self.config.cache_config.calculate_kv_scales
         return self.memory
+
+    # -- sleep mode (vLLM's sleep / wake_up; the engine core checks that no request runs) --------------
+    def sleep(self, level: int) -> None:
+        """Level 1: drop the KV cache (and what reads it); level 2: the weights too. The memory goes back
+        to the allocator and, on the host, to the OS; ``wake_up`` rebuilds what was dropped."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.sleep_level:
+            raise ValueError(f"the engine is asleep already (level {self.sleep_level}): wake it up first")
+        self.graphs = None
+        for layer in self.attn_layers:
+            layer.kv_cache = None  # (bind wants a tensor; a sleeping layer is never called)
+        self.kv_caches = []
+        del self.head, self.batch
+        if level == 2:
+            self.attn_layers = []
+            self.model = None
+            self.lora_manager = None
+            # it holds the model; load_model builds it again (an item it had cached is re-encoded from
+            # its request's own tensors, as after a failed step)
+            self.encoder_runner = None
+        self.sleep_level = level
+        import gc
+
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        trim_heap()
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: reload the weights (level 2) from the checkpoint, then reallocate a KV cache of the
+        same number of blocks (the scheduler's block table still counts them). Asleep or not: no-op when awake."""
+        level = self.sleep_level
+        if not level:
+            return
+        if level == 2:
+            self.load_model()
+        self.init_kv_cache(self.max_num_seqs, self.max_num_batched_tokens, self.num_blocks)
+        self.sleep_level = 0
 
     def _select_attention_backend(self) -> AttentionSpec:
         """The attention backend for this model's layers (and the spec it was chosen for)."""

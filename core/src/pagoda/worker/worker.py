@@ -107,6 +107,12 @@ class Worker:
             if tokens:
                 rows[rid].output_token_ids.extend(tokens)
 
+    def sleep(self, level: int) -> None:
+        self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        self.runner.wake_up()
+
     # -- LoRA adapters (enable_lora; vLLM's worker names) -------------------------------------
     def add_lora(self, lora_request: Any) -> tuple[bool, str] | None:
         """Read and check an adapter into the host cache; its refusal as (not found?, message); None: loaded.

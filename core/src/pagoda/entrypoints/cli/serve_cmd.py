@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
 
 import typer
 
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.cli.engine_options import with_engine_options, with_model_flag
 from pagoda.entrypoints.cli.help_groups import GroupedHelpCommand
-from pagoda.entrypoints.cli.vllm_flags import load_config_file
+from pagoda.entrypoints.cli.vllm_flags import load_config_file, parse_size
 
 
 def _json_list(value: str, flag: str) -> list[str]:
@@ -28,6 +29,9 @@ def _json_list(value: str, flag: str) -> list[str]:
 @with_engine_options(exclude=("served_model_name",))
 def serve(
     model: str | None = typer.Argument(None, help="HF model directory, .gguf file or hub id (org/name); none = SmolLM2-135M-Instruct."),
+    more_models: list[str] | None = typer.Argument(
+        None, metavar="[MORE_MODELS]...",
+        help="Further models to serve on the same port (many models: each loads on its first request)."),
     config: str | None = typer.Option(
         None, "--config", is_eager=True, callback=load_config_file,
         help="YAML file of options (vLLM's: 'max-model-len: 2048', 'model: org/name'); the command line wins."),
@@ -80,6 +84,23 @@ def serve(
         help="Export every /metrics metric as vLLM's vllm:* too, beside pagoda:* (for vLLM's dashboards)."),
     disable_log_stats: bool = typer.Option(
         False, "--disable-log-stats", help="Record no engine statistics (the /metrics counters stay at zero)."),
+    models_config: str | None = typer.Option(
+        None, "--models-config",
+        help="YAML file of models to serve on one port ('models:' a list, each 'model:' plus its own engine "
+             "options, served_model_name, lora_modules, keep_alive); pagoda's, beyond vLLM."),
+    max_loaded_models: int | None = typer.Option(
+        None, "--max-loaded-models", min=1,
+        help="Many models: the most loaded at once; loading another evicts the least recently used idle one."),
+    models_memory_budget: int | None = typer.Option(
+        None, "--models-memory-budget", parser=parse_size,
+        help="Many models: bytes of weights + KV cache the loaded models may hold together (e.g. 8G); "
+             "the least recently used idle ones are evicted past it."),
+    model_idle_timeout: float | None = typer.Option(
+        None, "--model-idle-timeout", min=0,
+        help="Many models: seconds a model may idle before it unloads (a request's keep_alive wins); none = never."),
+    model_load_timeout: float = typer.Option(
+        600.0, "--model-load-timeout", min=0.001,
+        help="Many models: seconds a request waits for its model to load before a 503."),
     swap_space: float | None = typer.Option(
         None, "--swap-space", min=0,
         help="vLLM's CPU swap space (GiB); accepted and unused, as in vLLM's V1 engine: a preempted request "
@@ -122,7 +143,10 @@ def serve(
             enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint, uds=uds,
             disable_log_stats=disable_log_stats, vllm_metric_names=vllm_metric_names,
             uvicorn_log_level=uvicorn_log_level, disable_log_requests=not enable_log_requests,
+            max_loaded_models=max_loaded_models, models_memory_budget=models_memory_budget,
+            model_idle_timeout=model_idle_timeout, model_load_timeout=model_load_timeout,
         )
+        models = _model_specs(engine_args, more_models or [], models_config, served_model_name, lora_modules)
     except (ValidationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     if served_model_name:
@@ -145,7 +169,7 @@ def serve(
     from pagoda.engine.mp_client import EngineCoreStartupError
 
     try:
-        run_server(engine_args, server_args, sock=sock, started=started)
+        run_server(engine_args, server_args, sock=sock, started=started, models=models)
     except (ModelLoadError, PluginError, OSError) as exc:  # an OSError is the model's (not found): the socket is bound
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
@@ -159,6 +183,24 @@ def serve(
         logging.getLogger(__name__).debug("start-up failed", exc_info=True)
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
+
+
+def _model_specs(engine_args: EngineArgs, more_models: list[str], models_config: str | None,
+                 served_model_name: list[str] | None, lora_modules: list[str] | None) -> list[Any] | None:
+    """The models of a many-model server (several MODELs or --models-config); None: the one-model server."""
+    if not more_models and models_config is None:
+        return None
+    from pagoda.entrypoints.openai.model_pool import served_name_index, spec_for_model, specs_from_config
+
+    if served_model_name or lora_modules:
+        raise ValueError("--served-model-name and --lora-modules name one model's names and adapters: with several "
+                         "models give them per model in --models-config")
+    positional = ([engine_args.model] if engine_args.model else []) + more_models
+    specs = [spec_for_model(m, engine_args) for m in positional]
+    if models_config is not None:
+        specs += specs_from_config(models_config, engine_args)
+    served_name_index(specs)
+    return specs
 
 
 def _start_standby_core(engine_args: EngineArgs) -> None:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda.engine.errors import EngineDeadError
+from pagoda.engine.errors import EngineDeadError, EngineSleepingError
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +187,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         # the server is on its way out (api_server's engine watch): the client should retry elsewhere or later
         return error_response(APIError(f"the engine is dead: {exc}", 503))
+
+    @app.exception_handler(EngineSleepingError)
+    async def _engine_sleeping(_: Request, exc: EngineSleepingError) -> JSONResponse:
+        # sleep mode (/sleep): the model frees its memory until POST /wake_up
+        return error_response(APIError(f"the model is asleep: {exc}; POST /wake_up first", 503))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -409,3 +409,9 @@ class UnloadLoRAAdapterRequest(_Body):
 
     lora_name: StrictStr
     lora_int_id: StrictInt | None = None
+
+
+class ModelActionRequest(_Body):
+    """``POST /v1/models/load`` and ``/v1/models/unload`` of a many-model server (pagoda's; no vLLM equivalent)."""
+
+    model: StrictStr

@@ -51,5 +51,17 @@ class ServerArgs(BaseModel):
         False, description="Serve GET /tokenizer_info (the tokenizer's configuration and chat template), as vLLM.")
     shutdown_timeout: float = Field(10.0, ge=0, description="Seconds to let in-flight requests finish on SIGINT/SIGTERM.")
 
+    # many models on one port (pagoda's, beyond vLLM; docs/server.md "Many models on one port")
+    max_loaded_models: int | None = Field(
+        None, gt=0, description="Most models loaded at once; loading another evicts the least recently used idle one.")
+    models_memory_budget: int | None = Field(
+        None, gt=0, description="Bytes of weights + KV cache the loaded models may hold together; the least recently "
+                                "used idle ones are evicted past it.")
+    model_idle_timeout: float | None = Field(
+        None, ge=0, description="Seconds a model may idle before it unloads (a model's keep_alive, or a request's, "
+                                "wins); None = never.")
+    model_load_timeout: float = Field(
+        600.0, gt=0, description="Seconds a request waits for its model to load before a 503 (the load goes on).")
+
     def resolved_api_key(self) -> str | None:
         return self.api_key or envs.PAGODA_API_KEY

@@ -128,6 +128,17 @@ class ServingContext:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_executor, encode)
 
 
+async def request_context(raw_request: Request, data: Any = None) -> ServingContext:
+    """The context of the model a request is for; every route gets its context here. A one-model server's
+    own; on a many-model server (pagoda.entrypoints.openai.model_pool) the one the body's ``model`` names
+    (``data``: the parsed JSON body), loaded first when it is not, and held until the response ends."""
+    pool = getattr(raw_request.app.state, "pool", None)
+    if pool is None:
+        ctx: ServingContext = raw_request.app.state.ctx
+        return ctx
+    return await pool.acquire(raw_request, data)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
