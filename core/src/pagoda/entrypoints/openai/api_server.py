@@ -47,6 +47,7 @@ from pagoda.entrypoints.openai.serving_common import ServingContext
 from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.entrypoints.openai.serving_models import LoRAModulePath, ServingModels
 from pagoda.entrypoints.openai.serving_pooling import require_generate
+from pagoda.entrypoints.openai.serving_responses import add_responses_routes
 from pagoda.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagoda.entrypoints.openai.tool_calls import resolve_tool_parser
 from pagoda.model_loader import ModelLoadError
@@ -214,6 +215,8 @@ def build_app(engine: AsyncLLM, server_args: ServerArgs, model_names: list[str],
     async def chat_completions(raw_request: Request) -> Any:
         require_generate(ctx, "/v1/chat/completions")
         return await create_chat_completion(ctx, await _parse(raw_request, ChatCompletionRequest), raw_request)
+
+    add_responses_routes(app, ctx, server_args.responses_store_max_entries, _parse)
 
     # -- tokenizer -------------------------------------------------------------------------
     @route("/tokenize", TokenizeCompletionRequest)
