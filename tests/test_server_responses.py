@@ -214,7 +214,7 @@ def test_get_delete_and_the_bounded_store(server: Any, client: Any) -> None:
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id", "call_id"),
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "nope"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "file_search"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "p"}}}, "text.format", "schema"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "p"}}}, "text.format.schema", "schema"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary", "summary"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "include"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),

@@ -160,12 +160,6 @@ class TextFormat(_Body):
     description: StrictStr | None = None
     strict: StrictBool | None = None
 
-    @model_validator(mode="after")
-    def _schema_present(self) -> Any:
-        if self.type == "json_schema" and self.schema_ is None:
-            raise FieldError('text.format "json_schema" needs a schema (an object)', "text.format.schema")
-        return self
-
     def response_format(self) -> dict[str, Any] | None:
         if self.type == "text":
             return None
@@ -184,26 +178,11 @@ class TextConfig(_Body):
     format: TextFormat = Field(default_factory=TextFormat)
     verbosity: Literal["low", "medium", "high"] | None = None
 
-    @model_validator(mode="after")
-    def _no_verbosity(self) -> Any:
-        if self.verbosity is not None:
-            raise FieldError("text.verbosity is not supported: no model served here takes a verbosity setting; "
-                             "ask for length in the input or bound it with max_output_tokens", "text.verbosity")
-        return self
-
 
 class ReasoningConfig(_Body):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: StrictStr | None = None
     generate_summary: StrictStr | None = None
-
-    @model_validator(mode="after")
-    def _no_summary(self) -> Any:
-        for name in ("summary", "generate_summary"):
-            if getattr(self, name) is not None:
-                raise FieldError(f"reasoning.{name} is not supported: the reasoning parser returns the model's "
-                                 "reasoning text (reasoning items' content), never a summary", f"reasoning.{name}")
-        return self
 
 
 class ResponsesRequest(_Body):
@@ -258,6 +237,20 @@ class ResponsesRequest(_Body):
                                  "file_search, code_interpreter, ...) are not run by this server; only function "
                                  "tools are", f"tools[{i}].type")
         return value
+
+    @model_validator(mode="after")
+    def _refused_settings(self) -> Any:
+        """Checked here, not in the nested models, so the error names the nested field itself."""
+        if self.text.format.type == "json_schema" and self.text.format.schema_ is None:
+            raise FieldError('text.format "json_schema" needs a schema (an object)', "text.format.schema")
+        if self.text.verbosity is not None:
+            raise FieldError("text.verbosity is not supported: no model served here takes a verbosity setting; "
+                             "ask for length in the input or bound it with max_output_tokens", "text.verbosity")
+        for name in ("summary", "generate_summary"):
+            if self.reasoning is not None and getattr(self.reasoning, name) is not None:
+                raise FieldError(f"reasoning.{name} is not supported: the reasoning parser returns the model's "
+                                 "reasoning text (reasoning items' content), never a summary", f"reasoning.{name}")
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> Any:
