@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, StrictBool, StrictInt, StrictStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pagoda.entrypoints.openai.errors import validation_error
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, FieldError, _Body
