@@ -84,3 +84,33 @@ def test_without_a_reasoning_parser_reasoning_is_null(default_model_server: Any)
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}, timeout=120)
     message = r.json()["choices"][0]["message"]
     assert message["reasoning_content"] is None and message["reasoning"] is None and message["content"]
+
+
+def _responses_events(server: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+    events = []
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_responses_api_answers_with_a_reasoning_item(server: Any) -> None:
+    """/v1/responses: the reasoning becomes a reasoning item ahead of the message, whole and streamed."""
+    chat = httpx.post(server.url + "/v1/chat/completions", json=_body(), timeout=120).json()["choices"][0]["message"]
+    body = {"input": "What is 6 * 7?", "max_output_tokens": 30, "temperature": 1.0, "seed": 3,
+            "structured_outputs": {"grammar": GRAMMAR}}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    events = _responses_events(server, {**body, "stream": True})
+    for response in (r.json(), events[-1]["response"]):
+        reasoning, message = response["output"]
+        assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": chat["reasoning_content"]}]
+        assert message["content"][0]["text"] == chat["content"]
+        assert response["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert deltas == chat["reasoning_content"]
+    done = [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == ["reasoning", "message"]

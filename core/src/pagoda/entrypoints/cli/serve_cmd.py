@@ -71,6 +71,9 @@ def serve(
     max_request_body_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-body-bytes",
                                                help="Largest request body accepted (413 above)."),
     max_n: int = typer.Option(128, "--max-n", help="Largest n / best_of per request."),
+    responses_store_max_entries: int = typer.Option(
+        1000, "--responses-store-max-entries",
+        help="Responses kept in memory for GET /v1/responses/{id} and previous_response_id (LRU; 0 = none)."),
     shutdown_timeout: float = typer.Option(10.0, "--shutdown-timeout",
                                            help="Seconds in-flight requests may take to finish on SIGINT/SIGTERM."),
     enable_tokenizer_info_endpoint: bool = typer.Option(
@@ -140,6 +143,7 @@ def serve(
             allowed_headers=_json_list(allowed_headers, "--allowed-headers"),
             allowed_hosts=_json_list(allowed_hosts, "--allowed-hosts"),
             max_request_body_bytes=max_request_body_bytes, max_n=max_n, shutdown_timeout=shutdown_timeout,
+            responses_store_max_entries=responses_store_max_entries,
             enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint, uds=uds,
             disable_log_stats=disable_log_stats, vllm_metric_names=vllm_metric_names,
             uvicorn_log_level=uvicorn_log_level, disable_log_requests=not enable_log_requests,

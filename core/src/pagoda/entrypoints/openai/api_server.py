@@ -10,7 +10,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -51,6 +50,7 @@ from pagoda.entrypoints.openai.serving_completion import create_completion
 from pagoda.entrypoints.openai.lora_modules import LoRAModulePath
 from pagoda.entrypoints.openai.serving_models import ServingModels
 from pagoda.entrypoints.openai.serving_pooling import require_generate
+from pagoda.entrypoints.openai.serving_responses import add_responses_routes
 from pagoda.entrypoints.openai.tokenizer_info import tokenizer_info
 from pagoda.entrypoints.openai.tool_calls import resolve_tool_parser
 from pagoda.model_loader import ModelLoadError
@@ -313,6 +313,8 @@ def _create_app(server_args: ServerArgs, metrics: PrometheusStatLogger, ctx: Ser
         return await create_chat_completion(target, validate_body(data, ChatCompletionRequest), raw_request)
 
     add_anthropic_routes(app, route)  # /v1/messages, /v1/messages/count_tokens
+
+    add_responses_routes(app, server_args.responses_store_max_entries, _json_object)
 
     # -- tokenizer -------------------------------------------------------------------------
     @route("/tokenize", TokenizeCompletionRequest)

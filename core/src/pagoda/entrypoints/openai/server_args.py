@@ -42,6 +42,9 @@ class ServerArgs(BaseModel):
                     'others get a 400. Guards a server on localhost against DNS rebinding.')
     max_request_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0, description="Largest request body accepted.")
     max_n: int = Field(128, gt=0, description="Largest n / best_of a request may ask for.")
+    responses_store_max_entries: int = Field(
+        1000, ge=0, description="Responses (/v1/responses, store true) kept in memory for GET and "
+                                "previous_response_id, the least recently used dropped first (0: none kept).")
     uvicorn_log_level: str = Field("info", description="uvicorn's log level.")
     disable_log_requests: bool = Field(True, description="Do not log each request.")
     vllm_metric_names: bool = Field(

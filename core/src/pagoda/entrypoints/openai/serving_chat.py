@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -32,7 +33,9 @@ from pagoda.entrypoints.openai.serving_common import (
     start_streams,
     usage,
 )
-from pagoda.entrypoints.openai.tool_calls import ChatToolCalls, prepare_tool_calls
+from pagoda.entrypoints.openai.tool_calls import ChatToolCalls, ChoiceToolCalls, prepare_tool_calls
+from pagoda.outputs import CompletionOutput
+from pagoda.sampling_params import SamplingParams
 
 
 def _render(ctx: ServingContext, req: Any, messages: list[dict[str, Any]] | None = None) -> str:
@@ -91,9 +94,24 @@ async def mm_chat_prompt(ctx: ServingContext, req: Any) -> tuple[str, list[int],
     return text, ids, {"prompt": text, "multi_modal_data": {"image": images}, "mm_processor_kwargs": kwargs}
 
 
-async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
-    lora_request = await ctx.resolve_model(req.model)
-    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+@dataclass
+class ChatGeneration:
+    """A chat request made ready for the engine: ``request`` as the tool parser adjusted it, its rendered
+    prompt, sampling params (with any tool-call constraint) and the engine prompt."""
+
+    request: ChatCompletionRequest
+    tool_calls: ChatToolCalls
+    prompt_text: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: dict[str, Any]
+
+
+async def prepare_chat_generation(ctx: ServingContext, req: ChatCompletionRequest, num_logprobs: int | None,
+                                  prompt_param: str = "messages",
+                                  max_tokens_param: str = "max_completion_tokens") -> ChatGeneration:
+    """Everything before the engine, shared by the APIs that generate as chat does (``*_param``: the names the
+    caller's body gives the conversation and the output bound, for the 400s)."""
     check_limits(ctx, req, num_logprobs)
     tool_calls = prepare_tool_calls(ctx, req)
     req = tool_calls.request  # an auto tool parser may need it generated differently
@@ -105,18 +123,51 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         prompt = {"prompt": text, "prompt_token_ids": ids}
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_prompt_length(ctx, len(ids), requested,
-                                     "max_completion_tokens" if req.max_completion_tokens is not None else "messages")
+                                     max_tokens_param if req.max_completion_tokens is not None else prompt_param)
     default = default_max_tokens(ctx, len(ids))
     if default is not None:
         # as vLLM: the model's max_new_tokens caps an explicit max_tokens too
         max_tokens = default if requested is None else min(max_tokens, default)
     params = tool_calls.constrain(build_sampling_params(req, max_tokens, num_logprobs, req.stream,
                                                         ctx.default_sampling))
-    request_id = new_id("chatcmpl") if req.request_id is None else req.request_id
     if req.cache_salt is not None:
         prompt["cache_salt"] = req.cache_salt
     await prediction_prompt(ctx, prompt, req.prediction)
-    streams = await start_streams(ctx, [prompt], params, request_id, req.priority, lora_request)
+    return ChatGeneration(req, tool_calls, text, ids, params, prompt)
+
+
+def choice_message(tools: ChoiceToolCalls, splitter: ChatReasoning | None, text: str,
+                   engine_finish_reason: str | None) -> tuple[str | None, dict[str, Any], str | None]:
+    """A finished choice's (reasoning_content, message fields content/tool_calls, finish_reason)."""
+    # the reasoning comes off first; tool calls are read from the answer after it
+    reasoning_content, answer = splitter.split(text) if splitter is not None else (None, text)
+    message, finish_reason = tools.message(answer or "", engine_finish_reason)
+    if answer is None and message.get("content") == "":
+        message["content"] = None  # still reasoning when it stopped: no answer
+    return reasoning_content, message, finish_reason
+
+
+def choice_delta(tools: ChoiceToolCalls, splitter: ChatReasoning | None, o: CompletionOutput) -> dict[str, Any]:
+    """The chat delta one streamed step of a choice adds: content, reasoning_content, tool_calls ({} when
+    nothing can be sent yet)."""
+    finished = o.finish_reason is not None
+    if splitter is None:
+        return tools.delta(o.text, o.token_ids, finished)
+    thought, answer = splitter.delta(o.text, o.token_ids)
+    delta = tools.delta(answer or "", o.token_ids if answer else [], finished) if answer or finished else {}
+    if thought:
+        delta = {**reasoning_fields(thought), **delta}
+    return delta
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw_request: Request) -> Any:
+    lora_request = await ctx.resolve_model(req.model)
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    generation = await prepare_chat_generation(ctx, req, num_logprobs)
+    req, tool_calls, ids = generation.request, generation.tool_calls, generation.prompt_ids
+    request_id = new_id("chatcmpl") if req.request_id is None else req.request_id
+    streams = await start_streams(ctx, [generation.prompt], generation.params, request_id, req.priority,
+                                  lora_request)
     created = int(time.time())
     token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
     echo_text = ""
@@ -135,12 +186,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     for o in sorted(ro.outputs, key=lambda o: o.index):
         completion_tokens += len(o.token_ids)
         predicted.observe(o.index, o)
-        splitter = chat_reasoning(ctx, req, ids)
-        # the reasoning comes off first; tool calls are read from the answer after it
-        reasoning_content, answer = splitter.split(o.text) if splitter is not None else (None, o.text)
-        message, finish_reason = tool_calls.choice().message(answer or "", o.finish_reason)
-        if answer is None and message.get("content") == "":
-            message["content"] = None  # still reasoning when it stopped: no answer
+        reasoning_content, message, finish_reason = choice_message(tool_calls.choice(), chat_reasoning(ctx, req, ids),
+                                                                   o.text, o.finish_reason)
         if echo_text and message["content"] is not None:
             message["content"] = echo_text + message["content"]
         choices.append({
@@ -192,15 +239,7 @@ async def _events(ctx: ServingContext, req: ChatCompletionRequest, streams: list
                 continue
             completion_tokens += len(o.token_ids)
             tools = choice_tools[o.index]
-            splitter = choice_reasoning[o.index]
-            finished = o.finish_reason is not None
-            if splitter is None:
-                delta = tools.delta(o.text, o.token_ids, finished)
-            else:
-                thought, answer = splitter.delta(o.text, o.token_ids)
-                delta = tools.delta(answer or "", o.token_ids if answer else [], finished) if answer or finished else {}
-                if thought:
-                    delta = {**reasoning_fields(thought), **delta}
+            delta = choice_delta(tools, choice_reasoning[o.index], o)
             if not delta and o.finish_reason is None and num_logprobs is None:
                 continue  # held back (a tool-call marker only partly written): nothing to send yet
             yield sse(chunk([{
