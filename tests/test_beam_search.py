@@ -73,6 +73,23 @@ def tiny(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
+@pytest.fixture(scope="module")
+def eos_token(tiny):
+    """``_eos_token`` of the tiny model, worked out once per prompt set: the EOS tests of one seed
+    (every width and length penalty) all ask for the same one, and each asking costs a transformers
+    generate per prompt."""
+    _, hf_model = tiny
+    found: dict[tuple[tuple[int, ...], ...], int] = {}
+
+    def get(prompts: list[list[int]]) -> int:
+        key = tuple(map(tuple, prompts))
+        if key not in found:
+            found[key] = _eos_token(hf_model, prompts)
+        return found[key]
+
+    return get
+
+
 @pytest.mark.parametrize("width", [2, 4])
 def test_beam_search_matches_transformers_without_eos(tiny, width: int) -> None:
     path, hf_model = tiny
@@ -85,10 +102,10 @@ def test_beam_search_matches_transformers_without_eos(tiny, width: int) -> None:
 
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("length_penalty", [1.0, 0.5, 2.0])
-def test_beam_search_matches_transformers_with_eos(tiny, width: int, length_penalty: float) -> None:
+def test_beam_search_matches_transformers_with_eos(tiny, eos_token, width: int, length_penalty: float) -> None:
     path, hf_model = tiny
     prompts = _prompts(6, hf_model.config.vocab_size, seed=21)
-    eos = _eos_token(hf_model, prompts)
+    eos = eos_token(prompts)
     # small blocks: beams fork inside partial blocks, so copy-on-write happens
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
               num_kv_blocks=512, block_size=4, hf_overrides={"eos_token_id": eos})
@@ -99,10 +116,10 @@ def test_beam_search_matches_transformers_with_eos(tiny, width: int, length_pena
 
 
 @pytest.mark.parametrize("early_stopping", [True, "never"])
-def test_beam_search_early_stopping_modes(tiny, early_stopping: bool | str) -> None:
+def test_beam_search_early_stopping_modes(tiny, eos_token, early_stopping: bool | str) -> None:
     path, hf_model = tiny
     prompts = _prompts(4, hf_model.config.vocab_size, seed=21)
-    eos = _eos_token(hf_model, prompts)
+    eos = eos_token(prompts)
     llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=256,
               num_kv_blocks=512, block_size=4, hf_overrides={"eos_token_id": eos})
     _check(llm, hf_model, prompts, 3, eos=eos, length_penalty=1.5, early_stopping=early_stopping)

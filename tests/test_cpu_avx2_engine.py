@@ -49,16 +49,28 @@ print(json.dumps({
 PROMPTS = [[5, 17, 99, 3, 250], [7] * 12, list(range(40, 61))]
 
 
-def _run_avx2(tmp_path: Path, model_dir: Path, dtype: str) -> dict[str, Any]:
-    wrapper = tmp_path / "c++"
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The compiler wrapper's folder, whose ``cache`` holds only libraries that wrapper built.
+
+    Shared by both dtypes: the cache key holds the compiler's path, so every library found there was
+    built with ``-mno-avx512f``, and the bfloat16 run compiles only what the float32 run did not need
+    (its attention kernel) instead of every library again (several minutes on two cores).
+    """
+    folder = tmp_path_factory.mktemp("avx2")
+    wrapper = folder / "c++"
     wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("c++")} "$@" -mno-avx512f\n')
     wrapper.chmod(0o755)
+    return folder
+
+
+def _run_avx2(build: Path, model_dir: Path, dtype: str) -> dict[str, Any]:
     env = {
         **os.environ,
-        "CXX": str(wrapper),
+        "CXX": str(build / "c++"),
         "ONEDNN_MAX_CPU_ISA": "AVX2",
         "ATEN_CPU_CAPABILITY": "avx2",
-        "PAGODA_CACHE_ROOT": str(tmp_path / "cache"),
+        "PAGODA_CACHE_ROOT": str(build / "cache"),
     }
     done = subprocess.run([sys.executable, "-c", _CHILD, str(model_dir), dtype, json.dumps(PROMPTS)],
                           env=env, capture_output=True, text=True, timeout=900)
@@ -67,10 +79,10 @@ def _run_avx2(tmp_path: Path, model_dir: Path, dtype: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_without_avx512_matches_transformers(tmp_path: Path, tiny_model_dir: Any, hf_greedy: Any,
+def test_engine_without_avx512_matches_transformers(avx2_build: Path, tiny_model_dir: Any, hf_greedy: Any,
                                                     dtype: str) -> None:
     path, hf_model = tiny_model_dir("llama")
-    result = _run_avx2(tmp_path, path, dtype)
+    result = _run_avx2(avx2_build, path, dtype)
     assert result["avx512_gemm"] is False, "the AVX-512 matmul was built: the wrapper did not take"
     assert result["replays"], "decode steps did not replay kernel graphs"
     reference = hf_model if dtype == "float32" else copy.deepcopy(hf_model).to(torch.bfloat16)
