@@ -1,5 +1,5 @@
 """The shipped SmolLM2-135M Q4_1 file kept in blocks, against the same file dequantized to float32:
-greedy tokens agree, and the process holds at most half the memory after loading.
+greedy tokens agree (up to near-ties), and the process holds at most half the memory after loading.
 
 Each load runs in its own process, so the resident memory is that load's alone.
 """
@@ -34,8 +34,10 @@ def rss_mib():
 quantization = None if sys.argv[1] == "auto" else sys.argv[1]
 llm = LLM(quantization=quantization, dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_seqs=8)
 rss = rss_mib()
-outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=8))
-print("RESULT" + json.dumps({"rss_mib": rss, "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=8, logprobs=5))
+print("RESULT" + json.dumps({"rss_mib": rss, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                             "logprobs": [[{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                                          for o in outs]}))
 """
 
 
@@ -52,10 +54,22 @@ def runs() -> dict[str, dict]:
     return {"gguf": _run("auto"), "none": _run("none")}
 
 
+# The kernels quantize the activations to int8 per 32-block (as llama.cpp's CPU backend), so a near-tie of the
+# float32 model can fall the other way, and where depends on the CPU's kernels: on Zen 5 (AVX-512) 6 of these 8
+# prompts agreed whole, on Zen 3 (AVX2) 4, every split within 0.22 nats.
+NEAR_TIE = 0.5
+
+
 def test_greedy_tokens_agree_with_the_dequantized_model(runs: dict[str, dict]) -> None:
+    """Token for token up to the first split, and a split only at a near-tie of the dequantized run's logprobs."""
     kept, dequantized = runs["gguf"]["tokens"], runs["none"]["tokens"]
-    agree = sum(a == b for a, b in zip(kept, dequantized))
-    assert agree >= 6, (agree, kept, dequantized)
+    for prompt, a, b, top in zip(PROMPTS, kept, dequantized, runs["none"]["logprobs"]):
+        split = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if split is None:
+            continue
+        gap = top[split][str(b[split])] - top[split].get(str(a[split]), float("-inf"))
+        assert gap <= NEAR_TIE, (prompt, split, a, b, top[split])
+    assert sum(a == b for a, b in zip(kept, dequantized)) >= len(PROMPTS) // 2, (kept, dequantized)
 
 
 def test_resident_memory_at_most_half_of_the_float32_load(runs: dict[str, dict]) -> None:
