@@ -208,7 +208,8 @@ def test_llm_engine_refuses_data_parallel(tiny_model_dir: Any) -> None:
 
 def test_server_answers_503_when_its_engine_process_dies(start_server: Any) -> None:
     """`pagoda serve` with the core in its own process: SIGKILL it mid-stream; the stream ends with an error
-    event, /health is 503, new requests are refused, and stopping the server leaves no process behind."""
+    event, /health is 503 and new requests are refused while the server still answers, the server then exits
+    by itself (vLLM's rule, so a supervisor restarts it), and no process is left behind."""
     import re
 
     import httpx
@@ -229,11 +230,17 @@ def test_server_answers_503_when_its_engine_process_dies(start_server: Any) -> N
     errors = [line for line in rest if line.startswith("data: {") and '"error"' in line]
     assert errors and "engine" in errors[0] and "503" in errors[0], rest[-5:]
     assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
-    health = httpx.get(server.url + "/health")
-    assert health.status_code == 503 and "died" in health.json()["error"]["message"]
-    late = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
-    assert late.status_code >= 500
+    # the server exits within a watch interval of its engine's death (tests/test_server_hostile.py times
+    # it): until then /health is 503 and requests are refused; a refused connection is the exit under way
+    try:
+        health = httpx.get(server.url + "/health", timeout=10)
+        assert health.status_code == 503 and "died" in health.json()["error"]["message"]
+        late = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert late.status_code == 503, late.text
+    except httpx.TransportError:
+        pass
+    server.proc.wait(timeout=60)
+    assert server.proc.returncode not in (0, None)
     server.stop()
-    assert server.proc.returncode is not None
     with pytest.raises(ProcessLookupError):
         os.kill(core_pid, 0)
