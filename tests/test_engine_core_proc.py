@@ -132,6 +132,43 @@ def test_killed_engine_process_fails_requests_and_health(tiny_model_dir: Any, mo
     assert not os.path.exists(client._sockdir)
 
 
+def test_a_send_to_a_core_that_just_died_raises_instead_of_hanging(tiny_model_dir: Any) -> None:
+    """The window between a core's death and the receiver thread noticing it: the command socket has no
+    peer, and a plain blocking send there hung the server's event loop for good (seen in CI)."""
+    import threading
+
+    from pagoda.engine.config_resolution import prepare_engine_config
+    from pagoda.engine.messages import EngineCoreRequest
+
+    path, _ = tiny_model_dir("llama")
+    config = _args(path).create_engine_config()
+    platform = prepare_engine_config(config)
+    client = MPClient(config, platform, on_outputs=lambda _: None, on_dead=lambda _: None)  # no start(): no receiver
+    try:
+        os.kill(client.proc.pid, signal.SIGKILL)
+        client.proc.join(10)
+        assert client.dead_error is None  # nobody has noticed yet
+        request = EngineCoreRequest("late", [1, 2], _params(), None, time.time())
+        raised: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                for _ in range(2000):  # past any queue the socket could still take
+                    client.add_request(request)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at what it was
+                raised.append(exc)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        sender.join(10)
+        assert not sender.is_alive(), "add_request hung on a dead engine core"
+        assert len(raised) == 1 and isinstance(raised[0], EngineDeadError), raised
+        assert "exit code -9" in str(raised[0])
+        client.abort_requests(["late"])  # nothing to abort on a dead core: no error, no hang
+    finally:
+        client.shutdown()
+
+
 def test_data_parallel_replicas_match_and_share_the_load(tiny_model_dir: Any, reference: list[list[int]]) -> None:
     path, _ = tiny_model_dir("llama")
     engine = AsyncLLM.from_engine_args(_args(path, data_parallel_size=2))

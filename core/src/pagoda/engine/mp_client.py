@@ -36,6 +36,7 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagoda.engine.core_proc import dumps, loads
+from pagoda.engine.errors import EngineDeadError
 from pagoda.metrics.stats import SchedulerStats
 from pagoda.platforms import Platform
 
@@ -49,6 +50,8 @@ _MAX_REMEMBERED_BLOCKS = 65536
 # How long the API process waits for an engine core to load its model.
 STARTUP_TIMEOUT_S = 600.0
 _RECV_POLL_MS = 1000
+# How often a send that cannot go out yet (no peer, or the core's queue full) looks whether the core died.
+_SEND_POLL_MS = 50
 
 
 class EngineCoreProcessDied(RuntimeError):
@@ -151,17 +154,35 @@ class MPClient:
             self._thread.start()
 
     def _send(self, kind: str, payload: Any) -> None:
-        frame = dumps(kind, payload)
+        self._send_frame(dumps(kind, payload))
+
+    def _send_frame(self, frame: Any) -> None:
+        """Send one command; raises EngineDeadError instead of blocking when the core is gone.
+
+        A PUSH socket blocks while it has no peer, and a killed core's connection is gone the moment it
+        dies — before the receiver thread has noticed — so a plain ``send`` from the event loop could hang
+        the whole server (every request, /health and the exit on engine death with it)."""
+        import zmq
+
         with self._send_lock:
-            self._in.send(frame, copy=False)
+            while True:
+                if self.dead_error is not None:
+                    raise EngineDeadError(f"the engine core died: {self.dead_error}")
+                try:
+                    self._in.send(frame, zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    if not self.proc.is_alive():
+                        raise EngineDeadError(f"the engine core process (pid {self.proc.pid}) is gone, "
+                                              f"exit code {self.proc.exitcode}") from None
+                    self._in.poll(_SEND_POLL_MS, zmq.POLLOUT)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         try:
             frame = dumps("add", request)
         except Exception as exc:  # e.g. a logits processor defined in a closure
             raise ValueError(f"the request cannot be sent to the engine core process (it must pickle): {exc}") from exc
-        with self._send_lock:
-            self._in.send(frame, copy=False)
+        self._send_frame(frame)
 
     def add_beam_search(self, group: Any, root: EngineCoreRequest) -> None:
         raise NotImplementedError("beam search runs with the in-process engine core (LLMEngine) only")
@@ -169,7 +190,10 @@ class MPClient:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)
         if ids and self.dead_error is None:
-            self._send("abort", ids)
+            try:
+                self._send("abort", ids)
+            except EngineDeadError:
+                pass  # a dead core holds nothing to abort; the death itself reaches every stream
 
     def call_utility(self, method: str, *args: Any) -> Future[Any]:
         """``EngineCore.<method>(*args)`` in the core process between steps; result or error in the future."""
