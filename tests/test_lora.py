@@ -108,6 +108,21 @@ def test_mixed_batch_matches_peft_merged(family, hf_greedy, divergence_is_a_tie,
     _check(llm, base, [(p, *choice[i % 3]) for i, p in enumerate(prompts)], hf_greedy, divergence_is_a_tie)
 
 
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_adapters_under_tensor_and_pipeline_parallelism(family, hf_greedy, divergence_is_a_tie,
+                                                        layout: dict[str, int]) -> None:
+    """Each rank holds its part of every adapter (column-split layers B's rows, row-split layers A's columns,
+    KV heads of 2 ranks from 2 KV heads); each stage its own layers' parts. Adapters over every projection,
+    of two ranks, beside base rows: the merged model's greedy output row for row."""
+    base_dir, base, adapters = family("llama")
+    (l1, r1), (l2, r2), _ = adapters
+    llm = _llm(base_dir, max_loras=2, distributed_executor_backend="mp", **layout)
+    choice = [(None, base), (l1, r1), (l2, r2)]
+    _check(llm, base, [(p, *choice[i % 3]) for i, p in enumerate(_prompts(9, seed=11))], hf_greedy,
+           divergence_is_a_tie)
+
+
 def test_fewer_slots_than_adapters(family, hf_greedy, divergence_is_a_tie) -> None:
     """max_loras=1 with three adapters: each step holds one adapter's rows (and base rows); a host cache of two
     reads the third adapter back from disk; every row still matches."""

@@ -122,7 +122,10 @@ def test_fused_checkpoint_adapter_on_a_stacked_layer() -> None:
     gen = torch.Generator().manual_seed(2)
     a, b = torch.randn(3, 6, generator=gen), torch.randn(16, 3, generator=gen)
     assert layer.check(None, a, b) is None
-    layer.write(0, None, a, b, scaling=2.0)
+    parts = layer.split_fused(None, a, b)
+    assert [(i, tuple(pb.shape)) for i, _, pb in parts] == [(0, (8, 3)), (1, (4, 3)), (2, (4, 3))]
+    for index, pa, pb in parts:
+        layer.write(0, index, pa, pb, scaling=2.0)
     x = torch.randn(4, 6, generator=gen)
     layer.state.mapping = build_step_mapping(torch.tensor([0, -1, 0, 1]), 2, torch.device("cpu"))
     y = layer(x, torch.zeros(4, 16))

@@ -199,16 +199,11 @@ def _resolve_graphs(sources: _Sources, defaults: PlatformDefaults, platform: Pla
 
 
 def _resolve_lora(sources: _Sources) -> None:
-    """``max_cpu_loras`` (None = ``max_loras``), and the layouts LoRA does not serve yet, refused by name."""
+    """``max_cpu_loras`` (None = ``max_loras``)."""
     config = sources.config
     lora = config.lora_config
     if lora is None:
         return
-    parallel = config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise ValueError(f"enable_lora: tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
-                         f"{parallel.pipeline_parallel_size}; LoRA adapters are served on one rank only so far "
-                         "(run with tensor_parallel_size=1 and pipeline_parallel_size=1)")
     if lora.max_cpu_loras is None:
         sources.set("lora_config", "max_cpu_loras", lora.max_loras, f"{DERIVED}: max_loras")
     elif lora.max_cpu_loras < lora.max_loras:

@@ -200,6 +200,8 @@ class RowParallelLinear(Linear):
             y = F.linear(x, self.weight)
         else:
             y = self.kernel.apply(x, self.prepared, None)
+        if self.lora is not None:  # this rank.s columns of A: the partial sums add up to the whole adapter
+            y = self.lora(x, y)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

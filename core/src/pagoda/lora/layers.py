@@ -33,10 +33,16 @@ class LoRASlots:
     """One linear layer's adapter slots."""
 
     def __init__(self, name: str, in_features: int, slice_widths: list[int], max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, state: LoRAStepState) -> None:
+                 dtype: torch.dtype, device: torch.device, state: LoRAStepState,
+                 checkpoint_shape: tuple[int, list[int]] | None = None) -> None:
+        """``in_features`` / ``slice_widths``: this rank's; ``checkpoint_shape``: (inputs, stacked widths) of
+        the whole layer, which an adapter's factors must fit (None: the same, no tensor parallelism)."""
         self.name = name
         self.in_features = in_features
         self.slice_widths = tuple(slice_widths)
+        whole_in, whole_widths = checkpoint_shape or (in_features, slice_widths)
+        self.checkpoint_in_features = whole_in
+        self.checkpoint_widths = tuple(whole_widths)
         self.slice_offsets = [sum(slice_widths[:i]) for i in range(len(slice_widths))]
         self.out_features = sum(slice_widths)
         self.max_rank = max_rank
@@ -58,29 +64,33 @@ class LoRASlots:
         self.lora_b[rows].zero_()
 
     def write(self, slot: int, index: int | None, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        """Stacked projection ``index``'s factors (None: one adapter over all the layer's rows) into ``slot``.
+        """Stacked projection ``index``'s factors (None: a layer of one projection) into ``slot``.
 
-        ``a`` [r, in], ``b`` [rows, r]; the caller checked the shapes (``check``).
+        ``a`` [r, in], ``b`` [rows, r], this rank's part; the caller checked the whole factors (``check``) and
+        split an adapter over a fused checkpoint layer into its projections (``split_fused``).
         """
-        if index is None and len(self.slice_widths) > 1:
-            # a checkpoint that fused the projections already (GPT-2's c_attn): A repeated in every slice's
-            # rank block and B split by columns keep B block-diagonal, which the kernel's expand relies on
-            for i, (offset, width) in enumerate(zip(self.slice_offsets, self.slice_widths)):
-                self.write(slot, i, a, b[offset:offset + width], scaling)
-            return
         r = a.shape[0]
         first = slot * self.block + (index or 0) * self.max_rank
         self.lora_a[first:first + r].copy_(a)
         offset = 0 if index is None else self.slice_offsets[index]
         self.lora_b[first:first + r, offset:offset + b.shape[0]].copy_((b.to(torch.float32) * scaling).t())
 
+    def split_fused(self, index: int | None, a: torch.Tensor,
+                    b: torch.Tensor) -> list[tuple[int | None, torch.Tensor, torch.Tensor]]:
+        """An adapter over the whole of a layer that stacks projections (GPT-2's fused ``c_attn``) as one
+        adapter per projection: A repeated in every projection's rank block and B split by rows keep B
+        block-diagonal, which the kernel's expand relies on."""
+        if index is not None or len(self.checkpoint_widths) == 1:
+            return [(index, a, b)]
+        return [(i, a, part) for i, part in enumerate(b.split(list(self.checkpoint_widths), dim=0))]
+
     def check(self, index: int | None, a: torch.Tensor, b: torch.Tensor) -> str | None:
         """Why factors ``a``, ``b`` do not fit projection ``index`` of this layer (None: they fit)."""
-        rows = self.out_features if index is None else self.slice_widths[index]
-        if a.shape[1] != self.in_features or b.shape[0] != rows:
+        rows = sum(self.checkpoint_widths) if index is None else self.checkpoint_widths[index]
+        if a.shape[1] != self.checkpoint_in_features or b.shape[0] != rows:
             what = "" if index is None else f" (stacked projection {index})"
             return (f"module {self.name}{what}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
-                    f"layer's {self.in_features} inputs and {rows} outputs")
+                    f"layer's {self.checkpoint_in_features} inputs and {rows} outputs")
         if a.shape[0] > self.max_rank:
             return f"module {self.name}: rank {a.shape[0]} is larger than max_lora_rank={self.max_rank}"
         return None

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from pagoda.layers.linear import Linear
-from pagoda.layers.parallel_linear import ColumnParallelLinear
+from pagoda.distributed.pipeline import is_pp_missing_parameter
+from pagoda.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, input_split, output_split
 from pagoda.layers.vocab_parallel_embedding import ParallelLMHead
 from pagoda.lora.layers import LoRASlots, LoRAStepState
 from pagoda.lora.peft import LoRAAdapterError, read_peft_config, read_peft_weights
@@ -59,14 +60,16 @@ class LoRAModelManager:
         self.state = LoRAStepState() if kernel is None else LoRAStepState(kernel=kernel)
         self.packed = dict(model.packed_modules_mapping)
         self.slots: dict[str, LoRASlots] = {}
+        self.layers: dict[str, Linear] = {}
         for name, module in model.named_modules():
             if not isinstance(module, Linear) or isinstance(module, ParallelLMHead):
                 continue
             widths = (list(module.output_partition_sizes) if isinstance(module, ColumnParallelLinear)
                       else [module.out_features])
             module.lora = LoRASlots(name, module.in_features, widths, max_loras, max_lora_rank, dtype, device,
-                                    self.state)
+                                    self.state, checkpoint_shape=_checkpoint_shape(module))
             self.slots[name] = module.lora
+            self.layers[name] = module
         if not self.slots:
             raise ValueError(f"{architecture}: no core Linear layers to put LoRA adapters on")
         self.host: OrderedDict[int, LoRAModel] = OrderedDict()
@@ -119,14 +122,19 @@ class LoRAModelManager:
                 continue
             target = self._target(module)
             if target is None:
+                if is_pp_missing_parameter(self.model.map_checkpoint_name(f"{module}.weight"), self.model):  # type: ignore[attr-defined]
+                    continue  # another pipeline stage holds this layer (and takes this part of the adapter)
                 problems.append(f"module {module} is not a linear layer of {self.architecture} that takes an adapter")
                 continue
             layer, index = target
-            reason = self.slots[layer].check(index, a, b)
+            slots = self.slots[layer]
+            reason = slots.check(index, a, b)
             if reason is not None:
                 problems.append(reason)
                 continue
-            layers.setdefault(layer, []).append((index, a.to(self.dtype), b.to(self.dtype)))
+            for part, part_a, part_b in slots.split_fused(index, a, b):
+                part_a, part_b = _rank_factors(self.layers[layer], part, part_a, part_b)
+                layers.setdefault(layer, []).append((part, part_a.to(self.dtype), part_b.to(self.dtype)))
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise LoRAAdapterError(f"LoRA adapter {name!r} does not fit the base model {self.architecture}: "
@@ -193,6 +201,34 @@ class LoRAModelManager:
     def describe(self) -> str:
         return (f"LoRA: {len(self.slots)} layers wrapped, {self.max_loras} slot(s) of rank {self.max_lora_rank}, "
                 f"host cache of {self.max_cpu_loras}, {self.dtype}, kernel {self.state.kernel.name}")
+
+
+def _checkpoint_shape(layer: Linear) -> tuple[int, list[int]]:
+    """(inputs, stacked output widths) of ``layer`` as the checkpoint (and so an adapter) has it: every
+    tensor-parallel rank's part together."""
+    if isinstance(layer, ColumnParallelLinear):
+        return layer.in_features, list(layer.output_sizes)
+    if isinstance(layer, RowParallelLinear):
+        return layer.input_size, [layer.out_features]
+    return layer.in_features, [layer.out_features]
+
+
+def _rank_factors(layer: Linear, index: int | None, a: torch.Tensor,
+                  b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tensor-parallel rank's part of projection ``index``'s factors, split as the layer's weight is.
+
+    A column-split layer keeps its rows of B (the rows of its weight, KV heads shared by several ranks
+    included). A row-split layer keeps its columns of A: each rank adds ``(x_r A_r^T) B^T`` to its partial
+    sum before the layer's all-reduce, and those sum to ``(x A^T) B^T``, so no extra communication.
+    """
+    if output_split(layer):
+        assert isinstance(layer, ColumnParallelLinear)
+        _, rows, start = layer.shard_range(index or 0)
+        return a, b.narrow(0, start, rows)
+    if input_split(layer):
+        assert isinstance(layer, RowParallelLinear)
+        return a.narrow(1, layer.tp_rank * layer.in_features, layer.in_features), b
+    return a, b
 
 
 def lora_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
