@@ -1,8 +1,8 @@
 """Idefics3's SigLIP vision transformer, on core's layers.
 
 Every projection is a core ``Linear`` (the patch embedding too: the stride-``patch`` convolution, with its
-bias, is a matmul over the unfolded patches); activations stay 2-D ([frames x patches, hidden]) for the
-platform's kernels; attention is bidirectional over each frame's patches (core's ``attend``), not paged.
+bias, is a matmul over the unfolded patches); its blocks are core's ``VisionEncoder`` (bidirectional
+attention over each frame's patches, not paged).
 
 Idefics3's embeddings take frames of any size: positions are the frame's patch grid bucketed onto the
 ``image_size / patch_size`` grid of the position table (transformers' NaViT-style fractional coordinates).
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.attention.sdpa import attend
-from pagoda.layers import Activation, Embedding, LayerNorm, Linear
+from pagoda.layers import Embedding, LayerNorm, Linear
+from pagoda.layers.vision_encoder import VisionEncoder
 
 
 def _position_ids(patches_h: int, patches_w: int, per_side: int, device: torch.device) -> torch.Tensor:
@@ -52,64 +52,13 @@ class SiglipVisionEmbeddings(nn.Module):
         return embeds + self.position_embedding(_position_ids(h // p, w // p, self.per_side, pixel_values.device))
 
 
-class SiglipAttention(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.head_dim = cfg.hidden_size // self.num_heads
-        self.scale = self.head_dim**-0.5
-        self.q_proj = Linear(cfg.hidden_size, cfg.hidden_size, True, dtype)
-        self.k_proj = Linear(cfg.hidden_size, cfg.hidden_size, True, dtype)
-        self.v_proj = Linear(cfg.hidden_size, cfg.hidden_size, True, dtype)
-        self.out_proj = Linear(cfg.hidden_size, cfg.hidden_size, True, dtype)
-
-    def forward(self, x: torch.Tensor, num_frames: int) -> torch.Tensor:
-        """[F * L, hidden] -> [F * L, hidden]; every patch of a frame sees all of that frame's patches."""
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(num_frames, -1, self.num_heads, self.head_dim).transpose(1, 2)
-
-        out = attend(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)), None, self.scale, None,
-                     causal=False)
-        return self.out_proj(out.transpose(1, 2).reshape(x.shape))
-
-
-class SiglipMLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, True, dtype)
-        self.act = Activation(cfg.hidden_act)
-        self.fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, True, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class SiglipEncoderLayer(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.layer_norm1 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
-        self.self_attn = SiglipAttention(cfg, dtype)
-        self.layer_norm2 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
-        self.mlp = SiglipMLP(cfg, dtype)
-
-    def forward(self, x: torch.Tensor, num_frames: int) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), num_frames)
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class SiglipEncoder(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(SiglipEncoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
-
-
 class Idefics3VisionTransformer(nn.Module):
     """The tower (transformers' names): embeddings, encoder layers, ``post_layernorm``."""
 
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.embeddings = SiglipVisionEmbeddings(cfg, dtype)
-        self.encoder = SiglipEncoder(cfg, dtype)
+        self.encoder = VisionEncoder(cfg, dtype)
         self.post_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
