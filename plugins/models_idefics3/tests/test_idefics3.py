@@ -60,6 +60,22 @@ def test_image_features_match_transformers(tiny, layout: str) -> None:
     torch.testing.assert_close(torch.cat(got), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_unsplit_images_are_one_frame_each(tiny) -> None:
+    # do_image_splitting=False (an mm_processor_kwargs the processor takes): each image is its global frame only
+    _, hf, processor = tiny
+    ours = _ours(hf.config, hf.state_dict().items())
+    images = [random_image(i, size) for i, size in enumerate(SIZES[:2])]
+    out = processor(text="w5 <image> w6 <image>", images=images, return_tensors="pt", do_image_splitting=False)
+    ids = out["input_ids"][0].tolist()
+    items = ours.split_mm_items(processor, ids, {k: v for k, v in out.items() if k.startswith("pixel")}, 2)
+    assert [(r.length, r.num_embeds) for r, _ in items] == [(IMAGE_SEQ_LEN + 3, IMAGE_SEQ_LEN)] * 2
+    with torch.no_grad():
+        expected = hf.model.get_image_features(pixel_values=out["pixel_values"],
+                                               pixel_attention_mask=out["pixel_attention_mask"]).pooler_output
+        got = ours.embed_multimodal([data for _, data in items])
+    torch.testing.assert_close(torch.cat(got), torch.cat(list(expected)), atol=1e-5, rtol=1e-5)
+
+
 def test_split_marks_only_image_tokens(tiny) -> None:
     _, hf, processor = tiny
     images = [random_image(0, SIZES[0]), random_image(1, SIZES[1])]
