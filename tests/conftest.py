@@ -71,6 +71,14 @@ def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return save_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
 
 
+@pytest.fixture(scope="session")
+def tiny_idefics3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """(directory with a tiny random Idefics3 + its Idefics3Processor, the transformers model): no hub."""
+    from pagoda.testing.tiny_idefics3 import save_tiny_idefics3
+
+    return save_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"))
+
+
 def _hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate on one unpadded prompt."""
     ids = torch.tensor([prompt])

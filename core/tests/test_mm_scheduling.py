@@ -173,3 +173,17 @@ def test_withdrawn_request_hands_its_encoding_over_or_forgets_it() -> None:
     s._unschedule("c", step)
     assert "c" not in step.encoder_inputs and "own" not in s.encoder_cache
     assert step.encoder_budget == 64 - 8
+
+
+def test_masked_placeholders_count_encoder_outputs() -> None:
+    # two items whose 10-token spans hold 4 encoder outputs each (Idefics3's tile tags among its <image>
+    # tokens): an encoder budget of 8 takes both in one step, and the cache holds 4 per item
+    s = make(budget=64, encoder_budget=8, cache=8)
+    mask = (False, True, True, False, False, True, True, False, False, False)
+    ids = [1 + i % 50 for i in range(24)]
+    mm = MultiModalInputs([MultiModalFeature("image", ident, PlaceholderRange(off, 10, mask), {"pixel_values": torch.zeros(1)})
+                           for ident, off in (("i1", 1), ("i2", 12))])
+    s.add_request(Request("a", ids, SamplingParams(max_tokens=2), eos_token_id=0, block_size=BLOCK, mm=mm))
+    so = step(s)
+    assert so.num_scheduled_tokens == {"a": 24} and so.scheduled_encoder_inputs == {"a": [0, 1]}
+    assert s.encoder_cache.num_used == 8

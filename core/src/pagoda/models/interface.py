@@ -45,7 +45,7 @@ with the code that reads it: a capability nothing reads is a promise nobody keep
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, ClassVar, Protocol, TypeGuard, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeGuard, runtime_checkable
 
 from typing_extensions import TypeIs
 
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
     from pagoda.attention import AttentionMetadata
     from pagoda.distributed.pipeline import IntermediateTensors
+    from pagoda.multimodal.inputs import PlaceholderRange
     from pagoda.pooling.pooler import DispatchPooler
 
 
@@ -176,6 +177,16 @@ class SupportsMultiModal:
 
         def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
             """[T] -> [T, hidden]: the text embeddings (vLLM's name)."""
+            ...
+
+        @classmethod
+        def split_mm_items(cls, processor: Any, ids: list[int], outputs: dict[str, torch.Tensor],
+                           num_items: int) -> list[tuple[PlaceholderRange, dict[str, torch.Tensor]]]:
+            """Optional (beyond vLLM, whose families register a processor class): the front end's split of one
+            processed prompt into its items, each its placeholder range (with ``is_embed`` where text tokens
+            sit among its image tokens) and its own tensors. Without it the front end assumes one
+            contiguous run of image tokens and one tensor row per image
+            (``pagoda.multimodal.processing.split_items``)."""
             ...
 
 

@@ -17,14 +17,41 @@ if TYPE_CHECKING:
 
 
 class PlaceholderRange(msgspec.Struct, frozen=True, gc=False):
-    """Where one item's placeholder tokens sit in the prompt: ``offset`` .. ``offset + length``."""
+    """Where one item's placeholder tokens sit in the prompt: ``offset`` .. ``offset + length``.
+
+    ``is_embed`` (vLLM's name) marks which of those tokens take the item's encoder outputs, in order; None
+    means all of them (LLaVA's one contiguous run). A family whose processor interleaves text tokens with an
+    item's image tokens (Idefics3's ``<fake_token_around_image><row_1_col_1><image>...`` tiles) keeps the
+    whole span as the placeholder, so chunking, the encoder cache and prefix-cache keys treat it as one item,
+    and only the marked rows are overwritten.
+    """
 
     offset: int
     length: int
+    is_embed: tuple[bool, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.is_embed is not None and len(self.is_embed) != self.length:
+            raise ValueError(f"is_embed has {len(self.is_embed)} entries for a placeholder of {self.length} tokens")
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def num_embeds(self) -> int:
+        """Encoder outputs the item yields: one per marked token."""
+        return self.length if self.is_embed is None else sum(self.is_embed)
+
+    def embeds_in(self, lo: int, hi: int) -> tuple[list[int], int, int]:
+        """For prompt positions ``lo`` .. ``hi`` (inside the range): (the positions among them that take
+        encoder outputs, relative to ``lo``; the first and one-past-last encoder output row they take)."""
+        a, b = lo - self.offset, hi - self.offset
+        if self.is_embed is None:
+            return list(range(b - a)), a, b
+        first = sum(self.is_embed[:a])
+        rows = [i - a for i in range(a, b) if self.is_embed[i]]
+        return rows, first, first + len(rows)
 
 
 class MultiModalFeature(msgspec.Struct, gc=False):
@@ -40,8 +67,8 @@ class MultiModalFeature(msgspec.Struct, gc=False):
 
     @property
     def num_embeds(self) -> int:
-        """Encoder outputs the item yields: one per placeholder token."""
-        return self.placeholder.length
+        """Encoder outputs the item yields (its encoder-cache size and encoder-budget cost)."""
+        return self.placeholder.num_embeds
 
 
 class MultiModalInputs(msgspec.Struct, gc=False):

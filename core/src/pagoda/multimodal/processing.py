@@ -74,6 +74,16 @@ def placeholder_ranges(ids: list[int], token_id: int, num_items: int) -> list[Pl
     return [PlaceholderRange(r.offset + k * size, size) for r in runs for k in range(r.length // size)]
 
 
+def split_items(processor: Any, ids: list[int], outputs: dict[str, Any], image_token_id: int,
+                num_items: int) -> list[tuple[PlaceholderRange, dict[str, Any]]]:
+    """Each item's placeholder range and processed tensors, for a processor that expands every image into one
+    contiguous run of image tokens and stacks one tensor row per image (LLaVA 1.5). A family whose processor
+    does otherwise declares ``split_mm_items`` (same arguments but ``image_token_id``; Idefics3's tiles)."""
+    ranges = placeholder_ranges(ids, image_token_id, num_items)
+    return [(r, {k: v[i:i + 1].contiguous() for k, v in outputs.items() if v.shape[:1] == (num_items,)})
+            for i, r in enumerate(ranges)]
+
+
 @dataclass(frozen=True)
 class _Processed:
     ids: list[int]
@@ -117,9 +127,12 @@ class MultiModalProcessor:
     """A multimodal model's processor (``AutoProcessor.from_pretrained`` of its directory)."""
 
     def __init__(self, processor: Any, image_token_id: int, limits: dict[str, int] | None,
-                 processor_kwargs: dict[str, Any] | None, cache_bytes: int, max_item_tokens: int | None) -> None:
+                 processor_kwargs: dict[str, Any] | None, cache_bytes: int, max_item_tokens: int | None,
+                 model_cls: type | None = None) -> None:
         self.processor = processor
         self.image_token_id = image_token_id
+        # the model family's own item splitter, where its processor's layout is not LLaVA's
+        self._split_mm_items = getattr(model_cls, "split_mm_items", None)
         self.limits = dict(limits or {})
         self.processor_kwargs = dict(processor_kwargs or {})
         self.cache = ProcessedInputCache(cache_bytes)
@@ -168,16 +181,20 @@ class MultiModalProcessor:
         except Exception as exc:  # noqa: BLE001 (a processor's input errors have no common type)
             raise ValueError(f"the model's processor refused the input: {exc}") from exc
         ids = [int(t) for t in out["input_ids"][0]]
-        ranges = placeholder_ranges(ids, self.image_token_id, len(images))
-        for r in ranges:
-            if self.max_item_tokens is not None and r.length > self.max_item_tokens:
-                raise ValueError(f"an image takes {r.length} placeholder tokens, more than the encoder budget of "
+        tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and hasattr(v, "shape")}
+        if not images:
+            items: list[tuple[PlaceholderRange, dict[str, Any]]] = []
+        elif self._split_mm_items is not None:
+            items = self._split_mm_items(self.processor, ids, tensors, len(images))
+        else:
+            items = split_items(self.processor, ids, tensors, self.image_token_id, len(images))
+        for r, _ in items:
+            if self.max_item_tokens is not None and r.num_embeds > self.max_item_tokens:
+                raise ValueError(f"an image takes {r.num_embeds} encoder outputs, more than the encoder budget of "
                                  f"{self.max_item_tokens} (max_num_encoder_input_tokens / encoder_cache_size)")
         features: list[MultiModalFeature] = []
         nbytes = 0
-        for i, (identifier, placeholder) in enumerate(zip(identifiers, ranges)):
-            data = {k: v[i:i + 1].contiguous() for k, v in out.items()
-                    if k not in _TEXT_KEYS and hasattr(v, "shape") and v.shape[:1] == (len(images),)}
+        for identifier, (placeholder, data) in zip(identifiers, items):
             nbytes += sum(t.numel() * t.element_size() for t in data.values())
             features.append(MultiModalFeature("image", identifier, placeholder, data))
         return _Processed(ids, MultiModalInputs(features), nbytes)
@@ -209,4 +226,4 @@ def load_mm_processor(config: EngineConfig) -> MultiModalProcessor | None:
     return MultiModalProcessor.load(
         str(model.source.path), mc.trust_remote_code, hf, limits=mc.limit_mm_per_prompt,
         processor_kwargs=mc.mm_processor_kwargs, cache_bytes=int(mc.mm_processor_cache_gb * (1 << 30)),
-        max_item_tokens=min(budgets) if budgets else None)
+        max_item_tokens=min(budgets) if budgets else None, model_cls=cls)

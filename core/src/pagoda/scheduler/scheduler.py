@@ -565,12 +565,14 @@ class Scheduler:
             if offset + length <= start or feature.identifier in self.encoder_cache or feature.identifier in chosen_ids:
                 continue
             alone = not step.encoder_inputs and not chosen
-            if (length > budget and not alone) or not self.encoder_cache.can_allocate(planned + length):
+            # the budget and the cache count encoder outputs, not placeholder tokens (Idefics3's span holds text)
+            size = feature.num_embeds
+            if (size > budget and not alone) or not self.encoder_cache.can_allocate(planned + size):
                 return max(offset - start, 0), chosen
             chosen.append(i)
             chosen_ids.add(feature.identifier)
-            budget -= length
-            planned += length
+            budget -= size
+            planned += size
         return num_new, chosen
 
     def _commit_encoder_inputs(self, req: Request, start: int, num_new: int, encode: list[int],
@@ -584,8 +586,8 @@ class Scheduler:
             if offset + length <= start:
                 continue
             if i in encode:
-                self.encoder_cache.allocate(req, feature.identifier, length)
-                step.encoder_budget -= length
+                self.encoder_cache.allocate(req, feature.identifier, feature.num_embeds)
+                step.encoder_budget -= feature.num_embeds
             else:
                 self.encoder_cache.reference(req, feature.identifier)
         if encode:
@@ -604,7 +606,7 @@ class Scheduler:
                           for j, f in enumerate(self.requests[other].mm_features)
                           if f.identifier == feature.identifier), None)
             if taker is None:
-                step.encoder_budget += feature.placeholder.length
+                step.encoder_budget += feature.num_embeds
                 self.encoder_cache.discard(feature.identifier)
             else:
                 step.encoder_inputs.setdefault(taker[0], []).append(taker[1])

@@ -43,7 +43,7 @@ class EncoderRunner:
                 f = features[i]
                 if f.identifier not in self.encoder_cache and all(f.identifier != it[0] for it in items):
                     data = {k: v.to(self.device, non_blocking=True) for k, v in f.data.items()}
-                    items.append((f.identifier, data, f.placeholder.length))
+                    items.append((f.identifier, data, f.num_embeds))
         self._encode(items)
 
     def _encode(self, items: list[tuple[str, dict[str, torch.Tensor], int]]) -> None:
@@ -59,14 +59,15 @@ class EncoderRunner:
                 identifier, _, length = items[j]
                 if out.shape[0] != length:
                     raise ValueError(f"the encoder returned {out.shape[0]} embeddings for an item with {length} "
-                                     "placeholder tokens: the processor and the model disagree")
+                                     "embedding placeholder tokens: the processor and the model disagree")
                 self.encoder_cache[identifier] = out
         self.num_encoded += len(items)
 
     def inputs_embeds(self, step: StepInputs, batch: InputBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The step's [T, hidden] input embeddings with its items' rows in place, or None where no scheduled
         token is a placeholder (the model embeds the ids itself)."""
-        writes: list[tuple[int, int, torch.Tensor]] = []
+        # (the step's first row of a contiguous run, or the rows of a masked one; the encoder rows they take)
+        writes: list[tuple[int | list[int], torch.Tensor]] = []
         for i, rid in enumerate(step.req_ids):
             features = batch.rows[rid].mm_features
             if not features:
@@ -85,14 +86,22 @@ class EncoderRunner:
                     logger.warning("request %s: item %s was not in the encoder cache; encoding it now", rid,
                                    f.identifier[:12])
                     self._encode([(f.identifier, {k: v.to(self.device) for k, v in f.data.items()},
-                                   f.placeholder.length)])
+                                   f.num_embeds)])
                     cached = self.encoder_cache[f.identifier]
-                writes.append((first_row + lo - start, hi - lo, cached[lo - f.placeholder.offset:hi - f.placeholder.offset]))
+                positions, out_lo, out_hi = f.placeholder.embeds_in(lo, hi)
+                if not positions:
+                    continue  # the chunk covers only the item's text tokens (its tile markers)
+                base = first_row + lo - start
+                target: int | list[int] = base if f.placeholder.is_embed is None else [base + p for p in positions]
+                writes.append((target, cached[out_lo:out_hi]))
         if not writes:
             return None
         embeds = self.model.embed_input_ids(input_ids)
-        for row, count, rows in writes:
-            embeds[row:row + count] = rows.to(embeds.dtype)
+        for target, rows in writes:
+            if isinstance(target, int):
+                embeds[target:target + rows.shape[0]] = rows.to(embeds.dtype)
+            else:
+                embeds[torch.tensor(target, device=embeds.device)] = rows.to(embeds.dtype)
         return embeds
 
 

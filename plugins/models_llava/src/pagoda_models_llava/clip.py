@@ -2,8 +2,7 @@
 
 Every projection is a core ``Linear`` (the patch embedding too: a stride-``patch`` convolution is a matmul
 over the unfolded patches), so the platform's linear kernel runs the tower as it runs the decoder.
-Activations stay 2-D ([images x tokens, hidden]) for those kernels; attention is bidirectional over each
-image's tokens (core's ``attend``, no mask, not causal), not paged: a tower's tokens are not cached.
+Its blocks are core's ``VisionEncoder`` (bidirectional attention over each image's tokens, not paged).
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.attention.sdpa import attend
-from pagoda.layers import Activation, Embedding, LayerNorm, Linear
+from pagoda.layers import Embedding, LayerNorm, Linear
+from pagoda.layers.vision_encoder import VisionEncoder
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -40,57 +39,6 @@ class CLIPVisionEmbeddings(nn.Module):
         return torch.cat([cls, embeds], dim=1) + self.position_embedding(positions)
 
 
-class CLIPAttention(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.head_dim = cfg.hidden_size // self.num_heads
-        self.scale = self.head_dim**-0.5
-        self.q_proj = Linear(cfg.hidden_size, cfg.hidden_size, True, dtype)
-        self.k_proj = Linear(cfg.hidden_size, cfg.hidden_size, True, dtype)
-        self.v_proj = Linear(cfg.hidden_size, cfg.hidden_size, True, dtype)
-        self.out_proj = Linear(cfg.hidden_size, cfg.hidden_size, True, dtype)
-
-    def forward(self, x: torch.Tensor, num_images: int) -> torch.Tensor:
-        """[B * L, hidden] -> [B * L, hidden]; every token of an image sees all of that image's tokens."""
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(num_images, -1, self.num_heads, self.head_dim).transpose(1, 2)
-
-        out = attend(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)), None, self.scale, None,
-                     causal=False)
-        return self.out_proj(out.transpose(1, 2).reshape(x.shape))
-
-
-class CLIPEncoderLayer(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.self_attn = CLIPAttention(cfg, dtype)
-        self.layer_norm1 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
-        self.mlp = CLIPMLP(cfg, dtype)
-        self.layer_norm2 = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
-
-    def forward(self, x: torch.Tensor, num_images: int) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), num_images)
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class CLIPMLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, True, dtype)
-        self.act = Activation(cfg.hidden_act)
-        self.fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, True, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class CLIPEncoder(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(CLIPEncoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
-
-
 class CLIPVisionModel(nn.Module):
     """The tower; ``forward`` returns the hidden states after the layers asked for (transformers' indexing:
     0 = the embeddings after ``pre_layrnorm``, -1 = the last layer's output)."""
@@ -99,7 +47,7 @@ class CLIPVisionModel(nn.Module):
         super().__init__()
         self.embeddings = CLIPVisionEmbeddings(cfg, dtype)
         self.pre_layrnorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)  # (sic: transformers' name)
-        self.encoder = CLIPEncoder(cfg, dtype)
+        self.encoder = VisionEncoder(cfg, dtype)
         # loaded with the checkpoint; LLaVA reads hidden states before it
         self.post_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype)
 
