@@ -1,14 +1,19 @@
-"""Many models on one port: load on first request, reload after eviction, RSS, two models together vs alone.
+"""Many models on one port: load on first request, reload after unload, wake from park, RSS, two models
+together vs alone.
 
     python -m benchmarks.multimodel [--requests 16] [--max-tokens 32]
 
-One `pagoda serve --models-config` with the default model (SmolLM2-135M-Instruct) twice, as `smol-a` and
-`smol-b` (two engines, each with its own core process). In order: the first request to `smol-a` (its
-load), the first to `smol-b` (a second model loaded on its first request), the server's RSS (the API
-process and its children) with both loaded, `POST /v1/models/unload smol-a` (the eviction path) and the
-RSS after it, the next request to `smol-a` (a reload after eviction), then greedy output throughput of
-`--requests` concurrent requests to `smol-a` alone, `smol-b` alone, and both at once (half each). The
-load average is printed with the numbers: on a shared machine only the ratios of one run compare.
+One `pagoda serve --models-config --max-loaded-models 2` with the default model (SmolLM2-135M-Instruct) three
+times, as `smol-a`, `smol-b` and `smol-c` (each its own engine and core process). In order: the first request
+to `smol-a` (its load), the first to `smol-b` (a second model loaded on its first request), the server's RSS
+(the API process and its children) with both loaded, `POST /v1/models/unload smol-a` (a real unload) and the
+RSS after it, the next request to `smol-a` (a reload after unload), then greedy output throughput of
+`--requests` concurrent requests to `smol-a` alone, `smol-b` alone, and both at once (half each). Then the
+first request to `smol-c`, which evicts the least recently used of the two (parked at sleep level 1 where the
+pool parks, unloaded where it does not), the RSS after it and the next request to the evicted one (a wake, or a
+reload); and a request to `smol-c` with `keep_alive: 0` (parked at level 2, or unloaded), the RSS and the
+next request to it. Each eviction's `state` (from /v1/models) is printed with its timing. The load average
+is printed with the numbers: on a shared machine only the ratios of one run compare.
 """
 
 from __future__ import annotations
@@ -36,11 +41,11 @@ def _rss_bytes(pid: int) -> int:
     return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
 
 
-def _complete(url: str, model: str, max_tokens: int) -> int:
+def _complete(url: str, model: str, max_tokens: int, **extra: Any) -> int:
     import httpx
 
     r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
-                                                  "temperature": 0, "ignore_eos": True}, timeout=600)
+                                                  "temperature": 0, "ignore_eos": True, **extra}, timeout=600)
     r.raise_for_status()
     return int(r.json()["usage"]["completion_tokens"])
 
@@ -49,6 +54,20 @@ def _timed(url: str, model: str, max_tokens: int) -> float:
     start = time.perf_counter()
     _complete(url, model, max_tokens)
     return time.perf_counter() - start
+
+
+def _state(url: str, model: str) -> str:
+    import httpx
+
+    cards = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+    return str(next(c["state"] for c in cards if c["id"] == model))
+
+
+def _wait_state_not(url: str, model: str, state: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while (now := _state(url, model)) == state and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return now
 
 
 def _throughput(url: str, models: list[str], requests: int, max_tokens: int) -> float:
@@ -72,13 +91,13 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="pagoda-mm-bench-"))
     config = workdir / "models.yaml"
     common = {"max_model_len": 1024}
-    config.write_text(yaml.safe_dump({"models": [{"model": str(_default_model()), "served_model_name": "smol-a", **common},
-                                                 {"model": str(_default_model()), "served_model_name": "smol-b", **common}]}))
+    config.write_text(yaml.safe_dump({"models": [{"model": str(_default_model()), "served_model_name": name, **common}
+                                                 for name in ("smol-a", "smol-b", "smol-c")]}))
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(workdir / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", "--models-config",
-                             str(config), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+                             str(config), "--port", str(port), "--max-loaded-models", "2"], stdout=log, stderr=subprocess.STDOUT)
     results: dict[str, Any] = {"load_average_before": os.getloadavg()}
     try:
         _wait_healthy(url, proc, 300)
@@ -96,6 +115,17 @@ def main(argv: list[str] | None = None) -> None:
             _throughput(url, models, 2, 4)  # warm
             results[f"tok_s_{name}"] = _throughput(url, models, args.requests, args.max_tokens)
         results["both_vs_mean_alone"] = results["tok_s_both"] / ((results["tok_s_a_alone"] + results["tok_s_b_alone"]) / 2)
+        results["first_request_c_s"] = _timed(url, "smol-c", 1)
+        evicted = next(m for m in ("smol-a", "smol-b") if _state(url, m) != "loaded")
+        results["evicted_by_c"], results["evicted_state"] = evicted, _state(url, evicted)
+        time.sleep(1.0)
+        results["rss_after_evicting_for_c_mib"] = _rss_bytes(proc.pid) / 2**20
+        results["request_after_eviction_s"] = _timed(url, evicted, 1)
+        _complete(url, "smol-c", 1, keep_alive=0)
+        results["keep_alive_0_state"] = _wait_state_not(url, "smol-c", "loaded")
+        time.sleep(1.0)
+        results["rss_after_keep_alive_0_mib"] = _rss_bytes(proc.pid) / 2**20
+        results["request_after_keep_alive_0_s"] = _timed(url, "smol-c", 1)
         results["load_average_after"] = os.getloadavg()
     finally:
         stop_process(proc)

@@ -147,9 +147,11 @@ def test_admin_unload_load_and_keep_alive_zero(server: Any, paths: dict[str, Any
     r = httpx.post(server.url + "/v1/models/load", json={"model": "gen-b"}, timeout=180)
     assert r.status_code == 200 and r.json()["state"] == "loaded"
     assert httpx.post(server.url + "/v1/models/load", json={"model": "nobody"}).status_code == 404
-    # Ollama's keep_alive 0: unloaded once the request is done
+    # Ollama's keep_alive 0: gone once the request is done (parked at level 2, its weights freed)
     assert _ids(server, "gen-b", keep_alive=0) == hf_greedy(paths["qwen_hf"], PROMPT, NEW)
-    _wait_state(server, "gen-b", "unloaded")
+    _wait_state(server, "gen-b", "sleeping")
+    card = {c["id"]: c for c in httpx.get(server.url + "/v1/models").json()["data"]}["gen-b"]
+    assert card["sleep_level"] == 2 and "cpu_share" not in card
 
 
 def test_served_sleep_and_wake_up_restore_greedy_output(server: Any) -> None:
@@ -164,9 +166,7 @@ def test_served_sleep_and_wake_up_restore_greedy_output(server: Any) -> None:
         assert asleep.status_code == 503 and "asleep" in asleep.json()["error"]["message"]
         assert httpx.post(server.url + "/wake_up", params={"model": "gen-a"}, timeout=120).status_code == 200
         assert _ids(server, "gen-a") == before
-    # a model started without enable_sleep_mode refuses, clearly
-    r = httpx.post(server.url + "/sleep", params={"model": "gen-b", "level": 1}, timeout=120)
-    assert r.status_code == 400 and "enable_sleep_mode" in r.json()["error"]["message"]
+    # (a pool engine always has sleep mode, parking needs it: the refusal without it is test_sleep_mode's)
 
 
 def test_lru_under_max_loaded_models_one(paths: dict[str, Any], start_server: Any, hf_greedy: Any) -> None:
@@ -177,9 +177,9 @@ def test_lru_under_max_loaded_models_one(paths: dict[str, Any], start_server: An
     assert _ids(server, a) == expected[a]
     assert _states(server) == {a: "loaded", b: "unloaded"}
     assert _ids(server, b) == expected[b]
-    assert _states(server) == {a: "unloaded", b: "loaded"}
-    assert _ids(server, a) == expected[a]  # loaded again after its eviction
-    assert _states(server) == {a: "loaded", b: "unloaded"}
+    assert _states(server) == {a: "sleeping", b: "loaded"}  # parked, not unloaded
+    assert _ids(server, a) == expected[a]  # woken after its eviction
+    assert _states(server) == {a: "loaded", b: "sleeping"}
     # both at once: the second waits for the first to finish, then evicts it
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda m: _ids(server, m), [a, b]))
@@ -242,3 +242,111 @@ def test_one_models_dead_engine_leaves_the_server_serving(server: Any, paths: di
     assert _ids(server, "gen-a") == hf_greedy(paths["llama_hf"], PROMPT, NEW)
     # its next request loads it again
     assert _ids(server, "gen-b") == hf_greedy(paths["qwen_hf"], PROMPT, NEW)
+
+
+def _cards(server: Any) -> dict[str, dict[str, Any]]:
+    return {c["id"]: c for c in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]}
+
+
+def _core_pids(server: Any) -> list[int]:
+    import re
+
+    return [int(p) for p in re.findall(r"engine core 0 runs in process (\d+)", server.output())]
+
+
+def test_a_parked_model_wakes_with_its_greedy_output_and_the_parked_bound_shuts_the_oldest(
+        paths: dict[str, Any], start_server: Any, hf_greedy: Any, tmp_path: Path) -> None:
+    config = {"models": [{"model": str(paths["llama"]), "served_model_name": "a", **GEN_OPTIONS},
+                         {"model": str(paths["qwen"]), "served_model_name": "b", **GEN_OPTIONS},
+                         {"model": str(paths["llama"]), "served_model_name": "c", **GEN_OPTIONS}]}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(config))
+    server = start_server(["--models-config", str(tmp_path / "m.yaml"), "--max-loaded-models", "1",
+                           "--max-parked-models", "1"])
+    before = {"a": _ids(server, "a"), "b": _ids(server, "b")}
+    assert before["a"] == hf_greedy(paths["llama_hf"], PROMPT, NEW)
+    assert before["b"] == hf_greedy(paths["qwen_hf"], PROMPT, NEW)
+    cards = _cards(server)
+    # evicted under --max-loaded-models: parked at level 1 (weights kept), its process alive
+    assert cards["a"]["state"] == "sleeping" and cards["a"]["sleep_level"] == 1
+    assert len(_core_pids(server)) == 2
+    assert _ids(server, "a") == before["a"]  # woken, not loaded again: no new engine-core process
+    assert len(_core_pids(server)) == 2 and "model a woke in" in server.output()
+    assert _states(server) == {"a": "loaded", "b": "sleeping", "c": "unloaded"}
+    # c evicts a (parked: two parked now, over --max-parked-models 1): the least recently used, b, shuts down
+    assert _ids(server, "c") == before["a"]  # (c is a's checkpoint)
+    assert _states(server) == {"a": "sleeping", "b": "unloaded", "c": "loaded"}
+    assert "(--max-parked-models)" in server.output()
+    b_pid = _core_pids(server)[1]
+    deadline = time.monotonic() + 30
+    while _alive(b_pid):
+        assert time.monotonic() < deadline, "b's engine-core process outlived its unload"
+        time.sleep(0.2)
+    assert _ids(server, "b") == before["b"]  # loaded afresh
+    assert len(_core_pids(server)) == 4
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not reaped yet) is gone for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_awake_engines_divide_the_cpus_and_take_them_back(paths: dict[str, Any], start_server: Any,
+                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from pagoda.worker.cpu_share import split_cpus
+
+    cpus = sorted(os.sched_getaffinity(0))  # the server's, inherited
+    config = {"models": [{"model": str(paths["llama"]), "served_model_name": "a", **GEN_OPTIONS},
+                         {"model": str(paths["qwen"]), "served_model_name": "b", **GEN_OPTIONS}]}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(config))
+    for name in ("PAGODA_CPU_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"):
+        monkeypatch.delenv(name, raising=False)  # the user settings that win over the split
+    server = start_server(["--models-config", str(tmp_path / "m.yaml")])
+    _ids(server, "a")
+    # alone: the whole machine, as a one-model server
+    assert _cards(server)["a"]["cpu_share"] == [{"threads": len(cpus), "cpus": cpus, "kept": None}]
+    _ids(server, "b")
+    halves = split_cpus(cpus, 2)
+    cards = _cards(server)
+    assert cards["a"]["cpu_share"] == [{"threads": len(halves[0]), "cpus": halves[0], "kept": None}]
+    assert cards["b"]["cpu_share"] == [{"threads": len(halves[1]), "cpus": halves[1], "kept": None}]
+    if len(cpus) > 1:
+        assert not set(halves[0]) & set(halves[1])
+    assert "CPU share: %d torch threads on CPUs %s" % (len(halves[1]), halves[1]) in server.output()
+    # b goes: a takes the whole machine back
+    assert httpx.post(server.url + "/v1/models/unload", json={"model": "b"}, timeout=60).status_code == 200
+    assert _cards(server)["a"]["cpu_share"] == [{"threads": len(cpus), "cpus": cpus, "kept": None}]
+
+
+def test_an_explicit_thread_count_wins_over_the_split(paths: dict[str, Any], start_server: Any,
+                                                      tmp_path: Path) -> None:
+    config = {"models": [{"model": str(paths["llama"]), "served_model_name": "a", **GEN_OPTIONS},
+                         {"model": str(paths["qwen"]), "served_model_name": "b", **GEN_OPTIONS}]}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(config))
+    server = start_server(["--models-config", str(tmp_path / "m.yaml")], env={"PAGODA_CPU_THREADS": "3"})
+    _ids(server, "a")
+    _ids(server, "b")
+    for model in ("a", "b"):
+        share = _cards(server)[model]["cpu_share"]
+        assert [(s["threads"], s["kept"]) for s in share] == [(3, "PAGODA_CPU_THREADS=3")], share
+
+
+def test_split_cpus_gives_disjoint_slices_and_wraps_when_short() -> None:
+    from pagoda.worker.cpu_share import split_cpus
+
+    assert split_cpus([0, 1, 2, 3], 1) == [[0, 1, 2, 3]]
+    assert split_cpus([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert split_cpus([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3]]
+    assert split_cpus([4, 7], 3) == [[4], [7], [4]]
+    with pytest.raises(ValueError):
+        split_cpus([0], 0)

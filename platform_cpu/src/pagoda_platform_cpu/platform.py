@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from pagoda.config import EngineConfig
     from pagoda.layers import LayerOps, LinearKernel
+    from pagoda.worker.cpu_share import CpuShare
     from pagoda.worker.graphs import GraphCapturer
     from pagoda_platform_cpu.huge_pages import HugePageArena
 
@@ -256,6 +257,12 @@ class CpuPlatform(Platform):
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         logger.info("CPU platform: %d torch threads", n)
+
+    def set_cpu_share(self, cpus: list[int], config: EngineConfig) -> CpuShare:
+        from pagoda.worker.cpu_share import apply_cpu_share
+
+        # PAGODA_CPU_THREADS is the user's explicit count: it wins over a many-model server's split
+        return apply_cpu_share(cpus, envs.PAGODA_CPU_THREADS, "PAGODA_CPU_THREADS")
 
     def get_device_communicator_cls(self) -> str:
         return "pagoda_platform_cpu.communicator:CpuCommunicator"

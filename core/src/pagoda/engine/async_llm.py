@@ -397,6 +397,16 @@ class AsyncLLM:
         self._ensure_started()
         return int(await asyncio.wrap_future(self.engine_core.call_utility("get_memory_bytes")))
 
+    async def get_memory_usage(self) -> dict[str, int]:
+        """``weights_bytes`` and ``kv_cache_bytes`` (``EngineCore.get_memory_usage``)."""
+        self._ensure_started()
+        return dict(await asyncio.wrap_future(self.engine_core.call_utility("get_memory_usage")))
+
+    async def set_cpu_share(self, cpus: list[int]) -> list[dict[str, Any]]:
+        """Confine the engine core to ``cpus`` between steps (``EngineCore.set_cpu_share``); what it applied."""
+        self._ensure_started()
+        return list(await asyncio.wrap_future(self.engine_core.call_utility("set_cpu_share", list(cpus))))
+
     async def abort(self, request_id: str | list[str]) -> None:
         """Stop requests; their streams end with a finished output (finish_reason "abort")."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

@@ -230,6 +230,21 @@ class EngineCore:
     def is_sleeping(self) -> bool:
         return bool(self._sleep_level)
 
+    def set_cpu_share(self, cpus: list[int]) -> list[dict[str, Any]]:
+        """Run this engine's ranks on ``cpus`` from the next step on (a many-model server rebalancing the
+        machine between its engines); what each rank applied (``pagoda.worker.cpu_share.CpuShare``)."""
+        if not cpus or not all(isinstance(c, int) and c >= 0 for c in cpus):
+            raise ValueError(f"cpus must be a non-empty list of CPU numbers, got {cpus!r}")
+        shares = self.model_executor.collective_rpc("set_cpu_share", (list(cpus),))
+        logger.info("CPU share: %s", "; ".join(f"{s['threads']} torch threads on CPUs {s['cpus']}"
+                                                + (f" (kept: {s['kept']})" if s["kept"] else "") for s in shares))
+        return shares
+
+    def get_memory_usage(self) -> dict[str, int]:
+        """The weights' and the KV cache's bytes (one rank's, as sized at start): what a parked engine keeps
+        at each sleep level (level 1 the weights, level 2 neither)."""
+        return {"weights_bytes": self.memory.weights_bytes, "kv_cache_bytes": self.memory.kv_cache_bytes}
+
     def get_memory_bytes(self) -> int:
         """What this engine holds for its model: the weights plus the KV cache (one rank's), as sized at start."""
         return self.memory.weights_bytes + self.memory.kv_cache_bytes

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 # EngineCore methods a front end may call between steps (call_utility), with a result back.
 UTILITY_METHODS = frozenset({"add_lora", "remove_lora", "list_loras", "sleep", "wake_up", "is_sleeping",
-                             "get_memory_bytes"})
+                             "get_memory_bytes", "get_memory_usage", "set_cpu_share"})
 
 
 def run_utility(core: EngineCore, method: str, args: tuple[Any, ...], future: Future[Any]) -> None:

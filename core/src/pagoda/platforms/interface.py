@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.layers import LayerOps, LinearKernel
     from pagoda.lora.punica import LoRAKernel
+    from pagoda.worker.cpu_share import CpuShare
     from pagoda.worker.graphs import GraphCapturer
 
 
@@ -204,6 +205,14 @@ class Platform:
 
     def init_worker(self, config: EngineConfig) -> None:
         """Per-process set-up before the model loads (threads, device selection)."""
+
+    def set_cpu_share(self, cpus: list[int], config: EngineConfig) -> CpuShare:
+        """Confine this rank's host threads to ``cpus`` (a many-model server's split of the machine between
+        its awake engines; docs/server.md). The default pins every thread of the process there and runs
+        one torch thread per CPU; a platform with its own thread setting overrides it to let that win."""
+        from pagoda.worker.cpu_share import apply_cpu_share
+
+        return apply_cpu_share(cpus)
 
     def seed_everything(self, seed: int) -> None:
         """Seed every random generator the engine's step may draw from (Python, numpy, torch)."""

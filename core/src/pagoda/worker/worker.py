@@ -110,6 +110,13 @@ class Worker:
     def sleep(self, level: int) -> None:
         self.runner.sleep(level)
 
+    def set_cpu_share(self, cpus: list[int]) -> dict[str, Any]:
+        """This rank's slice of the engine's ``cpus`` (ranks of one engine split them as init_worker does)."""
+        from pagoda.worker.cpu_share import split_cpus
+
+        mine = split_cpus(cpus, self.world_size)[self.rank]
+        return self.platform.set_cpu_share(mine, self.config).model_dump()
+
     def wake_up(self) -> None:
         self.runner.wake_up()
 

@@ -101,6 +101,10 @@ def serve(
     model_idle_timeout: float | None = typer.Option(
         None, "--model-idle-timeout", min=0,
         help="Many models: seconds a model may idle before it unloads (a request's keep_alive wins); none = never."),
+    max_parked_models: int = typer.Option(
+        2, "--max-parked-models", min=0,
+        help="Many models: evicted or idle models kept asleep (process alive, woken by the next request); past "
+             "this many the least recently used parked one shuts down; 0 = unload at once."),
     model_load_timeout: float = typer.Option(
         600.0, "--model-load-timeout", min=0.001,
         help="Many models: seconds a request waits for its model to load before a 503."),
@@ -149,6 +153,7 @@ def serve(
             uvicorn_log_level=uvicorn_log_level, disable_log_requests=not enable_log_requests,
             max_loaded_models=max_loaded_models, models_memory_budget=models_memory_budget,
             model_idle_timeout=model_idle_timeout, model_load_timeout=model_load_timeout,
+            max_parked_models=max_parked_models,
         )
         models = _model_specs(engine_args, more_models or [], models_config, served_model_name, lora_modules)
     except (ValidationError, ValueError) as exc:

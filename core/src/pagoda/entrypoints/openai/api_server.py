@@ -458,7 +458,11 @@ def pool_loader(server_args: ServerArgs, metrics: PrometheusStatLogger) -> Calla
     """How a many-model server loads one model: its own AsyncLLM (engine core in its own process), off the loop."""
 
     async def load(spec: ModelSpec) -> ServingContext:
-        engine = await asyncio.to_thread(AsyncLLM.from_engine_args, spec.engine_args,
+        engine_args = spec.engine_args
+        if server_args.max_parked_models and not engine_args.enable_sleep_mode:
+            # parking is a sleep; the flag only lifts sleep's refusal, it costs nothing while awake
+            engine_args = engine_args.model_copy(update={"enable_sleep_mode": True})
+        engine = await asyncio.to_thread(AsyncLLM.from_engine_args, engine_args,
                                          log_stats=not server_args.disable_log_stats, engine_core_process=True)
         try:
             io_processor = get_io_processor(engine.config, engine.model_config.io_processor_plugin)
@@ -479,7 +483,8 @@ async def serve_pool(specs: list[ModelSpec], server_args: ServerArgs, sock: sock
     metrics = PrometheusStatLogger(specs[0].served_model_names[0], prefixes=metric_prefixes(server_args))
     pool = ModelPool(specs, pool_loader(server_args, metrics), max_loaded_models=server_args.max_loaded_models,
                      memory_budget_bytes=server_args.models_memory_budget,
-                     idle_timeout_s=server_args.model_idle_timeout, load_timeout_s=server_args.model_load_timeout)
+                     idle_timeout_s=server_args.model_idle_timeout, load_timeout_s=server_args.model_load_timeout,
+                     max_parked_models=server_args.max_parked_models)
     app = build_pool_app(pool, server_args, metrics)
     server = _uvicorn_server(app, server_args)
     announcer = asyncio.create_task(_announce(server, f"{len(specs)} models ({', '.join(pool.names)})",

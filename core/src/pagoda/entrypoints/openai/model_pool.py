@@ -7,15 +7,19 @@ loaded (one load at a time; waiters share it, a bounded wait, a client that goes
 While a request holds a model (from the route's lookup to the end of its response body, released by
 ``ModelLeaseMiddleware``) the model is never evicted. Before a load the pool makes room: the least
 recently used idle models go until ``max_loaded_models`` and the memory budget (weights + KV cache, as
-each engine reports it) allow the new one. A monitor unloads models idle past their keep-alive, and one
-whose engine core died (it answers 503 meanwhile; the next request loads it again): one model's death
-never stops the server. docs/server.md, "Many models on one port".
+each engine reports it) allow the new one. A model that goes is parked: its engine sleeps (level 1 keeps
+the weights, level 2 frees them too) in its live process, and the next request wakes it; past
+``max_parked_models`` the least recently used parked engine shuts down for real. The awake engines share
+the CPUs: each runs on its own slice (``rebalance``). A monitor parks models idle past their keep-alive,
+and unloads one whose engine core died (it answers 503 meanwhile; the next request loads it again): one
+model's death never stops the server. docs/server.md, "Many models on one port".
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -29,10 +33,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.serving_common import ServingContext, until_disconnected
+from pagoda.worker.cpu_share import split_cpus
 
 logger = logging.getLogger(__name__)
 
-ModelState = Literal["unloaded", "loading", "loaded", "failed"]
+# "sleeping": parked, its engine asleep in its live process (sleep_level 1 or 2); "loading" covers a wake too
+ModelState = Literal["unloaded", "loading", "loaded", "sleeping", "failed"]
+# Why the pool must make room: too many awake models, or too many bytes held.
+Pressure = Literal["count", "memory"]
 
 # Seconds between the monitor's passes (keep-alive expiry, engine deaths).
 MONITOR_INTERVAL = 0.5
@@ -155,8 +163,16 @@ class ModelEntry:
     keep_alive: float | None = None
     keep_alive_set: bool = False
     memory_bytes: int | None = None
+    # what a level-1 sleep keeps (the memory budget counts it while parked)
+    weights_bytes: int | None = None
     load_seconds: float | None = None
     loads: int = 0
+    # parked: the level its engine sleeps at (0 = awake or no engine)
+    sleep_level: int = 0
+    wake_seconds: float | None = None
+    wakes: int = 0
+    # what its engine core reported for its last CPU share (one dict per rank; pagoda.worker.cpu_share.CpuShare)
+    cpu_share: list[dict[str, Any]] | None = None
 
     @property
     def name(self) -> str:
@@ -177,7 +193,7 @@ Loader = Callable[[ModelSpec], Awaitable[ServingContext]]
 class ModelPool:
     def __init__(self, specs: list[ModelSpec], loader: Loader, *, max_loaded_models: int | None = None,
                  memory_budget_bytes: int | None = None, idle_timeout_s: float | None = None,
-                 load_timeout_s: float = 600.0) -> None:
+                 load_timeout_s: float = 600.0, max_parked_models: int = 0, cpus: list[int] | None = None) -> None:
         self.entries = [ModelEntry(spec) for spec in specs]
         self._by_name = {name: self.entries[i] for name, i in served_name_index(specs).items()}
         self._loader = loader
@@ -185,6 +201,9 @@ class ModelPool:
         self.memory_budget_bytes = memory_budget_bytes
         self.idle_timeout_s = idle_timeout_s
         self.load_timeout_s = load_timeout_s
+        self.max_parked_models = max_parked_models
+        # the CPUs the awake engines divide between them: those this server may run on (taskset is honoured)
+        self.cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
         # one load at a time: two at once would double the peak memory and split the CPU between them
         self._load_lock = asyncio.Lock()
         self._monitor: asyncio.Task[None] | None = None
@@ -282,8 +301,11 @@ class ModelPool:
             try:
                 await self._make_room(entry)
             except _LoadBusy as exc:
-                entry.state, entry.error = "unloaded", str(exc)
+                entry.state, entry.error = ("sleeping" if entry.sleep_level else "unloaded"), str(exc)
                 raise
+            if entry.sleep_level and await self._wake(entry):
+                await self._after_change(keep=entry)
+                return
             started = time.perf_counter()
             logger.info("loading model %s (%s)", entry.name, entry.spec.engine_args.model or "the default model")
             try:
@@ -293,36 +315,91 @@ class ModelPool:
                 logger.error("model %s failed to load: %s", entry.name, entry.error)
                 raise
             entry.load_seconds = time.perf_counter() - started
-            entry.memory_bytes = await ctx.engine.get_memory_bytes()
+            usage = await ctx.engine.get_memory_usage()
+            entry.weights_bytes = usage["weights_bytes"]
+            entry.memory_bytes = usage["weights_bytes"] + usage["kv_cache_bytes"]
             entry.ctx, entry.state, entry.loads = ctx, "loaded", entry.loads + 1
             entry.last_used = time.monotonic()
             logger.info("model %s loaded in %.1f s (weights + KV cache %.1f MiB)", entry.name, entry.load_seconds,
                         entry.memory_bytes / 2**20)
-        await self._fit_budget(keep=entry)
+            await self._after_change(keep=entry)
+
+    async def _wake(self, entry: ModelEntry) -> bool:
+        """A parked model back awake in its own process; False (and it is unloaded) if its engine cannot wake."""
+        assert entry.ctx is not None
+        started = time.perf_counter()
+        try:
+            await entry.ctx.engine.wake_up()
+        except Exception as exc:  # noqa: BLE001 - a dead or broken parked engine: load it afresh instead
+            logger.warning("parked model %s did not wake (%s: %s); loading it again", entry.name,
+                           type(exc).__name__, exc)
+            await self.unload(entry, reason="it did not wake")
+            entry.state = "loading"
+            return False
+        entry.wake_seconds = time.perf_counter() - started
+        level, entry.sleep_level = entry.sleep_level, 0
+        entry.state, entry.wakes, entry.last_used = "loaded", entry.wakes + 1, time.monotonic()
+        logger.info("model %s woke in %.2f s (parked at sleep level %d)", entry.name, entry.wake_seconds, level)
+        return True
+
+    async def _after_change(self, keep: ModelEntry) -> None:
+        # its size known now: others go while the budget is exceeded; then the CPUs are divided afresh
+        await self._fit_budget(keep=keep)
+        await self.rebalance()
 
     def _loaded(self) -> list[ModelEntry]:
         return [e for e in self.entries if e.state == "loaded"]
 
-    def _over_limits(self, incoming: ModelEntry | None) -> bool:
+    def _parked(self) -> list[ModelEntry]:
+        return [e for e in self.entries if e.state == "sleeping"]
+
+    @staticmethod
+    def held_bytes(entry: ModelEntry) -> int:
+        """What the budget counts for ``entry``: weights + KV cache awake, the weights parked at level 1,
+        nothing at level 2 or unloaded (a parked process's torch runtime is bounded by max_parked_models)."""
+        if entry.state == "loaded":
+            return entry.memory_bytes or 0
+        if entry.state == "sleeping" and entry.sleep_level == 1:
+            return entry.weights_bytes or 0
+        return 0
+
+    def _pressure(self, incoming: ModelEntry | None) -> Pressure | None:
         loaded = self._loaded()
         count = len(loaded) + (1 if incoming is not None else 0)
         if self.max_loaded_models is not None and count > self.max_loaded_models:
-            return True
+            return "count"
         if self.memory_budget_bytes is not None:
             # a model never loaded has no known size yet: it is counted once it has loaded (_fit_budget)
-            held = sum(e.memory_bytes or 0 for e in loaded)
+            others = [e for e in self.entries if e is not incoming and self.held_bytes(e)]
+            held = sum(self.held_bytes(e) for e in others)
             if incoming is not None:
                 held += incoming.memory_bytes or 0
-            return held > self.memory_budget_bytes and count > 1
-        return False
+            # one model alone over the budget is served anyway: there is nothing to give back
+            if held > self.memory_budget_bytes and len(others) + (1 if incoming is not None else 0) > 1:
+                return "memory"
+        return None
+
+    async def _evict_one(self, pressure: Pressure, keep: ModelEntry | None, why: str) -> bool:
+        """Give back room: over the budget, a parked engine still holding its weights shuts down first, then
+        the least recently used idle model parks at level 2; over the count, it parks at level 1 (its
+        weights stay, so waking it only rebuilds its KV cache). False: nothing could go."""
+        if pressure == "memory":
+            holding = sorted((e for e in self._parked() if e is not keep and self.held_bytes(e)),
+                             key=lambda e: e.last_used)
+            if holding:
+                await self.unload(holding[0], reason=f"parked, {why}")
+                return True
+        idle = sorted((e for e in self._loaded() if e.idle and e is not keep), key=lambda e: e.last_used)
+        if not idle:
+            return False
+        await self.park(idle[0], level=2 if pressure == "memory" else 1, reason=f"least recently used, {why}")
+        return True
 
     async def _make_room(self, incoming: ModelEntry) -> None:
         """Evict least recently used idle models until ``incoming`` fits; waits (bounded) for one to idle."""
         deadline = time.monotonic() + self.load_timeout_s
-        while self._over_limits(incoming):
-            idle = sorted((e for e in self._loaded() if e.idle and e is not incoming), key=lambda e: e.last_used)
-            if idle:
-                await self.unload(idle[0], reason="least recently used, to make room for " + incoming.name)
+        while (pressure := self._pressure(incoming)) is not None:
+            if await self._evict_one(pressure, incoming, "to make room for " + incoming.name):
                 continue
             if time.monotonic() > deadline:
                 raise _LoadBusy(f"The model `{incoming.name}` cannot be loaded now: the loaded models "
@@ -332,16 +409,53 @@ class ModelPool:
 
     async def _fit_budget(self, keep: ModelEntry) -> None:
         """After a load (its size known now): evict idle others while the budget is exceeded."""
-        while self._over_limits(None):
-            idle = sorted((e for e in self._loaded() if e.idle and e is not keep), key=lambda e: e.last_used)
-            if not idle:
+        while (pressure := self._pressure(None)) is not None:
+            if not await self._evict_one(pressure, keep, "over the memory budget"):
                 logger.warning("the loaded models exceed --models-memory-budget and none is idle")
                 return
-            await self.unload(idle[0], reason="least recently used, over the memory budget")
+
+    async def park(self, entry: ModelEntry, level: int, reason: str) -> None:
+        """Put an idle model's engine to sleep at ``level`` and keep its process (unload it when parking is
+        off or its engine refuses to sleep); then the parked-engine bound and the CPU split are kept."""
+        if self.max_parked_models == 0 or entry.ctx is None:
+            await self.unload(entry, reason=reason)
+            await self.rebalance()
+            return
+        # not "loaded" from here on: a request arriving meanwhile waits for the wake, not for this engine
+        entry.state = "sleeping"
+        try:
+            await entry.ctx.engine.sleep(level)
+        except Exception as exc:  # noqa: BLE001 - asleep already (POST /sleep), or a dead engine: it goes
+            logger.warning("model %s could not sleep (%s: %s); unloading it instead", entry.name,
+                           type(exc).__name__, exc)
+            await self.unload(entry, reason=reason)
+            await self.rebalance()
+            return
+        entry.sleep_level = level
+        logger.info("parking model %s (%s): asleep at level %d, its engine-core process kept", entry.name, reason,
+                    level)
+        for old in sorted(self._parked(), key=lambda e: e.last_used)[:max(0, len(self._parked())
+                                                                             - self.max_parked_models)]:
+            await self.unload(old, reason=f"the least recently used of more than {self.max_parked_models} "
+                                          "parked models (--max-parked-models)")
+        await self.rebalance()
+
+    async def rebalance(self) -> None:
+        """Each awake engine onto its own slice of the CPUs (threads = CPUs // awake engines), so their
+        OpenMP pools stop spinning against each other; the engines apply it between steps."""
+        awake = [e for e in self.entries if e.state == "loaded" and e.ctx is not None]
+        if not awake:
+            return
+        for entry, cpus in zip(awake, split_cpus(self.cpus, len(awake))):
+            assert entry.ctx is not None
+            try:
+                entry.cpu_share = await entry.ctx.engine.set_cpu_share(cpus)
+            except Exception as exc:  # noqa: BLE001 - a dying engine; the monitor unloads it
+                logger.warning("model %s: its CPU share was not set: %s", entry.name, exc)
 
     async def unload(self, entry: ModelEntry, reason: str) -> None:
         ctx, entry.ctx = entry.ctx, None
-        entry.state = "unloaded"
+        entry.state, entry.sleep_level, entry.cpu_share = "unloaded", 0, None
         if ctx is None:
             return
         logger.info("unloading model %s (%s)", entry.name, reason)
@@ -373,8 +487,8 @@ class ModelPool:
             raise APIError(f"The model `{model}` is serving {entry.leases} request(s); unload it once they finish",
                            409, "model", code="model_busy")
         await self.unload(entry, reason="POST /v1/models/unload")
-        if entry.state == "unloaded":
-            entry.error = None
+        entry.error = None
+        await self.rebalance()
         return entry
 
     # -- the monitor: keep-alive expiry and engine deaths -----------------------------------------
@@ -390,18 +504,25 @@ class ModelPool:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(MONITOR_INTERVAL)
-            for entry in self._loaded():
-                assert entry.ctx is not None
+            for entry in self._loaded() + self._parked():
+                if entry.ctx is None:
+                    continue
                 try:
                     await entry.ctx.engine.check_health()
                 except Exception as exc:  # noqa: BLE001 - a dead core takes down its model only
                     entry.error = f"its engine died: {exc}"
                     logger.error("model %s: %s; it unloads, and the next request loads it again", entry.name, exc)
                     await self.unload(entry, reason="its engine died")
+                    await self.rebalance()
                     continue
                 keep = self.keep_alive_of(entry)
-                if entry.idle and keep is not None and time.monotonic() - entry.last_used >= keep:
-                    await self.unload(entry, reason=f"idle for {keep:g} s (keep_alive)")
+                # (not while a load or wake runs: it holds the lock, and parking now would race its rebalance)
+                if (entry.idle and keep is not None and time.monotonic() - entry.last_used >= keep
+                        and not self._load_lock.locked()):
+                    async with self._load_lock:
+                        if entry.idle:
+                            # unwanted for a while: the weights' memory goes back too
+                            await self.park(entry, level=2, reason=f"idle for {keep:g} s (keep_alive)")
 
     async def shutdown(self) -> None:
         if self._monitor is not None:
@@ -418,6 +539,10 @@ class ModelPool:
             extra: dict[str, Any] = {"state": entry.state}
             if entry.error is not None:
                 extra["error"] = entry.error
+            if entry.sleep_level:
+                extra["sleep_level"] = entry.sleep_level
+            if entry.cpu_share is not None and entry.state == "loaded":
+                extra["cpu_share"] = entry.cpu_share
             if entry.ctx is not None:
                 cards.extend({**card, **extra} for card in entry.ctx.models.cards())
                 continue

@@ -63,6 +63,10 @@ class ServerArgs(BaseModel):
     model_idle_timeout: float | None = Field(
         None, ge=0, description="Seconds a model may idle before it unloads (a model's keep_alive, or a request's, "
                                 "wins); None = never.")
+    max_parked_models: int = Field(
+        2, ge=0, description="Evicted or idle models whose engine is kept asleep (its process alive) so the next "
+                             "request wakes it instead of loading it; past this many the least recently used "
+                             "parked one shuts down. 0 = unload at once, as before parking existed.")
     model_load_timeout: float = Field(
         600.0, gt=0, description="Seconds a request waits for its model to load before a 503 (the load goes on).")
 
