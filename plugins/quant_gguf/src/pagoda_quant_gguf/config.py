@@ -197,12 +197,13 @@ class KernelForward:
     Every call goes through the module's ``pagoda_gguf_linear`` and reads no tensor
     values, so a kernel graph captures it (the weight is the layer's ``qweight``, which the model holds).
 
-    Inputs of ``dense.min_rows`` rows or more take the dense batched path instead (``dense.DensePath``);
-    below ``gate`` rows (fixed at load) the threshold is not even looked up."""
+    Inputs of ``dense_from`` rows or more (``dense.min_rows`` for the model's dtype, measured or read
+    from the disk cache at load, so no request waits on it) take the dense batched path instead
+    (``dense.DensePath``); below ``gate`` rows no threshold is looked at."""
 
-    __slots__ = ("blocks", "cols", "dense", "fn", "gate", "packed", "ptr", "qtype", "rows")
+    __slots__ = ("blocks", "cols", "dense", "dense_from", "dtype", "fn", "gate", "packed", "ptr", "qtype", "rows")
 
-    def __init__(self, shard: Shard, cols: int) -> None:
+    def __init__(self, shard: Shard, cols: int, dtype: torch.dtype) -> None:
         lib = kernels.library()
         assert lib is not None
         self.fn = lib.pagoda_gguf_linear
@@ -210,6 +211,8 @@ class KernelForward:
         self.qtype, self.packed, self.ptr = shard.qtype, int(shard.packed), shard.blocks.data_ptr()
         self.rows, self.cols = shard.rows, cols
         self.dense = dense.DensePath(shard.blocks, shard.qtype, cols, shard.packed)
+        self.dtype = dtype
+        self.dense_from = dense.min_rows(shard.qtype, dtype)
         self.gate = dense.smallest_candidate()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -221,7 +224,7 @@ class KernelForward:
             x = x.contiguous()
         m = x.numel() // self.cols
         if m >= self.gate:
-            threshold = dense.min_rows(self.qtype, x.dtype)
+            threshold = self.dense_from if x.dtype == self.dtype else dense.min_rows(self.qtype, x.dtype)
             if 0 < threshold <= m:
                 y = self.dense(x.reshape(m, self.cols), x.dtype).reshape(*x.shape[:-1], self.rows)
                 return y if bias is None else y + bias
@@ -233,16 +236,20 @@ class KernelForward:
         return y if bias is None else y + bias
 
 
-def bind(shards: list[Shard], cols: int, rows: int) -> Forward:
+def bind(shards: list[Shard], cols: int, rows: int, dtype: torch.dtype) -> Forward:
     """The layer's forward, decided once at load: the bound CPU kernel where one shard runs on it, else
-    ``matmul`` over the shards (several types, the Triton kernel, the torch reference), which decides per call."""
+    ``matmul`` over the shards (several types, the Triton kernel, the torch reference), which decides per call.
+    The dense path's thresholds for the model's ``dtype`` are settled here (measured once per CPU, at load)."""
+    probe = torch.empty(0, cols)
+    for shard in shards:
+        if shard.blocks.device.type == "cpu" and (shard.packed or kernels.supports(shard.qtype, probe)):
+            dense.min_rows(shard.qtype, dtype)
     if len(shards) == 1:
         shard = shards[0]
         on_cpu = shard.blocks.device.type == "cpu"
-        probe = torch.empty(0, cols)
         if on_cpu and (shard.packed or (kernels.supports(shard.qtype, probe)
                                         and not triton_path.supports(shard.qtype, probe))):
-            return KernelForward(shard, cols)
+            return KernelForward(shard, cols, dtype)
 
     def forward(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -260,11 +267,12 @@ class GGUFLinearMethod(LinearMethodBase):
         _register(layer)
         self.cols = input_size_per_partition
         self.rows = sum(output_partition_sizes)
+        self.dtype = params_dtype
         self.shards: list[Shard] = []
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.shards = _assemble(layer, self.cols, self.rows)
-        self.forward = bind(self.shards, self.cols, self.rows)
+        self.forward = bind(self.shards, self.cols, self.rows, self.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
         return self.forward(x, bias)
@@ -283,7 +291,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         self.shards = _assemble(layer, self.cols, self.rows)
         if len(self.shards) != 1:
             raise ValueError("a GGUF embedding table is one tensor of one type")
-        self.forward = bind(self.shards, self.cols, self.rows)
+        self.forward = bind(self.shards, self.cols, self.rows, self.dtype)
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         shard = self.shards[0]

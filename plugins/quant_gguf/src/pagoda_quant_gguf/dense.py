@@ -14,7 +14,7 @@ bfloat16 / float16 activations are widened once a call and y rounded once, as th
 Where the dense path starts is measured per CPU, per GGML type and activation dtype (``min_rows``):
 both paths on one thread (thread CPU time, best of a few interleaved repetitions, as
 ``pagoda_platform_cpu.gemm_tuning`` does) at doubling row counts; the threshold is the first row count
-where the dense path is faster by ``MARGIN`` there and at the next one. Kept in the disk cache by CPU
+where the dense path is faster by ``MARGIN`` there and at the next one (or at the largest, alone). Kept in the disk cache by CPU
 model and flags, torch version and this plugin's kernel sources; measured at the first call that could
 use it (the start-up's dummy step), ~0.1-0.5 s of CPU time once per machine. ``PAGODA_GGUF_DENSE_MIN_ROWS``
 forces it (a row count, or ``off``: the block kernels at every row count).
@@ -136,7 +136,8 @@ def measure(qtype: int, dtype: torch.dtype) -> tuple[int, dict[int, float]]:
             wins = wins + 1 if ratios[rows] >= MARGIN else 0
             if wins == 2:
                 return ROWS[ROWS.index(rows) - 1], ratios
-        return 0, ratios
+        # a win at the largest row count stands alone (larger steps are more compute-bound still)
+        return (ROWS[-1] if wins else 0), ratios
     finally:
         torch.set_num_threads(before)
 
