@@ -21,7 +21,7 @@ VARIABLES: list[EnvVar[Any]] = [
            "Off: GGUF layers kept in blocks run the plain-torch dequantize reference instead of the C++ "
            "block kernel (CPU) or the Triton one (CUDA/ROCm) (A/B checks).",
            DISTRIBUTION, parse_bool),
-    EnvVar("PAGODA_GGUF_DENSE_MIN_ROWS", "int | off", None,
+    EnvVar("PAGODA_GGUF_DENSE_MIN_ROWS", "int or off", None,
            "Row count from which CPU GGUF layers kept in blocks dequantize weight panels and run F.linear "
            "instead of the block kernel; unset: measured once per CPU (pagoda_quant_gguf.dense); off: never.",
            DISTRIBUTION, parse_min_rows),
