@@ -22,7 +22,6 @@ forces it (a row count, or ``off``: the block kernels at every row count).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -154,31 +153,19 @@ SCALE_OFFSETS: dict[int, tuple[int, ...]] = {2: (0,), 3: (0, 2), 6: (0,), 7: (0,
                                              11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}
 
 
-def _cpu_identity() -> str:
-    model = flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{model}|{flags}"
-
-
 def _cache_path(qtype: int, dtype: torch.dtype) -> Path | None:
     from pagoda.disk_cache import cache_root
 
     root = cache_root()
     if root is None:
         return None
-    sources = b"".join(resources.files("pagoda_quant_gguf").joinpath(f"csrc/{name}").read_bytes()
-                       for name in ("gguf_gemm.cpp", "gguf_kquants.cpp", "gguf_common.h"))
-    key = hashlib.sha256(b"|".join([_cpu_identity().encode(), str(qtype).encode(), str(dtype).encode(),
-                                    torch.__version__.encode(), str(FORMAT).encode(), str(SHAPE).encode(),
-                                    str(PANEL_BYTES).encode(), sources])).hexdigest()[:24]
+    from pagoda.cpp_extension.prebuilt import build_key
+
+    # the kernel library's key (its sources, this CPU's model and flags) and what else the figures depend on
+    sources = [resources.files("pagoda_quant_gguf").joinpath(f"csrc/{name}").read_text()
+               for name in ("gguf_gemm.cpp", "gguf_kquants.cpp", "gguf_common.h")]
+    key = build_key("gguf_dense", sources, [[type_name(qtype), str(dtype), torch.__version__, str(FORMAT),
+                                             str(SHAPE), str(PANEL_BYTES)]])[:24]
     return root / "gguf_dense" / f"{key}.json"
 
 
