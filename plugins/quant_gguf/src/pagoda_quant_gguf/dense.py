@@ -131,8 +131,8 @@ def measure(qtype: int, dtype: torch.dtype) -> tuple[int, dict[int, float]]:
                 raise TooBusy(f"the measurement took over {TIME_LIMIT_S:.1f} s of CPU time")
             x = torch.randn(rows, k, generator=gen).to(dtype)
             s = _best_seconds({
-                "block": lambda: kernels.matmul(x, weight, qtype, k, packed=packed is not None, out_dtype=dtype),
-                "dense": lambda: dense(x, dtype),
+                "block": lambda x=x: kernels.matmul(x, weight, qtype, k, packed=packed is not None, out_dtype=dtype),
+                "dense": lambda x=x: dense(x, dtype),
             })
             ratios[rows] = s["block"] / s["dense"]
             wins = wins + 1 if ratios[rows] >= MARGIN else 0
