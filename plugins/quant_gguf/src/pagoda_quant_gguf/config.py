@@ -6,7 +6,8 @@ tensor; a fused layer (q/k/v -> qkv_proj) gets one of each per shard. Blocks run
 so rows of one type concatenate into one matrix; shards of different types stay apart and their
 outputs are concatenated.
 
-On CPU the matmul runs on the blocks in C++ (``kernels``); on CUDA / ROCm in Triton
+On CPU the matmul runs on the blocks in C++ (``kernels``), and from a measured row count on
+dequantized weight panels with ``F.linear`` (``dense``: the compute-bound batched steps); on CUDA / ROCm in Triton
 (``triton_kernels``, every block type, chosen by ``triton_path``); elsewhere, and for block types
 the kernel lacks, the weight is dequantized per call in torch (``dequant``), the reference path.
 """
@@ -25,7 +26,7 @@ from torch import nn
 from pagoda import envs
 from pagoda.layers.parallel_linear import input_split, shard_input, shard_output
 from pagoda.quantization import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, QuantizeMethodBase
-from pagoda_quant_gguf import kernels, triton_path
+from pagoda_quant_gguf import dense, kernels, triton_path
 from pagoda_quant_gguf.dequant import SUPPORTED_TYPES, block_size, dequantize_blocks, type_name
 
 logger = logging.getLogger(__name__)
@@ -162,7 +163,9 @@ def matmul(shards: list[Shard], x: torch.Tensor, cols: int) -> torch.Tensor:
     """``x`` [T, cols] times the rows of every shard, transposed: [T, rows] in float32 or x's dtype."""
     outs = []
     for shard in shards:
-        if shard.packed:
+        if (shard.packed or kernels.supports(shard.qtype, x)) and _takes_dense(shard.qtype, x):
+            outs.append(dense.DensePath(shard.blocks, shard.qtype, cols, shard.packed)(x, torch.float32))
+        elif shard.packed:
             outs.append(kernels.matmul(x, shard.blocks, shard.qtype, cols, packed=True))
         elif triton_path.supports(shard.qtype, x):
             outs.append(triton_path.matmul(x, shard.blocks, shard.qtype, cols))
@@ -174,6 +177,15 @@ def matmul(shards: list[Shard], x: torch.Tensor, cols: int) -> torch.Tensor:
     return outs[0] if len(outs) == 1 else torch.cat([o.to(x.dtype) for o in outs], dim=-1)
 
 
+def _takes_dense(qtype: int, x: torch.Tensor) -> bool:
+    """Whether ``x`` [M, cols] on the CPU has the rows for the dense batched path of a ``qtype`` layer."""
+    rows = x.shape[0]
+    if x.device.type != "cpu" or rows < dense.smallest_candidate():
+        return False
+    threshold = dense.min_rows(qtype, x.dtype)
+    return threshold > 0 and rows >= threshold
+
+
 Forward = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
@@ -183,17 +195,25 @@ class KernelForward:
     (measured, thread CPU time of a 1-row ``Linear.forward``, same run: 10.2 us in float32 and 13.5 in
     bfloat16 before, 4.9 in both after; bfloat16's two conversions are now made in the kernel).
     Every call goes through the module's ``pagoda_gguf_linear`` and reads no tensor
-    values, so a kernel graph captures it (the weight is the layer's ``qweight``, which the model holds)."""
+    values, so a kernel graph captures it (the weight is the layer's ``qweight``, which the model holds).
 
-    __slots__ = ("blocks", "cols", "fn", "packed", "ptr", "qtype", "rows")
+    Inputs of ``dense_from`` rows or more (``dense.min_rows`` for the model's dtype, measured or read
+    from the disk cache at load, so no request waits on it) take the dense batched path instead
+    (``dense.DensePath``); below ``gate`` rows no threshold is looked at."""
 
-    def __init__(self, shard: Shard, cols: int) -> None:
+    __slots__ = ("blocks", "cols", "dense", "dense_from", "dtype", "fn", "gate", "packed", "ptr", "qtype", "rows")
+
+    def __init__(self, shard: Shard, cols: int, dtype: torch.dtype) -> None:
         lib = kernels.library()
         assert lib is not None
         self.fn = lib.pagoda_gguf_linear
         self.blocks = shard.blocks  # holds the memory ptr points into
         self.qtype, self.packed, self.ptr = shard.qtype, int(shard.packed), shard.blocks.data_ptr()
         self.rows, self.cols = shard.rows, cols
+        self.dense = dense.DensePath(shard.blocks, shard.qtype, cols, shard.packed)
+        self.dtype = dtype
+        self.dense_from = dense.min_rows(shard.qtype, dtype)
+        self.gate = dense.smallest_candidate()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         code = kernels.DTYPE_CODES.get(x.dtype)
@@ -202,24 +222,34 @@ class KernelForward:
                              f"{list(x.shape)} {x.dtype}")
         if not x.is_contiguous():
             x = x.contiguous()
+        m = x.numel() // self.cols
+        if m >= self.gate:
+            threshold = self.dense_from if x.dtype == self.dtype else dense.min_rows(self.qtype, x.dtype)
+            if 0 < threshold <= m:
+                y = self.dense(x.reshape(m, self.cols), x.dtype).reshape(*x.shape[:-1], self.rows)
+                return y if bias is None else y + bias
         y = x.new_empty((*x.shape[:-1], self.rows))  # (torch.empty with a dtype costs ~1 us more)
         status = self.fn(self.qtype, self.packed, self.ptr, self.rows, self.cols, x.data_ptr(), code,
-                         x.numel() // self.cols, y.data_ptr(), code, torch.get_num_threads())
+                         m, y.data_ptr(), code, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"gguf kernel refused type {type_name(self.qtype)} with {self.cols} columns")
         return y if bias is None else y + bias
 
 
-def bind(shards: list[Shard], cols: int, rows: int) -> Forward:
+def bind(shards: list[Shard], cols: int, rows: int, dtype: torch.dtype) -> Forward:
     """The layer's forward, decided once at load: the bound CPU kernel where one shard runs on it, else
-    ``matmul`` over the shards (several types, the Triton kernel, the torch reference), which decides per call."""
+    ``matmul`` over the shards (several types, the Triton kernel, the torch reference), which decides per call.
+    The dense path's thresholds for the model's ``dtype`` are settled here (measured once per CPU, at load)."""
+    probe = torch.empty(0, cols)
+    for shard in shards:
+        if shard.blocks.device.type == "cpu" and (shard.packed or kernels.supports(shard.qtype, probe)):
+            dense.min_rows(shard.qtype, dtype)
     if len(shards) == 1:
         shard = shards[0]
         on_cpu = shard.blocks.device.type == "cpu"
-        probe = torch.empty(0, cols)
         if on_cpu and (shard.packed or (kernels.supports(shard.qtype, probe)
                                         and not triton_path.supports(shard.qtype, probe))):
-            return KernelForward(shard, cols)
+            return KernelForward(shard, cols, dtype)
 
     def forward(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -237,11 +267,12 @@ class GGUFLinearMethod(LinearMethodBase):
         _register(layer)
         self.cols = input_size_per_partition
         self.rows = sum(output_partition_sizes)
+        self.dtype = params_dtype
         self.shards: list[Shard] = []
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.shards = _assemble(layer, self.cols, self.rows)
-        self.forward = bind(self.shards, self.cols, self.rows)
+        self.forward = bind(self.shards, self.cols, self.rows, self.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
         return self.forward(x, bias)
@@ -260,7 +291,7 @@ class GGUFEmbeddingMethod(EmbeddingMethodBase):
         self.shards = _assemble(layer, self.cols, self.rows)
         if len(self.shards) != 1:
             raise ValueError("a GGUF embedding table is one tensor of one type")
-        self.forward = bind(self.shards, self.cols, self.rows)
+        self.forward = bind(self.shards, self.cols, self.rows, self.dtype)
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         shard = self.shards[0]

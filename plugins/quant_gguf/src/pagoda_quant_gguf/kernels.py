@@ -20,6 +20,8 @@ from pagoda.cpp_extension import CppExtension, ExtensionBuildError
 
 EXTENSION = CppExtension("pagoda_gguf_gemm", "pagoda_quant_gguf", ["csrc/gguf_gemm.cpp", "csrc/gguf_kquants.cpp"])
 KERNEL_TYPES = frozenset(int(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
+# the types pagoda_gguf_dequantize handles (the K-quants' panels are dequantized in torch)
+CPP_DEQUANT_TYPES = frozenset(int(t) for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0))
 KERNEL_ENV = "PAGODA_GGUF_KERNEL"
 # pagoda_gguf_linear's codes for x's and y's dtype
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -54,6 +56,10 @@ def start_build() -> None:
 def supports(qtype: int, x: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and qtype in KERNEL_TYPES and x.shape[-1] % GGML_QUANT_SIZES[Q(qtype)][0] == 0
             and library() is not None)
+
+
+def dequantizes_in_cpp(qtype: int) -> bool:
+    return qtype in CPP_DEQUANT_TYPES
 
 
 def describe() -> str:

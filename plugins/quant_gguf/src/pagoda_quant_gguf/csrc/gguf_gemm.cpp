@@ -102,6 +102,24 @@ inline float offset_coef(const uint8_t* blk, float dw) {
   else return 0.f;
 }
 
+// Value j (0..31) of a block as its integer (Q8_0: signed; the 4- and 5-bit types: unsigned, before
+// their offset): the scalar kernel's reader and the dequantizer's (pagoda_gguf_dequantize).
+template <int T>
+inline int value(const uint8_t* blk, int j) {
+  if constexpr (T == kQ8_0) {
+    return static_cast<int8_t>(blk[2 + j]);
+  } else {
+    const uint8_t byte = blk[Layout<T>::qs + (j & 15)];
+    int v = j < 16 ? (byte & 0x0F) : (byte >> 4);
+    if constexpr (T == kQ5_0 || T == kQ5_1) {
+      uint32_t bits;
+      std::memcpy(&bits, blk + Layout<T>::qs - 4, 4);
+      v |= ((bits >> j) & 1u) << 4;
+    }
+    return v;
+  }
+}
+
 #if defined(GGUF_AVX2)
 // 32 bits -> 32 bytes of 0xFF / 0x00 (llama.cpp's bytes_from_bits_32).
 inline __m256i bytes_from_bits(uint32_t bits) {
@@ -211,22 +229,6 @@ inline void dot_4rows(const uint8_t* w, int64_t row_bytes, int64_t nb, const int
   for (int r = 0; r < 4; ++r) out[r] = hsum(acc[r]) + (T == kQ8_0 ? 0.f : c[offset + r]);
 }
 #else
-template <int T>
-inline int value(const uint8_t* blk, int j) {
-  if constexpr (T == kQ8_0) {
-    return static_cast<int8_t>(blk[2 + j]);
-  } else {
-    const uint8_t byte = blk[Layout<T>::qs + (j & 15)];
-    int v = j < 16 ? (byte & 0x0F) : (byte >> 4);
-    if constexpr (T == kQ5_0 || T == kQ5_1) {
-      uint32_t bits;
-      std::memcpy(&bits, blk + Layout<T>::qs - 4, 4);
-      v |= ((bits >> j) & 1u) << 4;
-    }
-    return v;
-  }
-}
-
 template <int T, int MB>
 inline void dot_rows(const uint8_t* w, int64_t nb, const int8_t* xq, const float* xd, const float* xs, int64_t x_stride,
                      float* out) {
@@ -342,6 +344,54 @@ void unpack_row(const uint8_t* w, int64_t N, int64_t K, int64_t n, uint8_t* dst)
     if constexpr (hi > 0) std::memcpy(blk + Layout<T>::qs - 4, quants + b * Packed<T>::quants + 4 * r, 4);
     std::memcpy(blk + Layout<T>::qs, quants + b * Packed<T>::quants + hi + r * qbytes, qbytes);
   }
+}
+
+// One row (nb blocks, stored layout) as float32 values: what ``dequant.dequantize_blocks`` computes
+// (value - offset) * d, or value * d + m. Loops of 16 with no branch on j, so the compiler vectorizes them.
+template <int T>
+void dequantize_row(const uint8_t* row, int64_t nb, float* dst) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * Layout<T>::bytes;
+    float* out = dst + b * kBlock;
+    const float d = half_to_float(blk);
+    if constexpr (T == kQ8_0) {
+      for (int j = 0; j < kBlock; ++j) out[j] = static_cast<float>(static_cast<int8_t>(blk[2 + j])) * d;
+    } else {
+      const uint8_t* qs = blk + Layout<T>::qs;
+      uint32_t bits = 0;
+      if constexpr (T == kQ5_0 || T == kQ5_1) std::memcpy(&bits, blk + Layout<T>::qs - 4, 4);
+      constexpr int offset = T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : 0;
+      const float m = kHasMin<T> ? half_to_float(blk + 2) : 0.f;
+      for (int j = 0; j < 16; ++j) {
+        int lo = qs[j] & 0x0F, hi = qs[j] >> 4;
+        if constexpr (T == kQ5_0 || T == kQ5_1) {
+          lo |= static_cast<int>((bits >> j) & 1u) << 4;
+          hi |= static_cast<int>((bits >> (j + 16)) & 1u) << 4;
+        }
+        out[j] = static_cast<float>(lo - offset) * d + m;
+        out[j + 16] = static_cast<float>(hi - offset) * d + m;
+      }
+    }
+  }
+}
+
+// Rows [row0, row0 + rows) of W (stored, or repacked when `packed`) into dst [rows, K] float32; threads
+// split the rows. A repacked row is first rewritten in the stored layout (unpack_row: a row's bytes, in L1).
+template <int T>
+void dequantize(const uint8_t* w, bool packed, int64_t N, int64_t K, int64_t row0, int64_t rows, float* dst,
+                int threads) {
+  const int64_t nb = K / kBlock, row_bytes = nb * Layout<T>::bytes;
+  pagoda::parallel_for(0, rows, 4, threads, [&](int64_t lo, int64_t hi) {
+    std::vector<uint8_t> stored(packed ? static_cast<size_t>(row_bytes) : 0);
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint8_t* row = w + (row0 + i) * row_bytes;
+      if (packed) {
+        if constexpr (T != kQ8_0) unpack_row<T>(w, N, K, row0 + i, stored.data());
+        row = stored.data();
+      }
+      dequantize_row<T>(row, nb, dst + i * K);
+    }
+  });
 }
 
 #if defined(GGUF_AVX2)
@@ -497,6 +547,25 @@ PAGODA_EXPORT int pagoda_gguf_unpack_rows(int type, const uint8_t* w, int64_t N,
   return 0;
 }
 
+// Rows [row0, row0 + rows) of W [N, K] (GGML type `type`; repacked by pagoda_gguf_repack when `packed`)
+// dequantized into dst [rows, K] float32: the batched path's weight panels (config.DenseForward). Returns 0;
+// -1 for a type this function does not handle (the K-quants: the caller dequantizes them in torch) or K
+// not whole blocks; -2 for rows outside [0, N).
+PAGODA_EXPORT int pagoda_gguf_dequantize(int type, int packed, const uint8_t* w, int64_t N, int64_t K, int64_t row0,
+                                         int64_t rows, float* dst, int threads) {
+  using namespace pagoda_gguf;
+  if (K % kBlock || (packed && !packs(type))) return -1;
+  if (row0 < 0 || rows < 0 || row0 + rows > N) return -2;
+  switch (type) {
+    case kQ4_0: dequantize<kQ4_0>(w, packed, N, K, row0, rows, dst, threads); return 0;
+    case kQ4_1: dequantize<kQ4_1>(w, packed, N, K, row0, rows, dst, threads); return 0;
+    case kQ5_0: dequantize<kQ5_0>(w, packed, N, K, row0, rows, dst, threads); return 0;
+    case kQ5_1: dequantize<kQ5_1>(w, packed, N, K, row0, rows, dst, threads); return 0;
+    case kQ8_0: dequantize<kQ8_0>(w, false, N, K, row0, rows, dst, threads); return 0;
+    default: return -1;
+  }
+}
+
 namespace pagoda_gguf {
 
 enum : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
@@ -594,4 +663,4 @@ PAGODA_EXPORT int pagoda_gguf_linear(int type, int packed, const uint8_t* w, int
 
 PAGODA_PYTHON_MODULE(PAGODA_FUNCTION(pagoda_gguf_isa), PAGODA_FUNCTION(pagoda_gguf_linear),
                      PAGODA_FUNCTION(pagoda_gguf_repacks), PAGODA_FUNCTION(pagoda_gguf_repack),
-                     PAGODA_FUNCTION(pagoda_gguf_unpack_rows))
+                     PAGODA_FUNCTION(pagoda_gguf_unpack_rows), PAGODA_FUNCTION(pagoda_gguf_dequantize))
