@@ -144,6 +144,22 @@ def test_greedy_reference_proposer_equals_no_speculation(model_and_reference) ->
     assert _run(llm, prompts[:3], GREEDY) == reference[:3]
 
 
+def test_greedy_verify_graphs_single_stream(model_and_reference) -> None:
+    """One request at a time: its verify steps (1 + drafts rows) replay CPU kernel graphs, accepted runs
+    included, and the tokens are those of no speculation."""
+    path, prompts, reference = model_and_reference
+    ReferenceProposer.REFERENCE = {tuple(p): r for p, r in zip(prompts, reference)}
+    llm = _llm(path, speculative_config={"method": "reference", "num_speculative_tokens": 5})
+    graphs = _core(llm).runner.graphs
+    if graphs is None or graphs.max_query_len == 1:
+        pytest.skip("this platform has no verify-step graphs")
+    for prompt, ref in zip(prompts[:4], reference[:4]):
+        assert _run(llm, [prompt], GREEDY) == [ref]
+    stats = _core(llm).make_stats().spec_decoding_stats
+    assert stats.num_accepted_tokens > stats.num_drafts and graphs.num_verify_replays > 0
+    assert any(q == 6 for _, q in graphs.verify_steps), "no verify step of all 5 drafts replayed"
+
+
 def test_stop_token_inside_a_speculated_run(model_and_reference) -> None:
     """A stop token (and max_tokens) landing inside an accepted run ends the output right there."""
     path, prompts, reference = model_and_reference
