@@ -290,3 +290,21 @@ def test_sampling_parameters_with_speculation(model_and_reference) -> None:
     spec_config = {"method": "reference", "num_speculative_tokens": 4}
     runs = [_run(_llm(path, speculative_config=spec_config), prompts[:6], seeded) for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_disable_by_batch_size_through_the_engine(model_and_reference) -> None:
+    """Six requests decoding together (same prompt length and max_tokens: they finish in the same step) never
+    draft with disable_by_batch_size=4; the same requests do draft without it, and the tokens are the same."""
+    path, _, _ = model_and_reference
+    rng = random.Random(11)
+    span = [rng.randrange(VOCAB) for _ in range(4)]
+    prompts = [[rng.randrange(VOCAB)] + span * 5 for _ in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # room for all six at once: no preemption, so all six run until the end
+    base = dict(max_num_batched_tokens=256, num_kv_blocks=64)
+    limited = _llm(path, speculative_config={**config, "disable_by_batch_size": 4}, **base)
+    free = _llm(path, speculative_config=config, **base)
+    assert _run(limited, prompts, params) == _run(free, prompts, params)
+    assert _core(limited).make_stats().spec_decoding_stats is None, "drafted with 6 running > 4"
+    assert _core(free).make_stats().spec_decoding_stats.num_draft_tokens > 0
