@@ -111,3 +111,30 @@ def test_calculated_fp8_scales_are_in_the_graph(tiny_model_dir: Any) -> None:
     _assert_same(with_graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False))
     assert sorted(graphs.steps) == [1, 2, 4] and graphs.num_replays > 0  # 4 requests: sizes 4, 2, 1
     assert all(layer._k_scale_float != 1.0 for layer in _runner(with_graphs).attn_layers)
+
+
+def test_replayed_verify_steps_match_eager(tiny_model_dir: Any) -> None:
+    """Speculative verify steps (every request 1 + k rows) replay graphs per (batch size, rows): the
+    tokens and logprobs are those of the same speculation run eagerly, and greedy equals no speculation."""
+    path, hf_model = tiny_model_dir("llama")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    with_graphs = _engine(path, "float32", eager=False, speculative_config=spec)
+    eager = _engine(path, "float32", eager=True, speculative_config=spec)
+    plain = _engine(path, "float32", eager=True)
+    graphs = _runner(with_graphs).graphs
+    assert graphs is not None and graphs.max_query_len == 4 and not graphs.verify_steps
+    rng = random.Random(7)
+    # repeated spans: the n-gram proposer drafts; one request at a time, then three together
+    prompts = []
+    for _ in range(4):
+        span = [rng.randrange(hf_model.config.vocab_size) for _ in range(rng.randint(2, 6))]
+        prompts.append({"prompt_token_ids": span * rng.randint(3, 6)})
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    for batch in ([prompts[0]], [prompts[1]], prompts[1:]):
+        replayed = with_graphs.generate(batch, params, use_tqdm=False)
+        _assert_same(replayed, eager.generate(batch, params, use_tqdm=False))
+        reference = plain.generate(batch, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in replayed] == [o.outputs[0].token_ids for o in reference]
+    assert graphs.num_verify_replays > 0 and graphs.verify_steps, "no verify step replayed a graph"
+    assert all(1 < q <= 4 for _, q in graphs.verify_steps)
+    # (a random model rarely continues a repetition: accepted runs are tested in test_spec_decode.py)

@@ -144,6 +144,22 @@ def test_greedy_reference_proposer_equals_no_speculation(model_and_reference) ->
     assert _run(llm, prompts[:3], GREEDY) == reference[:3]
 
 
+def test_greedy_verify_graphs_single_stream(model_and_reference) -> None:
+    """One request at a time: its verify steps (1 + drafts rows) replay CPU kernel graphs, accepted runs
+    included, and the tokens are those of no speculation."""
+    path, prompts, reference = model_and_reference
+    ReferenceProposer.REFERENCE = {tuple(p): r for p, r in zip(prompts, reference)}
+    llm = _llm(path, speculative_config={"method": "reference", "num_speculative_tokens": 5})
+    graphs = _core(llm).runner.graphs
+    if graphs is None or graphs.max_query_len == 1:
+        pytest.skip("this platform has no verify-step graphs")
+    for prompt, ref in zip(prompts[:4], reference[:4]):
+        assert _run(llm, [prompt], GREEDY) == [ref]
+    stats = _core(llm).make_stats().spec_decoding_stats
+    assert stats.num_accepted_tokens > stats.num_drafts and graphs.num_verify_replays > 0
+    assert any(q == 6 for _, q in graphs.verify_steps), "no verify step of all 5 drafts replayed"
+
+
 def test_stop_token_inside_a_speculated_run(model_and_reference) -> None:
     """A stop token (and max_tokens) landing inside an accepted run ends the output right there."""
     path, prompts, reference = model_and_reference
@@ -274,3 +290,21 @@ def test_sampling_parameters_with_speculation(model_and_reference) -> None:
     spec_config = {"method": "reference", "num_speculative_tokens": 4}
     runs = [_run(_llm(path, speculative_config=spec_config), prompts[:6], seeded) for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_disable_by_batch_size_through_the_engine(model_and_reference) -> None:
+    """Six requests decoding together (same prompt length and max_tokens: they finish in the same step) never
+    draft with disable_by_batch_size=4; the same requests do draft without it, and the tokens are the same."""
+    path, _, _ = model_and_reference
+    rng = random.Random(11)
+    span = [rng.randrange(VOCAB) for _ in range(4)]
+    prompts = [[rng.randrange(VOCAB)] + span * 5 for _ in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # room for all six at once: no preemption, so all six run until the end
+    base = dict(max_num_batched_tokens=256, num_kv_blocks=64)
+    limited = _llm(path, speculative_config={**config, "disable_by_batch_size": 4}, **base)
+    free = _llm(path, speculative_config=config, **base)
+    assert _run(limited, prompts, params) == _run(free, prompts, params)
+    assert _core(limited).make_stats().spec_decoding_stats is None, "drafted with 6 running > 4"
+    assert _core(free).make_stats().spec_decoding_stats.num_draft_tokens > 0

@@ -157,6 +157,11 @@ class AttentionBackend(Generic[M]):
     # by pagoda kernel-module calls (or torch ops) on the prepared metadata's tensors, whose storage
     # the backend or the metadata holds. A capture that breaks it fails and the runner stays eager.
     supports_kernel_graphs: ClassVar[bool] = False
+    # vLLM's AttentionCGSupport.UNIFORM_BATCH: the graph contract above also holds for steps in which
+    # every sequence has the same query length q > 1 (speculative verify steps: 1 + the drafts), on
+    # metadata prepared once per (batch size, q) with ``max_query_len = q``; ``prepare`` may read the
+    # static buffers' values at that one call (the capture fills them with q-row padding sequences).
+    supports_uniform_batch_graphs: ClassVar[bool] = False
     # True when ``forward`` reads and writes an fp8 KV cache (spec.kv_cache_dtype float8_e4m3fn /
     # float8_e5m2) with the k_scale / v_scale it is given; the selector refuses fp8 to the others.
     supports_fp8_kv_cache: ClassVar[bool] = False

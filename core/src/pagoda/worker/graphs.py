@@ -24,6 +24,13 @@ engine's reserved null block (never handed out). Every layer treats rows
 independently, so padding never changes a real row's result; the runner reads
 only the first ``n`` rows of the static output.
 
+Speculative verify steps (every request ``q = 1 + drafts`` rows) replay graphs too where the capturer
+captures on first use and the attention backend declares ``supports_uniform_batch_graphs`` (vLLM's
+AttentionCGSupport.UNIFORM_BATCH): one graph per (batch size, q), captured on the first step of that
+shape, with ``q`` up to ``max_query_len`` (1 + num_speculative_tokens). Their padding requests carry q
+rows at slot -1 over block 0 with seq_len q + 1. A step whose requests have different query lengths
+(drafts of different lengths in one batch) runs eagerly.
+
 Everything else runs eagerly: prefills and mixed steps, steps larger than the
 largest capture size, steps that want prompt logprobs, ``enforce_eager``,
 platforms without graphs and attention backends that do not declare
@@ -210,6 +217,8 @@ class GraphInputs:
     max_num_seqs: int
     max_num_batched_tokens: int
     device: torch.device
+    # the longest uniform query length a step may replay (1 + num_speculative_tokens; 1: decode only)
+    max_query_len: int = 1
 
 
 def capture_sizes_for(platform: Platform, config: EngineConfig) -> list[int]:
@@ -240,6 +249,7 @@ class DecodeGraphRunner:
         device: torch.device,
         capturer: GraphCapturer,
         pin_memory: bool = False,
+        max_query_len: int = 1,
     ) -> None:
         if not sizes:
             raise ValueError("DecodeGraphRunner needs at least one capture size")
@@ -250,7 +260,10 @@ class DecodeGraphRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.capturer = capturer
+        self.max_query_len = max(1, max_query_len)
         m, w = self.max_size, max_blocks_per_req
+        # token rows: a verify step of m requests has up to m * max_query_len of them
+        t = m * self.max_query_len
 
         def dev(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -259,17 +272,17 @@ class DecodeGraphRunner:
             return torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
 
         # Device buffers the graphs read; their addresses are baked into every graph.
-        self.input_ids = dev((m,), torch.int64)
-        self.positions = dev((m,), torch.int64)
-        self.slot_mapping = dev((m,), torch.int64)
+        self.input_ids = dev((t,), torch.int64)
+        self.positions = dev((t,), torch.int64)
+        self.slot_mapping = dev((t,), torch.int64)
         self.seq_lens = dev((m,), torch.int32)
         self.block_tables = dev((m, w), torch.int32)
         # One new token per sequence: the offsets never change.
         self.query_start_loc = torch.arange(m + 1, dtype=torch.int32, device=device)
         # Host staging, filled with numpy and copied up in one go per buffer.
-        self._h_ids = host((m,), torch.int64)
-        self._h_pos = host((m,), torch.int64)
-        self._h_slots = host((m,), torch.int64)
+        self._h_ids = host((t,), torch.int64)
+        self._h_pos = host((t,), torch.int64)
+        self._h_slots = host((t,), torch.int64)
         self._h_seq = host((m,), torch.int32)
         # Flat so a [N, w] prefix of it is contiguous whatever the step's w.
         self._h_bt = host((m * w,), torch.int32)
@@ -281,6 +294,11 @@ class DecodeGraphRunner:
         self._copied = capturer.copy_done_event()
         self.steps: dict[int, CapturedStep] = {}
         self.metadata: dict[int, AttentionMetadata] = {}
+        # verify steps, keyed (batch size, q): the graphs and their metadata (whose query_start_loc,
+        # arange(size + 1) * q, each keeps alive)
+        self.verify_steps: dict[tuple[int, int], CapturedStep] = {}
+        self.verify_metadata: dict[tuple[int, int], AttentionMetadata] = {}
+        self.num_verify_replays = 0
         self.num_replays = 0
         self.capture_seconds = 0.0
         # Set where the capture must wait (kernel graphs bake in the fp8 KV scales calculate_kv_scales
@@ -307,12 +325,27 @@ class DecodeGraphRunner:
         )
         return self.prepare(md)
 
-    def _reset_padding(self) -> None:
-        """Every row a padding row: slot -1 (no KV write), seq_len 1 over the null block 0."""
+    def verify_metadata_for(self, size: int, q: int) -> AttentionMetadata:
+        """The metadata every replay of the (``size`` requests x ``q`` rows) verify graph sees."""
+        md = AttentionMetadata(
+            num_seqs=size, num_tokens=size * q,
+            query_start_loc=torch.arange(0, (size + 1) * q, q, dtype=torch.int32, device=self.device),
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[: size * q],
+            max_query_len=q,
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=None, seq_lens_cpu=None,
+        )
+        return self.prepare(md)
+
+    def _reset_padding(self, q: int = 1) -> None:
+        """Every row a padding row: slot -1 (no KV write), seq_len 1 over the null block 0 (q + 1 for a
+        request of q > 1 rows: no sequence of a verify graph is a whole prompt, as no real one is)."""
         self.input_ids.zero_()
         self.positions.zero_()
         self.slot_mapping.fill_(PAD_SLOT)
-        self.seq_lens.fill_(1)
+        self.seq_lens.fill_(1 if q == 1 else q + 1)
         self.block_tables.zero_()
 
     @torch.inference_mode()
@@ -324,11 +357,16 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture_size(self, size: int) -> None:
         """Capture the ``size`` graph over padding rows (its forward writes no KV: every slot is -1)."""
+        self._capture(size, 1)
+
+    @torch.inference_mode()
+    def _capture(self, size: int, q: int) -> None:
+        """Capture ``size`` requests of ``q`` rows each (q = 1: a decode graph, else a verify graph)."""
         t0 = time.perf_counter()
         free_before = self.capturer.free_device_bytes()
-        self._reset_padding()
-        md = self.static_metadata(size)
-        ids, pos = self.input_ids[:size], self.positions[:size]
+        self._reset_padding(q)
+        md = self.static_metadata(size) if q == 1 else self.verify_metadata_for(size, q)
+        ids, pos = self.input_ids[: size * q], self.positions[: size * q]
 
         def forward(ids: torch.Tensor = ids, pos: torch.Tensor = pos, md: AttentionMetadata = md) -> torch.Tensor:
             return self.model(ids, pos, md)
@@ -337,8 +375,12 @@ class DecodeGraphRunner:
             forward()
         self.capturer.synchronize()
         # before the capture: a kernel graph keeps what the prepared metadata holds alive through it
-        self.metadata[size] = md
-        self.steps[size] = self.capturer.capture(forward)
+        if q == 1:
+            self.metadata[size] = md
+            self.steps[size] = self.capturer.capture(forward)
+        else:
+            self.verify_metadata[size, q] = md
+            self.verify_steps[size, q] = self.capturer.capture(forward)
         self.capturer.synchronize()
         self.capture_seconds += time.perf_counter() - t0
         kept = self.capturer.kept_bytes()
@@ -364,48 +406,58 @@ class DecodeGraphRunner:
         block_tables: np.ndarray,
         num_scheduled: np.ndarray,
     ) -> torch.Tensor | None:
-        """Hidden states [n, hidden] of a pure-decode step, or None: run it eagerly.
+        """Hidden states [n, hidden] of a pure-decode step (or a uniform verify step: every request the same
+        q rows, q <= ``max_query_len``), or None: run it eagerly.
 
         The result is a view of the graph's static output, valid until the next replay.
         """
-        n = len(input_ids)
-        if len(num_scheduled) != n or not (num_scheduled == 1).all():
+        n, r = len(input_ids), len(num_scheduled)
+        if not r:
+            return None
+        q = int(num_scheduled[0])
+        if q < 1 or q > self.max_query_len or n != r * q or not (num_scheduled == q).all():
             return None
         if self.off or (self.capture_when is not None and not self._wait_over()):
             return None
-        size = self.bucket(n)
+        size = self.bucket(r)
         if size is None:
             return None
         w = block_tables.shape[1]
         if w > self.block_tables.shape[1]:
             return None
-        if size not in self.steps and not self._capture_on_first_use(size):
+        steps = self.steps if q == 1 else self.verify_steps
+        key: Any = size if q == 1 else (size, q)
+        if key not in steps and not self._capture_on_first_use(size, q):
             return None
         if self._copied is not None:
             self._copied.synchronize()
+        rows = size * q
         ids_h, pos_h, slots_h, seq_h = self._n_ids, self._n_pos, self._n_slots, self._n_seq
         bt_h = self._n_bt[: size * w].reshape(size, w)
         ids_h[:n] = input_ids
-        ids_h[n:size] = 0
+        ids_h[n:rows] = 0
         pos_h[:n] = positions
-        pos_h[n:size] = 0
+        pos_h[n:rows] = 0
         slots_h[:n] = slot_mapping
-        slots_h[n:size] = PAD_SLOT
-        seq_h[:n] = seq_lens
-        seq_h[n:size] = 1
-        bt_h[:n] = block_tables
-        bt_h[n:size] = 0
-        self.input_ids[:size].copy_(self._h_ids[:size], non_blocking=True)
-        self.positions[:size].copy_(self._h_pos[:size], non_blocking=True)
-        self.slot_mapping[:size].copy_(self._h_slots[:size], non_blocking=True)
+        slots_h[n:rows] = PAD_SLOT
+        seq_h[:r] = seq_lens
+        seq_h[r:size] = 1 if q == 1 else q + 1
+        bt_h[:r] = block_tables
+        bt_h[r:size] = 0
+        self.input_ids[:rows].copy_(self._h_ids[:rows], non_blocking=True)
+        self.positions[:rows].copy_(self._h_pos[:rows], non_blocking=True)
+        self.slot_mapping[:rows].copy_(self._h_slots[:rows], non_blocking=True)
         self.seq_lens[:size].copy_(self._h_seq[:size], non_blocking=True)
         # Columns past w keep stale ids: a row reads only the blocks its seq_len covers (<= w).
         self.block_tables[:size, :w].copy_(self._h_bt[: size * w].view(size, w), non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        step = self.steps[size]
+        step = steps[key]
         step.replay()
-        self.num_replays += 1
+        if q == 1:
+            self.num_replays += 1
+        else:
+            self.num_verify_replays += 1
         return step.output[:n]
 
     def _wait_over(self) -> bool:
@@ -420,12 +472,13 @@ class DecodeGraphRunner:
         logger.info("%s", self.describe())
         return True
 
-    def _capture_on_first_use(self, size: int) -> bool:
-        """Capture ``size`` for the step about to replay it; False (graphs off for good) when it cannot be captured."""
+    def _capture_on_first_use(self, size: int, q: int = 1) -> bool:
+        """Capture ``size`` (x ``q`` rows) for the step about to replay it; False (graphs off for good) when it
+        cannot be captured. Only a capturer that captures on first use has verify graphs (``max_query_len`` > 1)."""
         from pagoda.cpp_extension.graph import NotCapturable
 
         try:
-            self.capture_size(size)
+            self._capture(size, q)
         except NotCapturable as exc:
             logger.info("kernel graphs off, every step runs eagerly: %s", exc)
             self.off = True
@@ -437,7 +490,8 @@ class DecodeGraphRunner:
         mib = self.capture_bytes / (1 << 20)
         if isinstance(self.capturer, KernelGraphCapture):
             return (
-                f"captured CPU kernel graphs for decode batch sizes {sorted(self.steps)} of {self.sizes} "
+                f"captured CPU kernel graphs for decode batch sizes {sorted(self.steps)} of {self.sizes}"
+                f"{self._describe_verify()} "
                 f"in {self.capture_seconds:.2f}s: {self.capturer.kernel_calls} kernel calls and "
                 f"{self.capturer.torch_calls} torch calls replayed, {mib:.1f} MiB of activations kept"
             )
@@ -445,6 +499,13 @@ class DecodeGraphRunner:
             f"captured decode graphs for {len(self.sizes)} batch sizes ({self.sizes[0]}..{self.max_size}) "
             f"in {self.capture_seconds:.2f}s using {mib:.1f} MiB of device memory"
         )
+
+
+    def _describe_verify(self) -> str:
+        if not self.verify_steps:
+            return ""
+        shapes = ", ".join(f"{size}x{q}" for size, q in sorted(self.verify_steps))
+        return f" and verify steps (requests x rows) {shapes}"
 
 
 def create_decode_graphs(platform: Platform, config: EngineConfig, inputs: GraphInputs) -> DecodeGraphRunner | None:
@@ -474,11 +535,25 @@ def create_decode_graphs(platform: Platform, config: EngineConfig, inputs: Graph
     return build_decode_graphs(platform, config, inputs, sizes, capturer)
 
 
+def verify_query_len(inputs: GraphInputs, capturer: GraphCapturer) -> int:
+    """The longest verify step graphs replay: 1 (none) unless the capturer captures each shape on its first
+    use (a verify shape per (size, q) captured at start-up would cost k times the decode graphs' capture)
+    and the attention backend declares uniform-batch graphs."""
+    if inputs.max_query_len <= 1 or not capturer.captures_on_first_use:
+        return 1
+    if not type(inputs.attn_backend).supports_uniform_batch_graphs:
+        logger.info("speculative verify steps run eagerly: attention backend %r does not support uniform-batch graphs",
+                    type(inputs.attn_backend).name)
+        return 1
+    return inputs.max_query_len
+
+
 def build_decode_graphs(platform: Platform, config: EngineConfig, inputs: GraphInputs, sizes: Sequence[int],
                         capturer: GraphCapturer) -> DecodeGraphRunner | None:
     graphs = DecodeGraphRunner(
         inputs.model, inputs.attn_backend.prepare, sizes, inputs.max_blocks_per_req, inputs.max_model_len,
         inputs.device, capturer, pin_memory=platform.is_pin_memory_available(config),
+        max_query_len=verify_query_len(inputs, capturer),
     )
     if isinstance(capturer, KernelGraphCapture):
         capturer.roots.append(graphs)  # its static buffers and prepared metadata

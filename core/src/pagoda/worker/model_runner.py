@@ -377,11 +377,12 @@ class ModelRunner:
 
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         """Decode graphs over the bound caches, or None (the reason is logged): every step runs eagerly."""
+        spec = self.config.speculative_config
         inputs = GraphInputs(
             model=self.model, attn_backend=self.attn_backend, attn_layers=self.attn_layers,
             max_blocks_per_req=self.batch.block_table.shape[1], max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            device=self.device,
+            device=self.device, max_query_len=1 + (spec.k if spec is not None else 0),
         )
         return create_decode_graphs(self.platform, self.config, inputs)
 

@@ -79,6 +79,10 @@ class CpuPagedAttentionBackend(AttentionBackend[CpuPagedMetadata]):
     # All-decode steps: one kernel call per layer on the prepared step's tensors (views of the
     # graph runner's static buffers), no host reads of their values.
     supports_kernel_graphs: ClassVar[bool] = True
+    # Verify steps (q rows a sequence) too: the kernel reads query_start / seq_lens / block tables
+    # through their pointers on every call; the one host decision (SDPA for a whole-sequence prefill of
+    # SDPA_PREFILL_MIN_TOKENS or more) is made at prepare, where the capture's padding never takes it.
+    supports_uniform_batch_graphs: ClassVar[bool] = True
 
     def __init__(self, spec: AttentionSpec) -> None:
         reasons = self.reasons_unsupported(spec)
