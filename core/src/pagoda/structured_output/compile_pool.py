@@ -24,10 +24,12 @@ compile and kept for the next; a killed one is replaced on demand.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +45,7 @@ from pagoda.structured_output.params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1
 
 
 def _address_space_bytes() -> int:
@@ -52,6 +55,10 @@ def _address_space_bytes() -> int:
 
 def _worker_main(conn: Connection) -> None:
     """A worker: builds the backend's compiler from its state once, then answers one compile per message."""
+    if sys.platform == "linux":
+        # an engine core that dies (SIGKILL included) takes its worker along, mid-compile too (the signal follows
+        # the thread that started the worker: a CompilePool thread, which lives as long as the pool)
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     backend_path, state, memory_bytes = conn.recv()
     module, _, name = backend_path.rpartition(".")
     cls: type[StructuredOutputBackend] = getattr(importlib.import_module(module), name)

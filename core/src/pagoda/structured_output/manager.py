@@ -21,13 +21,13 @@ import torch
 from pagoda.plugins import StructuredOutputBackendSpec, get_plugin_manager
 from pagoda.reasoning import ReasoningParser, get_reasoning_parser
 from pagoda.structured_output.auto import AutoBackend
-from pagoda.structured_output.compile_pool import CompilePool
 from pagoda.structured_output.backend import (
     CompiledGrammar,
     StructuredOutputBackend,
     StructuredOutputError,
     StructuredOutputMatcher,
 )
+from pagoda.structured_output.compile_pool import CompilePool
 from pagoda.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
