@@ -1,7 +1,8 @@
 """Compiles constraints off the step loop and keeps one matcher per constrained request.
 
 Lives beside the scheduler (in the engine core): compiling runs in a thread pool
-and is cached by the constraint, the scheduler admits a request once its grammar
+(after a worker process proved it ends within the budget, where the backend can:
+``compile_pool``) and is cached by the constraint, the scheduler admits a request once its grammar
 is ready, fills one bitmask for the step's sampling rows and advances the
 matchers on the accepted tokens.
 """
