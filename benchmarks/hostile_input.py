@@ -8,6 +8,7 @@ ordinary completion (4 greedy tokens) repeated back to back: alone, then while o
 prompts, then while one sends 10,000-property schemas; /health's worst answer time beside each. Then it
 sends ``--schemas`` completions, each with a schema no other had (so each compiles and enters the grammar
 cache), and reads the engine-core process's RSS (/proc) before, during and after.
+``--structured-outputs-config`` is passed to the server as it is.
 """
 
 from __future__ import annotations
@@ -78,13 +79,18 @@ def main() -> None:
     parser.add_argument("--schemas", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--structured-outputs-config", default="",
+                        help="the server's --structured-outputs-config (JSON); e.g. "
+                             "'{\"max_schema_properties\": 0, \"max_schema_nodes\": 0}' lets the 10,000-property "
+                             "schema reach the compiler, so that compile_timeout / compile_memory_bytes stop it")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    extra = ["--structured-outputs-config", args.structured_outputs_config] if args.structured_outputs_config else []
     proc = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli.main", "serve", "--max-model-len", "512",
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+                             "--port", str(port), *extra], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         while True:

@@ -321,3 +321,106 @@ def test_required_tool_calls_cut_by_max_tokens_agree_streamed_or_not(server: Any
     assert plain, message  # before: tool_calls [] and the raw JSON as content when max_tokens cut it
     assert not message["content"]
     assert plain == [tuple(streamed[i]) for i in sorted(streamed)]
+
+
+# -- 1b. a compile that passes the size bounds but is slow or big: stopped, bounded, cancelled ------------
+
+# Size bounds off, so that the 10,000-property schema reaches the compiler (xgrammar 0.2.8: ~50 s and
+# growing past 1 GB on the shared guest); the budgets below are what stops it.
+_UNBOUNDED = {"max_schema_properties": 0, "max_schema_nodes": 0, "max_constraint_chars": 0}
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and every live descendant (where an uninterruptible compile would burn)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        total += cpu.get(p, 0.0)
+        stack.extend(c for c, parent in parents.items() if parent == p)
+    return total
+
+
+def _core_pid(server: Any) -> int:
+    return int(server.output().split("engine core 0 runs in process ", 1)[1].split()[0])
+
+
+def _quiet(pid: int, seconds: float = 3.0) -> float:
+    """CPU seconds the engine core's process tree spends over ``seconds`` with no request in it."""
+    before = _tree_cpu_seconds(pid)
+    time.sleep(seconds)
+    return _tree_cpu_seconds(pid) - before
+
+
+@pytest.fixture(scope="module")
+def budget_server(start_server: Any) -> Any:
+    server = start_server(["--max-model-len", "512", "--structured-outputs-config",
+                           json.dumps({**_UNBOUNDED, "compile_timeout": 5})])
+    # the first constrained request starts the compile worker: not the budget's time
+    r = httpx.post(server.url + "/v1/completions", json={**ORDINARY, "structured_outputs": {"json": _props(3)}},
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    return server
+
+
+def test_a_slow_compile_is_killed_at_compile_timeout_and_is_a_400(budget_server: Any) -> None:
+    server = budget_server
+    with _Beside(server.url) as beside:
+        t = time.monotonic()
+        err = _error(httpx.post(server.url + "/v1/completions", json={
+            **ORDINARY, "structured_outputs": {"json": _props(10_000)}}, timeout=300))
+        waited = time.monotonic() - t
+    assert "compile_timeout" in err["message"] and "5 s" in err["message"], err
+    assert err["param"] == "structured_outputs", err
+    assert waited < 60, waited  # before: a 200 with finish_reason "error" after 5 s, the compile still running
+    assert beside.ordinary
+    # the compile is gone, not left running in a thread of the engine core (before: ~50 s more of it)
+    spent = _quiet(_core_pid(server))
+    assert spent < 0.6, f"the engine core's process tree spent {spent:.2f} CPU s idle after the 400"
+
+
+def test_a_compile_whose_client_left_is_killed(budget_server: Any) -> None:
+    server = budget_server
+    # a worker killed before is replaced on the next compile: start that one now, not inside the window
+    r = httpx.post(server.url + "/v1/completions", json={**ORDINARY, "structured_outputs": {"json": _props(5)}},
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json={
+            **ORDINARY, "structured_outputs": {"json": _props(10_001)}}, timeout=1.5)
+    time.sleep(0.5)  # the abort reaches the engine core
+    spent = _quiet(_core_pid(server), 2.5)  # within compile_timeout (5 s): only the disconnect can stop it
+    assert spent < 0.5, f"the engine core's process tree spent {spent:.2f} CPU s after the client left"
+    # and the server still compiles and serves
+    r = httpx.post(server.url + "/v1/completions", json={**ORDINARY, "structured_outputs": {"json": _props(4)}},
+                   timeout=300)
+    assert r.status_code == 200, r.text
+
+
+def test_a_compile_over_its_memory_budget_is_a_400(start_server: Any) -> None:
+    server = start_server(["--max-model-len", "512", "--structured-outputs-config",
+                           json.dumps({**_UNBOUNDED, "compile_timeout": 300, "compile_memory_bytes": 150_000_000})])
+    core = _core_pid(server)
+    with _Beside(server.url) as beside:
+        err = _error(httpx.post(server.url + "/v1/completions", json={
+            **ORDINARY, "structured_outputs": {"json": _props(10_000)}}, timeout=300))
+    assert "compile_memory_bytes" in err["message"] and "150000000" in err["message"], err
+    assert beside.ordinary
+    with open(f"/proc/{core}/status") as f:
+        rss_kb = int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+    assert rss_kb < 2_000_000, rss_kb  # the compile's memory was the worker's, not the engine's
+    r = httpx.post(server.url + "/v1/completions", json={**ORDINARY, "structured_outputs": {"json": _props(4)}},
+                   timeout=300)
+    assert r.status_code == 200, r.text

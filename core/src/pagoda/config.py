@@ -244,7 +244,9 @@ class StructuredOutputsConfig(_Config):
     max_schema_properties: int = Field(400, ge=0, description="Most properties one JSON schema object may declare; compile time grows steeply with them (xgrammar: 400 took 0.36 s, 1,000 17 s). 0 = unbounded.")
     max_schema_nodes: int = Field(20_000, ge=0, description="Most values (objects, arrays, scalars) one JSON schema may hold. 0 = unbounded.")
     max_constraint_chars: int = Field(100_000, ge=0, description="Longest regex, grammar, choice list, structural tag or JSON schema text, in characters. 0 = unbounded.")
-    compile_timeout: float = Field(60.0, ge=0, description="Seconds a request waits for its grammar to compile before it fails (finish_reason 'error', naming this limit); the compile itself cannot be interrupted. 0 = unbounded.")
+    compile_timeout: float = Field(60.0, ge=0, description="Seconds a grammar may take to compile (a 400 naming this limit after that); a backend that compiles in a worker process (xgrammar) has the compile killed, one that cannot (guidance, which compiles lazily) only fails the waiting requests. 0 = unbounded.")
+    compile_memory_bytes: int = Field(2 * 1024 ** 3, ge=0, description="Address space one grammar compile may take beyond its worker process's own (RLIMIT_AS; over it, a 400 naming this limit), for backends that compile in a worker process. 0 = unbounded.")
+    compile_in_subprocess: bool = Field(True, description="Compile grammars in worker processes where the backend can (xgrammar), so that compile_timeout and compile_memory_bytes stop them; False = in threads of the engine core.")
     grammar_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Bytes of compiled grammars kept for reuse (least recently used dropped first; a grammar in use stays).")
 
 

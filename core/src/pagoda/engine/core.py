@@ -125,7 +125,9 @@ class EngineCore:
         vocab_size = int(config.resolved.text_config.vocab_size)
         so = config.structured_outputs_config
         return StructuredOutputManager(tokenizer, vocab_size, so.backend, so.reasoning_parser, so.enable_in_reasoning,
-                                       grammar_cache_bytes=so.grammar_cache_bytes, compile_timeout=so.compile_timeout)
+                                       grammar_cache_bytes=so.grammar_cache_bytes, compile_timeout=so.compile_timeout,
+                                       compile_memory_bytes=so.compile_memory_bytes,
+                                       compile_in_subprocess=so.compile_in_subprocess)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         """What the loaded model serves: ("generate",), or its pooler's tasks (vLLM's supported tasks)."""

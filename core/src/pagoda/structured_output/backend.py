@@ -84,6 +84,24 @@ class StructuredOutputBackend(ABC):
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Compile (slow: may take seconds for a large schema); raises StructuredOutputError on a bad constraint."""
 
+    # -- a compile tried first in a worker process (structured_output/compile_pool.py), where it can be stopped
+
+    def compile_worker_state(self) -> Any | None:
+        """Picklable state a worker process builds this backend's compiler from (``worker_compiler``), or None:
+        the backend's compiles are not tried out of process (they run in a thread of the engine core only)."""
+        return None
+
+    @classmethod
+    def worker_compiler(cls, state: Any) -> Any:
+        """In the worker: the compiler ``worker_compile`` uses, built once from ``compile_worker_state()``."""
+        raise NotImplementedError(f"{cls.__name__} does not compile in a worker process")
+
+    @classmethod
+    def worker_compile(cls, compiler: Any, params: StructuredOutputsParams) -> None:
+        """In the worker: compile ``params`` as ``compile`` would and drop the result; StructuredOutputError
+        on a bad constraint, MemoryError when it cannot allocate."""
+        raise NotImplementedError(f"{cls.__name__} does not compile in a worker process")
+
     @classmethod
     @abstractmethod
     def validate(cls, params: StructuredOutputsParams) -> None:

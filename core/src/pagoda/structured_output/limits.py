@@ -1,12 +1,12 @@
 """Cheap bounds on a constraint's size, checked in the front end before anything compiles it.
 
-A grammar compile cannot be interrupted once it runs (native code in a worker
-thread), and its time and memory grow much faster than the schema: an object of
-10,000 optional properties never finished and grew the engine-core process past
+A grammar compile's time and memory grow much faster than the schema: an object
+of 10,000 optional properties never finished and grew the engine-core process past
 15 GB; 400 took 0.36 s, 700 4.1 s, 1,000 17 s (xgrammar, the shared 2-vCPU guest).
-So the budget is enforced where it costs nothing: the schema's shape is counted
-(one walk, no recursion) and a constraint over a bound is a 400 naming it.
-``compile_timeout`` is the backstop for shapes the counts do not catch.
+So the first budget is enforced where it costs nothing: the schema's shape is
+counted (one walk, no recursion) and a constraint over a bound is a 400 naming it.
+For shapes the counts do not catch, ``compile_pool`` runs the compile in a worker
+process under ``compile_timeout`` and ``compile_memory_bytes``.
 """
 
 from __future__ import annotations

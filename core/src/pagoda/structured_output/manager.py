@@ -1,7 +1,8 @@
 """Compiles constraints off the step loop and keeps one matcher per constrained request.
 
 Lives beside the scheduler (in the engine core): compiling runs in a thread pool
-and is cached by the constraint, the scheduler admits a request once its grammar
+(after a worker process proved it ends within the budget, where the backend can:
+``compile_pool``) and is cached by the constraint, the scheduler admits a request once its grammar
 is ready, fills one bitmask for the step's sampling rows and advances the
 matchers on the accepted tokens.
 """
@@ -27,6 +28,7 @@ from pagoda.structured_output.backend import (
     StructuredOutputError,
     StructuredOutputMatcher,
 )
+from pagoda.structured_output.compile_pool import CompilePool
 from pagoda.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ class RequestStructuredOutput:
 
     def __init__(self, params: StructuredOutputsParams, grammar: Future[CompiledGrammar],
                  backend: StructuredOutputBackend | None = None, reasoning_ended: bool = True,
-                 key: tuple[str, str, bool] | None = None) -> None:
+                 key: tuple[str, str, bool] | None = None, pool_bounded: bool = False) -> None:
         self.params = params
         self._grammar = grammar
         self._matcher: StructuredOutputMatcher | None = None
@@ -76,6 +78,8 @@ class RequestStructuredOutput:
         # the manager's cache key, and when the request started waiting for the compile (compile_timeout)
         self.key = key
         self.since = time.monotonic()
+        # its compile runs under a CompilePool, which enforces compile_timeout on the compile itself
+        self.pool_bounded = pool_bounded
 
     @property
     def is_ready(self) -> bool:
@@ -97,19 +101,27 @@ class RequestStructuredOutput:
 class _GrammarCache:
     """Compiles by constraint, bounded by bytes: the least recently used grammar no request holds is
     dropped first (200 unique schemas kept ~190 MB for good before). A compile no request waits for any
-    more (its clients went away) is cancelled while it is still queued."""
+    more (its clients went away) is cancelled while it is still queued, and killed while it runs where
+    its backend compiles in a worker process (``abandon``)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._futures: OrderedDict[tuple[str, str, bool], Future[CompiledGrammar]] = OrderedDict()
         self._users: dict[tuple[str, str, bool], int] = {}
         self._sizes: dict[tuple[str, str, bool], int] = {}
+        # how to stop a running compile no request waits for (its pool's abandon), by key
+        self._abandon: dict[tuple[str, str, bool], Callable[[Future[CompiledGrammar]], None]] = {}
 
-    def get(self, key: tuple[str, str, bool], submit: Callable[[], Future[CompiledGrammar]]) -> Future[CompiledGrammar]:
+    def get(self, key: tuple[str, str, bool],
+            submit: Callable[[], tuple[Future[CompiledGrammar], Callable[[Future[CompiledGrammar]], None] | None]],
+            ) -> Future[CompiledGrammar]:
         future = self._futures.get(key)
         if future is None or (future.done() and (future.cancelled() or future.exception() is not None)):
-            future = submit()
+            future, abandon = submit()
             self._futures[key] = future
+            self._abandon.pop(key, None)
+            if abandon is not None:
+                self._abandon[key] = abandon
         self._futures.move_to_end(key)
         self._users[key] = self._users.get(key, 0) + 1
         self._evict()
@@ -122,8 +134,13 @@ class _GrammarCache:
             return
         self._users.pop(key, None)
         future = self._futures.get(key)
-        if future is not None and not future.done() and future.cancel():
-            del self._futures[key]  # never started: nothing was spent on it
+        if future is not None and not future.done():
+            abandon = self._abandon.pop(key, None)
+            if future.cancel():
+                del self._futures[key]  # never started: nothing was spent on it
+            elif abandon is not None:
+                abandon(future)  # killed: a request asking again starts a new compile
+                del self._futures[key]
         self._evict()
 
     @property
@@ -154,18 +171,24 @@ class _GrammarCache:
             total -= self._size_of(key, future)
             del self._futures[key]
             self._sizes.pop(key, None)
+            self._abandon.pop(key, None)
 
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_factory: Callable[[], Any], vocab_size: int, backend: str = "auto",
                  reasoning_parser: str = "", enable_in_reasoning: bool = False,
-                 grammar_cache_bytes: int = 256 * 1024 * 1024, compile_timeout: float = 0.0) -> None:
+                 grammar_cache_bytes: int = 256 * 1024 * 1024, compile_timeout: float = 0.0,
+                 compile_memory_bytes: int = 0, compile_in_subprocess: bool = True) -> None:
         self._tokenizer_factory = tokenizer_factory
         self._tokenizer: Any = None
         self.vocab_size = vocab_size
         self.backend_name = backend
         self._backend: StructuredOutputBackend | None = None
         self._pool: ThreadPoolExecutor | None = None
+        # per backend (by id) that compiles in worker processes; None = it cannot (thread pool instead)
+        self._process_pools: dict[int, CompilePool | None] = {}
+        self.compile_memory_bytes = compile_memory_bytes
+        self.compile_in_subprocess = compile_in_subprocess
         self.cache = _GrammarCache(grammar_cache_bytes)
         # seconds a request may wait for its compile (0 = unbounded): the scheduler fails it after that
         self.compile_timeout = compile_timeout
@@ -196,18 +219,28 @@ class StructuredOutputManager:
         if isinstance(backend, AutoBackend):
             backend = backend.backend_for(params)
         key = params.cache_key()
+        pool = self._process_pool(backend)
 
-        def submit() -> Future[CompiledGrammar]:
+        def submit() -> tuple[Future[CompiledGrammar], Callable[[Future[CompiledGrammar]], None] | None]:
+            if pool is not None:
+                return pool.submit(params), pool.abandon
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(_COMPILE_WORKERS, thread_name_prefix="pagoda-grammar")
-            return self._pool.submit(backend.compile, params)
+            return self._pool.submit(backend.compile, params), None
 
         future = self.cache.get(key, submit)
         reasoning_ended = True
         if self.reasoner is not None and not self.enable_in_reasoning:
             # a template may have closed the reasoning already (thinking disabled)
             reasoning_ended = self.reasoner.is_reasoning_end(prompt_token_ids or [])
-        return RequestStructuredOutput(params, future, backend, reasoning_ended, key)
+        return RequestStructuredOutput(params, future, backend, reasoning_ended, key, pool_bounded=pool is not None)
+
+    def _process_pool(self, backend: StructuredOutputBackend) -> CompilePool | None:
+        if id(backend) not in self._process_pools:
+            state = backend.compile_worker_state() if self.compile_in_subprocess else None
+            self._process_pools[id(backend)] = None if state is None else CompilePool(
+                backend, state, _COMPILE_WORKERS, self.compile_timeout, self.compile_memory_bytes)
+        return self._process_pools[id(backend)]
 
     def release(self, structured: RequestStructuredOutput) -> None:
         """The request is done with its grammar (finished, aborted, failed)."""
@@ -216,8 +249,9 @@ class StructuredOutputManager:
             structured.key = None
 
     def timed_out(self, structured: RequestStructuredOutput, now: float) -> bool:
-        """Still compiling after ``compile_timeout`` seconds."""
-        return bool(self.compile_timeout) and not structured.is_ready and now - structured.since > self.compile_timeout
+        """Still compiling after ``compile_timeout`` seconds (where no CompilePool stops the compile itself)."""
+        return (bool(self.compile_timeout) and not structured.pool_bounded and not structured.is_ready
+                and now - structured.since > self.compile_timeout)
 
     def reasoning_ends_with(self, structured: RequestStructuredOutput, all_token_ids: list[int],
                             new_token_ids: list[int]) -> bool:
@@ -270,6 +304,9 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._process_pools.values():
+            if pool is not None:
+                pool.shutdown()
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:

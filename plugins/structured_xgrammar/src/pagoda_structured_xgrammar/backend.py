@@ -50,6 +50,40 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _compile(compiler: xgr.GrammarCompiler, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    kind = params.kind
+    any_whitespace = not params.disable_any_whitespace
+    # bounded runs of whitespace (core's JSON_MAX_WHITESPACE); none with disable_any_whitespace
+    bound = JSON_MAX_WHITESPACE if any_whitespace else None
+    try:
+        if kind == "json":
+            schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+            return compiler.compile_json_schema(schema, any_whitespace=any_whitespace, max_whitespace_cnt=bound)
+        if kind == "json_object":
+            # an object schema rather than the builtin JSON grammar, whose whitespace has no bound
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
+                                                max_whitespace_cnt=bound)
+        if kind == "regex":
+            assert params.regex is not None
+            return compiler.compile_regex(params.regex)
+        if kind == "choice":
+            assert params.choice is not None
+            return compiler.compile_grammar(choice_grammar(params.choice))
+        if kind == "grammar":
+            assert params.grammar is not None
+            return compiler.compile_grammar(ebnf_of(params.grammar))
+        assert params.structural_tag is not None
+        return compiler.compile_structural_tag(*structural_tag_args(params.structural_tag))
+    except StructuredOutputError:
+        raise
+    except MemoryError:
+        raise
+    except (RuntimeError, ValueError, TypeError) as exc:
+        if "bad_alloc" in str(exc):
+            raise MemoryError(str(exc)) from exc
+        raise StructuredOutputError(f"invalid structured_outputs.{kind}: {_message(exc)}") from exc
+
+
 class XgrammarMatcher(StructuredOutputMatcher):
     supports_rollback = True
 
@@ -93,40 +127,26 @@ class XgrammarBackend(StructuredOutputBackend):
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         super().__init__(tokenizer, vocab_size)
         # The model's vocabulary may be wider than the tokenizer's (padding rows): xgrammar masks those off.
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        kind = params.kind
-        any_whitespace = not params.disable_any_whitespace
-        # bounded runs of whitespace (core's JSON_MAX_WHITESPACE); none with disable_any_whitespace
-        bound = JSON_MAX_WHITESPACE if any_whitespace else None
-        try:
-            if kind == "json":
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                compiled = self._compiler.compile_json_schema(schema, any_whitespace=any_whitespace,
-                                                              max_whitespace_cnt=bound)
-            elif kind == "json_object":
-                # an object schema rather than the builtin JSON grammar, whose whitespace has no bound
-                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
-                                                              max_whitespace_cnt=bound)
-            elif kind == "regex":
-                assert params.regex is not None
-                compiled = self._compiler.compile_regex(params.regex)
-            elif kind == "choice":
-                assert params.choice is not None
-                compiled = self._compiler.compile_grammar(choice_grammar(params.choice))
-            elif kind == "grammar":
-                assert params.grammar is not None
-                compiled = self._compiler.compile_grammar(ebnf_of(params.grammar))
-            else:
-                assert params.structural_tag is not None
-                compiled = self._compiler.compile_structural_tag(*structural_tag_args(params.structural_tag))
-        except StructuredOutputError:
-            raise
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise StructuredOutputError(f"invalid structured_outputs.{kind}: {_message(exc)}") from exc
-        return XgrammarGrammar(compiled)
+        return XgrammarGrammar(_compile(self._compiler, params))
+
+    # Tried first in core's compile worker, which can be stopped (a compiled grammar's JSON form is too big to
+    # send back: 99 MB and 22 s to write for 400 properties, whose grammar holds 3 MB), so the worker only proves
+    # that the compile ends within the budget.
+
+    def compile_worker_state(self) -> Any | None:
+        return self._info.serialize_json()
+
+    @classmethod
+    def worker_compiler(cls, state: Any) -> Any:
+        return xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(state), cache_enabled=False)
+
+    @classmethod
+    def worker_compile(cls, compiler: Any, params: StructuredOutputsParams) -> None:
+        _compile(compiler, params)
 
     @classmethod
     def validate(cls, params: StructuredOutputsParams) -> None:

@@ -337,6 +337,12 @@ async def collect_finals(raw_request: Request, streams: list[RequestStream]) -> 
     finally:
         for stream in streams:
             stream.abort()
+    for final in finals.values():
+        for out in getattr(final, "outputs", None) or []:
+            # only a constraint that failed to compile (scheduler's _fail_constraint) ends with an error, no
+            # token and a message: the client's constraint was over a budget or invalid, so a 400 naming it
+            if out.finish_reason == "error" and not out.token_ids and isinstance(out.stop_reason, str):
+                raise APIError(out.stop_reason, 400, "structured_outputs")
     return finals
 
 
