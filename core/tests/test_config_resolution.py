@@ -170,7 +170,8 @@ def test_prepare_engine_config_logs_one_block(monkeypatch: pytest.MonkeyPatch, c
 
 
 def test_lora_resolution() -> None:
-    """max_cpu_loras follows max_loras; LoRA steps run eagerly; layouts it does not serve are refused by name."""
+    """max_cpu_loras follows max_loras; LoRA steps run eagerly; tensor and pipeline parallel layouts serve
+    adapters too (each rank its part: tests/test_lora.py)."""
     defaults = PlatformDefaults(graphs=True, graph_sizes=(1, 2, 4))
     config = _config(enable_lora=True, max_loras=3)
     apply_defaults(config, _Graphs(), defaults)
@@ -181,5 +182,6 @@ def test_lora_resolution() -> None:
     assert "lora_config.max_loras = 3" in describe_engine_config(config, _Graphs(), defaults)
     with pytest.raises(ValueError, match="max_cpu_loras=2 must be >= max_loras=3"):
         apply_defaults(_config(enable_lora=True, max_loras=3, max_cpu_loras=2), _Graphs(), defaults)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        apply_defaults(_config(enable_lora=True, tensor_parallel_size=2), _Graphs(), defaults)
+    parallel = _config(enable_lora=True, tensor_parallel_size=2)
+    apply_defaults(parallel, _Graphs(), defaults)
+    assert parallel.lora_config is not None and parallel.parallel_config.tensor_parallel_size == 2
