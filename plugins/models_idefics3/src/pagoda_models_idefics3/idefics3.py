@@ -15,17 +15,13 @@ encoder cache and prefix cache see one item and the runner writes the frames' fe
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from pagoda.attention import AttentionMetadata
 from pagoda.layers import Linear
-from pagoda.model_loader.auto_weights_loader import AutoWeightsLoader
-from pagoda.models.interface import SupportsMultiModal, supports_inputs_embeds
-from pagoda.models.registry import ModelRegistry
+from pagoda.models.vision_language import Renames, VisionLanguageModel, language_model_class
 from pagoda.multimodal.inputs import PlaceholderRange
 from pagoda_models_idefics3.siglip import Idefics3VisionTransformer
 
@@ -38,19 +34,6 @@ _RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"^lm_head\."), "language_model.lm_head."),
     (re.compile(r"^model\.(vision_model|connector)\."), r"\1."),
 )
-
-
-def _rename(name: str) -> str:
-    for pattern, repl in _RENAMES:
-        name = pattern.sub(repl, name)
-    return name
-
-
-def _patch_embedding_as_linear(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    # the checkpoint's Conv2d weight [hidden, C, p, p] is the Linear's [hidden, C * p * p]
-    if name.endswith("patch_embedding.weight") and tensor.ndim == 4:
-        tensor = tensor.reshape(tensor.shape[0], -1)
-    yield name, tensor
 
 
 class Idefics3SimpleMLP(nn.Module):
@@ -82,18 +65,6 @@ class Idefics3Connector(nn.Module):
         return self.modality_projection.proj(x).view(f, seq // (s * s), -1)
 
 
-def _language_model_class(text_config: Any) -> type:
-    archs = list(getattr(text_config, "architectures", None) or [])
-    if not archs and text_config.model_type in _TEXT_ARCHITECTURES:
-        archs = [_TEXT_ARCHITECTURES[text_config.model_type]]
-    if not archs:
-        raise ValueError(f"Idefics3's text_config (model_type {text_config.model_type!r}) names no architecture")
-    cls = ModelRegistry.resolve(archs, "pagoda").load()
-    if not supports_inputs_embeds(cls):
-        raise ValueError(f"{cls.__name__} cannot run Idefics3's decoder: it does not declare SupportsInputsEmbeds")
-    return cls
-
-
 def _item_spans(processor: Any, ids: list[int]) -> list[tuple[int, int]]:
     """(start, end) of each image's span: from its first ``<fake_token_around_image>`` to the one closing its
     global frame (``<global-img><image>*n<fake_token_around_image>``)."""
@@ -118,8 +89,10 @@ def _item_spans(processor: Any, ids: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-class Idefics3ForConditionalGeneration(nn.Module, SupportsMultiModal):
-    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
+class Idefics3ForConditionalGeneration(VisionLanguageModel):
+    family: ClassVar[str] = "Idefics3"
+    encoder_parts: ClassVar[tuple[str, ...]] = ("vision_model", "connector")
+    checkpoint_renames: ClassVar[Renames] = _RENAMES
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -128,7 +101,7 @@ class Idefics3ForConditionalGeneration(nn.Module, SupportsMultiModal):
         text = hf_config.text_config
         self.vision_model = Idefics3VisionTransformer(vision, dtype)
         self.connector = Idefics3Connector(vision.hidden_size, text.hidden_size, hf_config.scale_factor, dtype)
-        self.language_model = _language_model_class(text)(text, dtype)
+        self.language_model = language_model_class(self.family, text, _TEXT_ARCHITECTURES)(text, dtype)
         self.dtype = dtype
 
     @classmethod
@@ -161,10 +134,6 @@ class Idefics3ForConditionalGeneration(nn.Module, SupportsMultiModal):
             raise ValueError(f"the prompt's images take {frame} frames; the processor made {pixels.shape[1]}")
         return items
 
-    @property
-    def max_positions(self) -> int:
-        return self.language_model.max_positions
-
     def embed_multimodal(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's features, its frames' in order: [frames * image_seq_len, text hidden]."""
         if not items:
@@ -178,36 +147,3 @@ class Idefics3ForConditionalGeneration(nn.Module, SupportsMultiModal):
                                  "makes full frames, and masked frames are not supported")
         features = self.connector(self.vision_model(pixels))
         return [f.reshape(-1, f.shape[-1]) for f in features.split(counts)]
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, metadata, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The decoder's tensors go to its own loader (names without ``language_model.``), the rest to the
-        tower's and the connector's."""
-        others: dict[str, list[tuple[str, torch.Tensor]]] = {"vision_model": [], "connector": []}
-        prefix = "language_model."
-
-        def decoder_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = _rename(name)
-                if name.startswith(prefix):
-                    yield name[len(prefix):], tensor
-                    continue
-                head = name.split(".", 1)[0]
-                if head not in others:
-                    raise ValueError(f"checkpoint tensor {name!r} fits no part of Idefics3")
-                others[head].append((name[len(head) + 1:], tensor))
-
-        loaded = {prefix + n for n in self.language_model.load_weights(decoder_weights())}
-        for head, tensors in others.items():
-            loader = AutoWeightsLoader(getattr(self, head), tensor_mapper=_patch_embedding_as_linear)
-            loaded |= {f"{head}.{n}" for n in loader.load_weights(tensors)}
-        return loaded

@@ -10,17 +10,13 @@ the scheduler put in a step, keeps the outputs in its encoder cache, and scatter
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from pagoda.attention import AttentionMetadata
 from pagoda.layers import Activation, Linear
-from pagoda.model_loader.auto_weights_loader import AutoWeightsLoader
-from pagoda.models.interface import SupportsMultiModal, supports_inputs_embeds
-from pagoda.models.registry import ModelRegistry
+from pagoda.models.vision_language import Renames, VisionLanguageModel, language_model_class
 from pagoda_models_llava.clip import CLIPVisionModel
 
 # text_config.model_type -> the architecture that serves it, for configs whose text_config names none
@@ -37,19 +33,6 @@ _RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 
-def _rename(name: str) -> str:
-    for pattern, repl in _RENAMES:
-        name = pattern.sub(repl, name)
-    return name
-
-
-def _patch_embedding_as_linear(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    # the checkpoint's Conv2d weight [hidden, 3, p, p] is the Linear's [hidden, 3 * p * p]
-    if name.endswith("patch_embedding.weight") and tensor.ndim == 4:
-        tensor = tensor.reshape(tensor.shape[0], -1)
-    yield name, tensor
-
-
 class LlavaMultiModalProjector(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, act: str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -61,20 +44,10 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-def _language_model_class(text_config: Any) -> type:
-    archs = list(getattr(text_config, "architectures", None) or [])
-    if not archs and text_config.model_type in _TEXT_ARCHITECTURES:
-        archs = [_TEXT_ARCHITECTURES[text_config.model_type]]
-    if not archs:
-        raise ValueError(f"LLaVA's text_config (model_type {text_config.model_type!r}) names no architecture")
-    cls = ModelRegistry.resolve(archs, "pagoda").load()
-    if not supports_inputs_embeds(cls):
-        raise ValueError(f"{cls.__name__} cannot run LLaVA's decoder: it does not declare SupportsInputsEmbeds")
-    return cls
-
-
-class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
-    supported_modalities: ClassVar[tuple[str, ...]] = ("image",)
+class LlavaForConditionalGeneration(VisionLanguageModel):
+    family: ClassVar[str] = "LLaVA"
+    encoder_parts: ClassVar[tuple[str, ...]] = ("vision_tower", "multi_modal_projector")
+    checkpoint_renames: ClassVar[Renames] = _RENAMES
 
     def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -93,12 +66,8 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
         self.multi_modal_projector = LlavaMultiModalProjector(
             vision.hidden_size * len(self.feature_layers), text.hidden_size,
             bool(getattr(hf_config, "multimodal_projector_bias", True)), hf_config.projector_hidden_act, dtype)
-        self.language_model = _language_model_class(text)(text, dtype)
+        self.language_model = language_model_class(self.family, text, _TEXT_ARCHITECTURES)(text, dtype)
         self.dtype = dtype
-
-    @property
-    def max_positions(self) -> int:
-        return self.language_model.max_positions
 
     def embed_multimodal(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's projected features: [patches (+ CLS with 'full'), text hidden]."""
@@ -112,36 +81,3 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
         b, length, hidden = features.shape
         projected = self.multi_modal_projector(features.reshape(b * length, hidden)).view(b, length, -1)
         return list(projected.unbind(0))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, metadata, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The decoder's tensors go to its own loader (names without ``language_model.``), the rest to the
-        tower's and the projector's."""
-        others: dict[str, list[tuple[str, torch.Tensor]]] = {"vision_tower": [], "multi_modal_projector": []}
-        prefix = "language_model."
-
-        def decoder_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = _rename(name)
-                if name.startswith(prefix):
-                    yield name[len(prefix):], tensor
-                    continue
-                head = name.split(".", 1)[0]
-                if head not in others:
-                    raise ValueError(f"checkpoint tensor {name!r} fits no part of LLaVA")
-                others[head].append((name[len(head) + 1:], tensor))
-
-        loaded = {prefix + n for n in self.language_model.load_weights(decoder_weights())}
-        for head, tensors in others.items():
-            loader = AutoWeightsLoader(getattr(self, head), tensor_mapper=_patch_embedding_as_linear)
-            loaded |= {f"{head}.{n}" for n in loader.load_weights(tensors)}
-        return loaded
