@@ -57,10 +57,11 @@ class _Grammar(CompiledGrammar):
         return self.size
 
 
-def _done(size: int) -> Future[CompiledGrammar]:
+def _done(size: int) -> tuple[Future[CompiledGrammar], None]:
+    """A compile already finished, as a cache's ``submit`` returns it (no worker to abandon)."""
     f: Future[CompiledGrammar] = Future()
     f.set_result(_Grammar(size))
-    return f
+    return f, None
 
 
 def test_the_cache_is_lru_by_bytes_and_keeps_what_requests_hold() -> None:
@@ -93,12 +94,12 @@ def test_a_queued_compile_nobody_waits_for_is_cancelled() -> None:
     try:
         busy = ("json", "busy", False)
         queued = ("json", "queued", False)
-        running = cache.get(busy, lambda: pool.submit(lambda: (gate.wait(10), _Grammar(1))[1]))
-        waiting = cache.get(queued, lambda: pool.submit(lambda: _Grammar(1)))
+        running = cache.get(busy, lambda: (pool.submit(lambda: (gate.wait(10), _Grammar(1))[1]), None))
+        waiting = cache.get(queued, lambda: (pool.submit(lambda: _Grammar(1)), None))
         cache.release(queued)  # its client went away before the compile started
         assert waiting.cancelled() and len(cache) == 1
         # asked again: compiled anew rather than answered with the cancelled future
-        again = cache.get(queued, lambda: pool.submit(lambda: _Grammar(2)))
+        again = cache.get(queued, lambda: (pool.submit(lambda: _Grammar(2)), None))
         assert again is not waiting
         gate.set()
         assert running.result(10).memory_size_bytes() == 1
