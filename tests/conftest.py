@@ -166,9 +166,10 @@ def default_model_server():
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def start_server():
-    """Factory: (serve args, env) -> RunningServer; every server it started is stopped at the end."""
+    """Factory: (serve args, env) -> RunningServer; every server it started is stopped at the end of the
+    module (a whole suite's servers kept to the end of the session outgrew a 24 GiB machine)."""
     started: list[RunningServer] = []
 
     def start(args: list[str], env: dict[str, str] | None = None, timeout: float = 180.0,
