@@ -78,6 +78,10 @@ def _layer(qtype: Q, n: int, k: int, dtype: torch.dtype, blocks: torch.Tensor):
     from pagoda_quant_gguf import config
 
     layer = Linear(k, n, bias=True, dtype=dtype)
+    # a Linear's bias is torch.empty until a checkpoint loads it: set it, or the output is whatever memory
+    # the process freed last (NaN after some earlier tests, which made torch.equal fail in the full suite)
+    assert layer.bias is not None
+    layer.bias.data.copy_(torch.linspace(-1.0, 1.0, n, dtype=dtype))
     method = config.GGUFLinearMethod()
     method.create_weights(layer, k, [n], k, n, dtype)
     layer.quant_method = method
