@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -41,6 +43,26 @@ def test_sleep_frees_and_wake_up_restores_greedy_output(llm: LLM, level: int, ti
     llm.wake_up()
     assert not llm.llm_engine.is_sleeping()
     assert _ids(llm) == before
+
+
+def test_sleep_frees_the_kv_cache_that_kernel_graphs_captured_with_the_heap_frozen(llm: LLM) -> None:
+    """An engine-core process freezes its start-up heap out of the collector: the graphs' reference cycles
+    (runner -> capturer -> roots -> runner) must not keep the KV cache alive through sleep there."""
+    _ids(llm)
+    runner = llm.llm_engine.engine_core.core.runner
+    assert runner.graphs is not None and runner.graphs.steps, "the decode steps ran without kernel graphs"
+    caches = [weakref.ref(cache) for cache in runner.kv_caches]
+    gc.collect()
+    gc.freeze()
+    try:
+        llm.sleep(level=1)
+        assert [c for c in caches if c() is not None] == []
+    finally:
+        gc.unfreeze()
+        llm.wake_up()
+    assert runner.graphs is not None
+    _ids(llm)
+    assert runner.graphs.steps  # captured again over the new cache
 
 
 def test_sleep_needs_enable_sleep_mode_and_a_valid_level(tiny_model_dir: Any, llm: LLM) -> None:

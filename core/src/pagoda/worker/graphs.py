@@ -118,6 +118,9 @@ class GraphCapturer:
         """Bytes the captured graphs keep alive, where the capturer counts them itself."""
         return None
 
+    def release(self) -> None:
+        """Forget what the captures were made over (the graph runner is dropping its graphs)."""
+
 
 class CudaGraphCapture(GraphCapturer):
     """Real capture: ``torch.cuda.CUDAGraph`` per size, one memory pool shared by all of them.
@@ -204,6 +207,9 @@ class KernelGraphCapture(GraphCapturer):
     def kept_bytes(self) -> int | None:
         return self.own_bytes
 
+    def release(self) -> None:
+        self.roots.clear()
+
 
 @dataclass(frozen=True)
 class GraphInputs:
@@ -230,6 +236,10 @@ def capture_sizes_for(platform: Platform, config: EngineConfig) -> list[int]:
     if not platform.supports_graphs:
         return []
     return sorted({int(s) for s in platform.cuda_graph_capture_sizes(config) if int(s) > 0})
+
+
+def _released(*args: object) -> object:
+    raise RuntimeError("decode graphs were released (sleep mode); the runner builds new ones on wake-up")
 
 
 class DecodeGraphRunner:
@@ -389,6 +399,22 @@ class DecodeGraphRunner:
             self.capture_bytes = kept
         elif free_before is not None and free_after is not None:
             self.capture_bytes += max(free_before - free_after, 0)
+
+    def release(self) -> None:
+        """Drop every captured graph and what it keeps alive (the KV cache among it), now.
+
+        The runner, its capturer (whose roots name the runner) and each graph's closures form reference
+        cycles, which only a collection frees -- and in an engine-core process the start-up heap is frozen
+        out of the collector (``core_proc``), so sleep would keep the whole KV cache mapped. Cutting the
+        references lets reference counting free it.
+        """
+        self.steps.clear()
+        self.metadata.clear()
+        self.verify_steps.clear()
+        self.verify_metadata.clear()
+        self.capturer.release()
+        self.model = self.prepare = _released
+        self.off = True
 
     # -- per step -------------------------------------------------------------
     def bucket(self, num_tokens: int) -> int | None:

@@ -277,6 +277,8 @@ class ModelRunner:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.sleep_level:
             raise ValueError(f"the engine is asleep already (level {self.sleep_level}): wake it up first")
+        if self.graphs is not None:
+            self.graphs.release()
         self.graphs = None
         for layer in self.attn_layers:
             layer.kv_cache = None  # (bind wants a tensor; a sleeping layer is never called)
