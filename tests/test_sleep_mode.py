@@ -65,6 +65,25 @@ def test_sleep_frees_the_kv_cache_that_kernel_graphs_captured_with_the_heap_froz
     assert runner.graphs.steps  # captured again over the new cache
 
 
+def test_sleep_level_2_frees_the_weights_with_the_heap_frozen(llm: LLM) -> None:
+    """Each parameter's ``weight_loader`` names its own layer (a bound method): a cycle that, with the
+    start-up heap frozen as in an engine-core process, kept the embedding's weight through sleep level 2."""
+    before = _ids(llm)
+    runner = llm.llm_engine.engine_core.core.runner
+    weights = {name: weakref.ref(p) for name, p in runner.model.named_parameters()}
+    caches = [weakref.ref(cache) for cache in runner.kv_caches]
+    gc.collect()
+    gc.freeze()
+    try:
+        llm.sleep(level=2)
+        assert [name for name, w in weights.items() if w() is not None] == []
+        assert [c for c in caches if c() is not None] == []
+    finally:
+        gc.unfreeze()
+        llm.wake_up()
+    assert _ids(llm) == before
+
+
 def test_sleep_needs_enable_sleep_mode_and_a_valid_level(tiny_model_dir: Any, llm: LLM) -> None:
     with pytest.raises(ValueError, match="level must be 1 or 2"):
         llm.sleep(level=3)

@@ -238,10 +238,6 @@ def capture_sizes_for(platform: Platform, config: EngineConfig) -> list[int]:
     return sorted({int(s) for s in platform.cuda_graph_capture_sizes(config) if int(s) > 0})
 
 
-def _released(*args: object) -> object:
-    raise RuntimeError("decode graphs were released (sleep mode); the runner builds new ones on wake-up")
-
-
 class DecodeGraphRunner:
     """Static buffers plus one captured forward per decode batch size.
 
@@ -413,8 +409,6 @@ class DecodeGraphRunner:
         self.verify_steps.clear()
         self.verify_metadata.clear()
         self.capturer.release()
-        self.model = self.prepare = _released
-        self.off = True
 
     # -- per step -------------------------------------------------------------
     def bucket(self, num_tokens: int) -> int | None:

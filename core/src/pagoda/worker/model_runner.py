@@ -206,6 +206,7 @@ class ModelRunner:
         self.checkpoint_kv_scales = kv_scales
         if quant_config is not None:
             logger.info("%s (%d layers)", quant_config.describe(), process_weights_after_loading(model))
+        _drop_weight_loaders(model)
 
     def _bind_kernels(self, arch: str, load_seconds: float) -> None:
         """The platform's linear kernel and layer ops, where it has them."""
@@ -547,3 +548,13 @@ class ModelRunner:
 
     def _extra_inputs(self, token_type_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"token_type_ids": token_type_ids} if self.uses_token_type_ids else {}
+
+
+def _drop_weight_loaders(model: torch.nn.Module) -> None:
+    """A parameter's ``weight_loader`` is its layer's bound method or a closure over the layer: a cycle
+    (parameter -> loader -> layer -> parameter) only the collector can free. In an engine-core process the
+    start-up heap is frozen out of the collector, so sleep level 2 would keep such weights for good; once
+    the checkpoint is in, nothing calls the loaders again (a wake-up builds a new model)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if "weight_loader" in tensor.__dict__:
+            del tensor.weight_loader
