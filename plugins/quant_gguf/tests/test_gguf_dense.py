@@ -188,7 +188,7 @@ def test_threshold_is_measured_once_and_cached(tmp_path: Path, monkeypatch: pyte
     dense._measured_min_rows.cache_clear()
     try:
         rows = dense.min_rows(int(Q.Q8_0), torch.float32)
-        assert rows in (0, 32, 64)
+        assert rows in (0, 32, 64, 128)  # a win at the largest count alone stands (measure)
         [path] = (tmp_path / "gguf_dense").glob("*.json")
         data = json.loads(path.read_text())
         assert data["min_rows"] == rows and set(data["ratios"]) <= {"32", "64", "128"}
