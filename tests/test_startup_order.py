@@ -183,8 +183,9 @@ _SPAWN_PROBE = """
 import sys
 from pagoda.engine import core_process
 
-def probe():
+def probe(config_imports=True):
     print("torch imported at the standby spawn:", "torch" in sys.modules, flush=True)
+    print("transformers' config classes imported ahead:", config_imports, flush=True)
     raise SystemExit(0)
 
 core_process.start_standby_core = probe
@@ -199,3 +200,44 @@ def test_nothing_imports_torch_before_the_standby_core_is_spawned() -> None:
     # so the API process must spawn it before paying for torch itself (the --lora-modules check once did)
     proc = subprocess.run([sys.executable, "-c", _SPAWN_PROBE], capture_output=True, text=True, timeout=120)
     assert "torch imported at the standby spawn: False" in proc.stdout, (proc.stdout, proc.stderr)
+    # the default model is a GGUF file: its core needs none of transformers (next test)
+    assert "transformers' config classes imported ahead: False" in proc.stdout, (proc.stdout, proc.stderr)
+
+
+def test_which_models_a_standby_core_imports_transformers_for() -> None:
+    assert core_process.config_is_plain_values(None)
+    assert core_process.config_is_plain_values("/models/SmolLM2.Q4_K_M.GGUF")
+    assert not core_process.config_is_plain_values("/models/llama-dir")
+    assert not core_process.config_is_plain_values("org/name")
+    assert not core_process.config_is_plain_values(None, model_impl="transformers")
+
+
+_CORE_OF_THE_DEFAULT_MODEL = """
+import sys
+import torch
+import pagoda.engine.core
+from pagoda.engine.core_proc import loads
+from pagoda.platforms import set_current_platform
+kind, (config, platform) = loads(open(sys.argv[1], "rb").read())
+set_current_platform(platform)
+from pagoda.engine.core import EngineCore
+core = EngineCore(config, platform)
+print("transformers imported:", sorted(m for m in sys.modules if m.split(".")[0] == "transformers")[:5], flush=True)
+"""
+
+
+def test_the_default_models_engine_core_never_imports_transformers(tmp_path: Any) -> None:
+    """Its config is plain values (the GGUF file's cached one), its weights pagoda's own reader's: transformers'
+    config modules (3-4 s of imports on a 2-vCPU Zen 3) stay out of its engine core's start-up."""
+    from pagoda.config import EngineArgs
+    from pagoda.engine.config_resolution import prepare_engine_config
+    from pagoda.engine.core_proc import dumps
+
+    for _ in range(2):  # the first read of a GGUF file fills pagoda's convert cache; the second reads it
+        config = EngineArgs(max_model_len=256, num_kv_blocks=64).create_engine_config()
+        platform = prepare_engine_config(config)
+    frame = tmp_path / "config.bin"
+    frame.write_bytes(dumps("config", (config, platform)))
+    proc = subprocess.run([sys.executable, "-c", _CORE_OF_THE_DEFAULT_MODEL, str(frame)], capture_output=True,
+                          text=True, timeout=300)
+    assert "transformers imported: []" in proc.stdout, (proc.stdout, proc.stderr[-3000:])

@@ -62,9 +62,11 @@ _TRANSFORMERS_CONFIG_IMPORTS = ("transformers.configuration_utils", "transformer
                                 "transformers.utils.type_validators")
 
 
-def _standby_imports() -> None:
+def _standby_imports(config_imports: bool) -> None:
     """What every engine core imports before it can build anything: done before its config arrives, so
-    they overlap the API process's own imports and config resolution (``pagoda.engine.core_process``)."""
+    they overlap the API process's own imports and config resolution (``pagoda.engine.core_process``).
+    ``config_imports``: the modules of transformers' config classes too (False when the API process
+    expects a config of plain values, as a GGUF file's cached one: 3-4 s of imports it would not need)."""
     import importlib
 
     import torch  # noqa: F401 - the bulk of the time
@@ -75,7 +77,7 @@ def _standby_imports() -> None:
     # and what those import (activations, hub kernels, torch.distributed.tensor: seconds; py-spy showed it
     # inside loads() when the config came, on the critical path). Module names of this transformers: one
     # another version lacks is skipped.
-    for name in _TRANSFORMERS_CONFIG_IMPORTS:
+    for name in _TRANSFORMERS_CONFIG_IMPORTS if config_imports else ():
         try:
             importlib.import_module(name)
         except ImportError:
@@ -110,6 +112,7 @@ def run_engine_core(
     parent_alive: Connection,
     replica_rank: int = 0,
     log_level: int = logging.WARNING,
+    config_imports: bool = True,
 ) -> None:
     """Entry point of the engine-core process (spawned; every argument is pickled).
 
@@ -132,7 +135,7 @@ def run_engine_core(
     inp.connect(input_address)
     out.connect(output_address)
     try:
-        _standby_imports()
+        _standby_imports(config_imports)
         imported = time.perf_counter()
         got = _wait_config(inp, parent_alive)
         if got is None:
@@ -141,8 +144,9 @@ def run_engine_core(
             ctx.term()
             return
         config, platform = got
-        logger.info("engine core imports took %.2f s; its config came %.2f s after them",
-                    imported - spawned, time.perf_counter() - imported)
+        logger.info("engine core imports took %.2f s (torch, the engine%s); its config came %.2f s after them",
+                    imported - spawned, ", transformers' config classes" if config_imports else "",
+                    time.perf_counter() - imported)
         set_current_platform(platform)
         from pagoda.engine.core import EngineCore
 

@@ -42,7 +42,7 @@ def _cleanup(proc: multiprocessing.process.BaseProcess, ctx: Any, sockdir: str) 
 class CoreProcess:
     """One spawned engine-core process and the API process's ends of its sockets and parent pipe."""
 
-    def __init__(self, replica_rank: int = 0, log_level: int | None = None) -> None:
+    def __init__(self, replica_rank: int = 0, log_level: int | None = None, config_imports: bool = True) -> None:
         import zmq
 
         from pagoda.engine.core_proc import run_engine_core
@@ -61,7 +61,8 @@ class CoreProcess:
         child_end, self.parent_end = mp.Pipe(duplex=False)
         level = logging.getLogger("pagoda").getEffectiveLevel() if log_level is None else log_level
         # not a daemon: a core may start worker processes of its own (the mp executor)
-        self.proc = mp.Process(target=run_engine_core, args=(in_addr, out_addr, child_end, replica_rank, level),
+        self.proc = mp.Process(target=run_engine_core, args=(in_addr, out_addr, child_end, replica_rank, level,
+                                                                 config_imports),
                                name=f"pagoda-engine-core-{replica_rank}", daemon=False)
         self.proc.start()
         child_end.close()
@@ -115,11 +116,12 @@ class CoreProcess:
 _standby: CoreProcess | None = None
 
 
-def start_standby_core() -> CoreProcess:
-    """Spawn replica 0's engine-core process now, before the config exists (once per process)."""
+def start_standby_core(config_imports: bool = True) -> CoreProcess:
+    """Spawn replica 0's engine-core process now, before the config exists (once per process).
+    ``config_imports``: whether it should import transformers' config classes ahead (``run_engine_core``)."""
     global _standby
     if _standby is None:
-        _standby = CoreProcess(0)
+        _standby = CoreProcess(0, config_imports=config_imports)
         # before multiprocessing's own exit hook (atexit runs last-registered first), which joins every
         # non-daemon child: a standby nobody took (the start failed before the config) would be waited for
         atexit.register(discard_standby_core)
@@ -145,3 +147,12 @@ def discard_standby_core() -> None:
     core, _standby = _standby, None
     if core is not None:
         core.close()
+
+
+def config_is_plain_values(model: str | None, model_impl: str = "auto") -> bool:
+    """A guess, before the config is read, that it will hold no transformers object: the embedded default
+    model or a ``.gguf`` file (whose cached config is plain values, ``CachedHFConfig``). Only decides what a
+    standby core imports ahead; a wrong guess costs time, never correctness (unpickling imports the rest)."""
+    if model_impl == "transformers":
+        return False
+    return model is None or model.lower().endswith(".gguf")

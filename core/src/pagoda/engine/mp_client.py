@@ -99,7 +99,9 @@ class MPClient:
         self._call_ids = itertools.count()
         self._calls: dict[int, Future[Any]] = {}
         # the standby core `pagoda serve` spawned first thing (already importing), else a new one
-        self._core = take_standby_core(replica_rank) or CoreProcess(replica_rank)
+        # a core spawned now gets its config at once: unpickling it imports whatever transformers
+        # modules it holds, so nothing is imported ahead in case (3-4 s a GGUF model's core never needs)
+        self._core = take_standby_core(replica_rank) or CoreProcess(replica_rank, config_imports=False)
         self.proc = self._core.proc
         self._in = self._core.inp
         self._out = self._core.out

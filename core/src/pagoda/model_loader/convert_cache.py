@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -217,9 +218,23 @@ class ConvertCache:
 
 def _stamp() -> dict[str, Any]:
     """What a cached config or tokenizer depends on besides the GGUF file."""
-    import transformers
+    return {"format": FORMAT_VERSION, "transformers": _transformers_version()}
 
-    return {"format": FORMAT_VERSION, "transformers": transformers.__version__}
+
+def _transformers_version() -> str:
+    # Read from the installed distribution: importing transformers for its __version__ cost 1.2-1.4 s
+    # of the API process's config phase, on the path to /health, where nothing else needs it yet.
+    loaded = sys.modules.get("transformers")
+    if loaded is not None:
+        return str(loaded.__version__)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:  # an unusual install (no dist-info): ask the module
+        import transformers
+
+        return str(transformers.__version__)
 
 
 def prune_stale_entries(gguf_root: Path, keep: Path) -> None:
