@@ -8,6 +8,7 @@ second server holds at most one model at a time (--max-loaded-models 1).
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,10 @@ def test_a_parked_model_wakes_with_its_greedy_output_and_the_parked_bound_shuts_
         time.sleep(0.2)
     assert _ids(server, "b") == before["b"]  # loaded afresh
     assert len(_core_pids(server)) == 4
+    # every load was served by a core spawned ahead of it (the standby, then the pool's spares after each load
+    # or unload): no load spawned its own, so none paid the core's spawn and imports
+    spared = [int(p) for p in re.findall(r"engine core 0 spawned as process (\d+) ahead", server.output())]
+    assert set(_core_pids(server)) <= set(spared), (spared, _core_pids(server))
 
 
 def _alive(pid: int) -> bool:

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from typing import Any
@@ -114,16 +115,22 @@ class CoreProcess:
 
 
 _standby: CoreProcess | None = None
+# a many-model server spawns spares from its event loop while a load's thread takes one
+_standby_lock = threading.Lock()
 
 
 def start_standby_core(config_imports: bool = True) -> CoreProcess:
-    """Spawn replica 0's engine-core process now, before the config exists (once per process).
+    """Spawn replica 0's engine-core process now, before the config exists (one at a time: the next engine
+    to start takes it; a many-model server keeps one spare this way, ``ModelPool``).
     ``config_imports``: whether it should import transformers' config classes ahead (``run_engine_core``)."""
     global _standby
-    if _standby is None:
+    with _standby_lock:
+        if _standby is not None:
+            return _standby
         _standby = CoreProcess(0, config_imports=config_imports)
         # before multiprocessing's own exit hook (atexit runs last-registered first), which joins every
         # non-daemon child: a standby nobody took (the start failed before the config) would be waited for
+        atexit.unregister(discard_standby_core)  # (registered once, and last)
         atexit.register(discard_standby_core)
         logger.info("engine core 0 spawned as process %d ahead of the config (it imports while this process "
                     "resolves the config)", _standby.proc.pid)
@@ -133,10 +140,11 @@ def start_standby_core(config_imports: bool = True) -> CoreProcess:
 def take_standby_core(replica_rank: int) -> CoreProcess | None:
     """The standby core for ``replica_rank`` (0 only), if one was started; it is then the caller's."""
     global _standby
-    core = _standby
-    if replica_rank != 0 or core is None:
-        return None
-    _standby = None
+    with _standby_lock:
+        core = _standby
+        if replica_rank != 0 or core is None:
+            return None
+        _standby = None
     # a standby that died meanwhile is taken all the same: sending it the config reports why it died
     return core
 
@@ -144,7 +152,8 @@ def take_standby_core(replica_rank: int) -> CoreProcess | None:
 def discard_standby_core() -> None:
     """Stop a standby core nobody will take (the engine runs its core in a thread, or failed before)."""
     global _standby
-    core, _standby = _standby, None
+    with _standby_lock:
+        core, _standby = _standby, None
     if core is not None:
         core.close()
 

@@ -477,6 +477,20 @@ def pool_loader(server_args: ServerArgs, metrics: PrometheusStatLogger) -> Calla
     return load
 
 
+def spare_engine_core(waiting: list[ModelSpec]) -> None:
+    """A standby engine core for the next of ``waiting`` to load (``ModelPool``'s spare), if one would take it."""
+    from pagoda.engine.core_process import config_is_plain_values, start_standby_core
+    from pagoda.engine.mp_client import engine_core_in_process
+
+    try:
+        in_processes = [s.engine_args for s in waiting
+                        if engine_core_in_process(s.engine_args.world_size, s.engine_args.data_parallel_size, True)]
+    except ValueError:
+        return  # a malformed PAGODA_ENABLE_V1_MULTIPROCESSING: the load itself reports it
+    if in_processes:
+        start_standby_core(config_imports=not all(config_is_plain_values(a.model, a.model_impl) for a in in_processes))
+
+
 async def serve_pool(specs: list[ModelSpec], server_args: ServerArgs, sock: socket.socket,
                      on_ready: Callable[[str], Awaitable[None] | None] | None = None) -> None:
     """Serve several models on one port (each loaded on its first request) until SIGINT/SIGTERM."""
@@ -484,7 +498,7 @@ async def serve_pool(specs: list[ModelSpec], server_args: ServerArgs, sock: sock
     pool = ModelPool(specs, pool_loader(server_args, metrics), max_loaded_models=server_args.max_loaded_models,
                      memory_budget_bytes=server_args.models_memory_budget,
                      idle_timeout_s=server_args.model_idle_timeout, load_timeout_s=server_args.model_load_timeout,
-                     max_parked_models=server_args.max_parked_models)
+                     max_parked_models=server_args.max_parked_models, spare_core=spare_engine_core)
     app = build_pool_app(pool, server_args, metrics)
     server = _uvicorn_server(app, server_args)
     announcer = asyncio.create_task(_announce(server, f"{len(specs)} models ({', '.join(pool.names)})",
