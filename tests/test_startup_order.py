@@ -201,15 +201,39 @@ def test_nothing_imports_torch_before_the_standby_core_is_spawned() -> None:
     proc = subprocess.run([sys.executable, "-c", _SPAWN_PROBE], capture_output=True, text=True, timeout=120)
     assert "torch imported at the standby spawn: False" in proc.stdout, (proc.stdout, proc.stderr)
     # the default model is a GGUF file: its core needs none of transformers (next test)
-    assert "transformers' config classes imported ahead: False" in proc.stdout, (proc.stdout, proc.stderr)
+    # (unless the convert cache lacks its config: the core looks, next tests)
+    assert "transformers' config classes imported ahead: UnlessCachedGGUF(model=None)" in proc.stdout, (
+        proc.stdout, proc.stderr)
 
 
 def test_which_models_a_standby_core_imports_transformers_for() -> None:
-    assert core_process.config_is_plain_values(None)
-    assert core_process.config_is_plain_values("/models/SmolLM2.Q4_K_M.GGUF")
-    assert not core_process.config_is_plain_values("/models/llama-dir")
-    assert not core_process.config_is_plain_values("org/name")
-    assert not core_process.config_is_plain_values(None, model_impl="transformers")
+    unless = core_process.UnlessCachedGGUF
+    assert core_process.standby_config_imports(None) == unless(None)
+    assert core_process.standby_config_imports("/models/SmolLM2.Q4_K_M.GGUF") == unless("/models/SmolLM2.Q4_K_M.GGUF")
+    assert core_process.standby_config_imports("/models/llama-dir") is True
+    assert core_process.standby_config_imports("org/name") is True
+    assert core_process.standby_config_imports(None, model_impl="transformers") is True
+
+
+def test_a_gguf_models_config_is_plain_values_once_the_convert_cache_holds_it(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the standby core looks at: on a machine's first start the GGUF file is read through transformers
+    (its core needs their config classes), from the second on its cached config is plain values."""
+    from pagoda.config import EngineArgs
+    from pagoda.engine.config_resolution import prepare_engine_config
+    from pagoda.model_loader.hf_config import CachedHFConfig, gguf_config_is_plain_values
+
+    monkeypatch.setenv("PAGODA_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("PAGODA_DISABLE_CACHE", raising=False)
+    assert not gguf_config_is_plain_values(None)
+    config = EngineArgs(max_model_len=256, num_kv_blocks=64).create_engine_config()
+    prepare_engine_config(config)
+    assert not isinstance(config.resolved.hf_config, CachedHFConfig)  # the first read: transformers'
+    assert gguf_config_is_plain_values(None)
+    config = EngineArgs(max_model_len=256, num_kv_blocks=64).create_engine_config()
+    prepare_engine_config(config)
+    assert isinstance(config.resolved.hf_config, CachedHFConfig)
+    assert not gguf_config_is_plain_values(str(tmp_path / "missing.gguf"))
 
 
 _CORE_OF_THE_DEFAULT_MODEL = """

@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pagoda.config import EngineConfig
+from pagoda.engine.core_process import UnlessCachedGGUF
 from pagoda.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -62,11 +63,12 @@ _TRANSFORMERS_CONFIG_IMPORTS = ("transformers.configuration_utils", "transformer
                                 "transformers.utils.type_validators")
 
 
-def _standby_imports(config_imports: bool) -> None:
+def _standby_imports(config_imports: bool | UnlessCachedGGUF) -> bool:
     """What every engine core imports before it can build anything: done before its config arrives, so
     they overlap the API process's own imports and config resolution (``pagoda.engine.core_process``).
-    ``config_imports``: the modules of transformers' config classes too (False when the API process
-    expects a config of plain values, as a GGUF file's cached one: 3-4 s of imports it would not need)."""
+    ``config_imports``: the modules of transformers' config classes too (not when the API process expects
+    a config of plain values, as a GGUF file's cached one: 3-4 s of imports it would not need). -> whether
+    it imported them."""
     import importlib
 
     import torch  # noqa: F401 - the bulk of the time
@@ -77,11 +79,16 @@ def _standby_imports(config_imports: bool) -> None:
     # and what those import (activations, hub kernels, torch.distributed.tensor: seconds; py-spy showed it
     # inside loads() when the config came, on the critical path). Module names of this transformers: one
     # another version lacks is skipped.
+    if isinstance(config_imports, UnlessCachedGGUF):
+        from pagoda.model_loader.hf_config import gguf_config_is_plain_values
+
+        config_imports = not gguf_config_is_plain_values(config_imports.model)
     for name in _TRANSFORMERS_CONFIG_IMPORTS if config_imports else ():
         try:
             importlib.import_module(name)
         except ImportError:
             pass
+    return config_imports
 
 
 def _wait_config(inp: Any, parent_alive: Connection) -> tuple[EngineConfig, Platform] | None:
@@ -112,7 +119,7 @@ def run_engine_core(
     parent_alive: Connection,
     replica_rank: int = 0,
     log_level: int = logging.WARNING,
-    config_imports: bool = True,
+    config_imports: bool | UnlessCachedGGUF = True,
 ) -> None:
     """Entry point of the engine-core process (spawned; every argument is pickled).
 
@@ -135,7 +142,7 @@ def run_engine_core(
     inp.connect(input_address)
     out.connect(output_address)
     try:
-        _standby_imports(config_imports)
+        config_imported = _standby_imports(config_imports)
         imported = time.perf_counter()
         got = _wait_config(inp, parent_alive)
         if got is None:
@@ -145,7 +152,7 @@ def run_engine_core(
             return
         config, platform = got
         logger.info("engine core imports took %.2f s (torch, the engine%s); its config came %.2f s after them",
-                    imported - spawned, ", transformers' config classes" if config_imports else "",
+                    imported - spawned, ", transformers' config classes" if config_imported else "",
                     time.perf_counter() - imported)
         set_current_platform(platform)
         from pagoda.engine.core import EngineCore

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ def _cleanup(proc: multiprocessing.process.BaseProcess, ctx: Any, sockdir: str) 
 class CoreProcess:
     """One spawned engine-core process and the API process's ends of its sockets and parent pipe."""
 
-    def __init__(self, replica_rank: int = 0, log_level: int | None = None, config_imports: bool = True) -> None:
+    def __init__(self, replica_rank: int = 0, log_level: int | None = None,
+                 config_imports: bool | UnlessCachedGGUF = True) -> None:
         import zmq
 
         from pagoda.engine.core_proc import run_engine_core
@@ -119,7 +121,7 @@ _standby: CoreProcess | None = None
 _standby_lock = threading.Lock()
 
 
-def start_standby_core(config_imports: bool = True) -> CoreProcess:
+def start_standby_core(config_imports: bool | UnlessCachedGGUF = True) -> CoreProcess:
     """Spawn replica 0's engine-core process now, before the config exists (one at a time: the next engine
     to start takes it; a many-model server keeps one spare this way, ``ModelPool``).
     ``config_imports``: whether it should import transformers' config classes ahead (``run_engine_core``)."""
@@ -158,10 +160,21 @@ def discard_standby_core() -> None:
         core.close()
 
 
-def config_is_plain_values(model: str | None, model_impl: str = "auto") -> bool:
-    """A guess, before the config is read, that it will hold no transformers object: the embedded default
-    model or a ``.gguf`` file (whose cached config is plain values, ``CachedHFConfig``). Only decides what a
-    standby core imports ahead; a wrong guess costs time, never correctness (unpickling imports the rest)."""
-    if model_impl == "transformers":
-        return False
-    return model is None or model.lower().endswith(".gguf")
+@dataclass(frozen=True)
+class UnlessCachedGGUF:
+    """A standby core's ``config_imports``: transformers' config classes unless this GGUF file's (None: the
+    embedded default's) config is in pagoda's convert cache, which makes it plain values. The core looks
+    once torch and the engine are in (``hf_config.gguf_config_is_plain_values``): on a machine's first start
+    the file is read through transformers, so the core needs them after all."""
+
+    model: str | None
+
+
+def standby_config_imports(model: str | None, model_impl: str = "auto") -> bool | UnlessCachedGGUF:
+    """What a standby core for ``model`` imports ahead, decided before the config is read (and before this
+    process imports torch): ``True`` unless the model is the embedded default or a ``.gguf`` file. Only
+    decides what is imported early; a wrong answer costs time, never correctness (unpickling the config
+    imports what it holds)."""
+    if model_impl == "transformers" or not (model is None or model.lower().endswith(".gguf")):
+        return True
+    return UnlessCachedGGUF(model)

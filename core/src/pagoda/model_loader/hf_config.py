@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from pagoda.model_loader.convert_cache import ConvertCache
 from pagoda.model_loader.errors import ModelLoadError
 from pagoda.model_loader.gguf.config import load_gguf_config
-from pagoda.model_loader.source import ModelSource
+from pagoda.model_loader.source import ModelSource, resolve_model_path
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -88,6 +88,21 @@ def _load_hf_dir_config(source: ModelSource, trust_remote_code: bool = False) ->
         config = PretrainedConfig.from_dict(config_dict)
         config.name_or_path = str(source.path)
         return config
+
+
+def gguf_config_is_plain_values(model: str | None) -> bool:
+    """Whether ``load_model_config`` will answer a ``CachedHFConfig`` (no transformers object) for the GGUF
+    file ``model`` (None: the embedded default): pagoda's convert cache holds its config. False for
+    anything else, or when it cannot tell (the first start of a file: transformers reads it)."""
+    try:
+        source = resolve_model_path(model)
+    except (OSError, ValueError):  # (ModelLoadError is a ValueError) the load reports it
+        return False
+    if source.kind != "gguf":
+        return False
+    cache = ConvertCache.for_gguf(source.gguf_path)
+    cached = cache.read_config() if cache is not None else None
+    return cached is not None and CachedHFConfig.can_hold(cached)
 
 
 def _load_gguf_config_cached(source: ModelSource, light: bool) -> Any:

@@ -215,7 +215,7 @@ def _model_specs(engine_args: EngineArgs, more_models: list[str], models_config:
 def _start_standby_core(engine_args: EngineArgs) -> None:
     """Spawn the engine-core process now when the engine will run its core in a process, so its imports
     (torch, the model stack: ~2 s) overlap this process's own imports and config resolution."""
-    from pagoda.engine.core_process import config_is_plain_values, start_standby_core
+    from pagoda.engine.core_process import standby_config_imports, start_standby_core
     from pagoda.engine.mp_client import engine_core_in_process
 
     try:
@@ -223,7 +223,7 @@ def _start_standby_core(engine_args: EngineArgs) -> None:
     except ValueError:
         return  # a malformed PAGODA_ENABLE_V1_MULTIPROCESSING: the engine's own start reports it
     if in_process:
-        start_standby_core(config_imports=not config_is_plain_values(engine_args.model, engine_args.model_impl))
+        start_standby_core(config_imports=standby_config_imports(engine_args.model, engine_args.model_impl))
 
 
 def register(app: typer.Typer) -> None:

@@ -479,7 +479,7 @@ def pool_loader(server_args: ServerArgs, metrics: PrometheusStatLogger) -> Calla
 
 def spare_engine_core(waiting: list[ModelSpec]) -> None:
     """A standby engine core for the next of ``waiting`` to load (``ModelPool``'s spare), if one would take it."""
-    from pagoda.engine.core_process import config_is_plain_values, start_standby_core
+    from pagoda.engine.core_process import standby_config_imports, start_standby_core
     from pagoda.engine.mp_client import engine_core_in_process
 
     try:
@@ -488,7 +488,9 @@ def spare_engine_core(waiting: list[ModelSpec]) -> None:
     except ValueError:
         return  # a malformed PAGODA_ENABLE_V1_MULTIPROCESSING: the load itself reports it
     if in_processes:
-        start_standby_core(config_imports=not all(config_is_plain_values(a.model, a.model_impl) for a in in_processes))
+        # the next load may be any of them: each GGUF file's cache is looked at in the core
+        wanted = {standby_config_imports(a.model, a.model_impl) for a in in_processes}
+        start_standby_core(config_imports=True if True in wanted or len(wanted) > 1 else wanted.pop())
 
 
 async def serve_pool(specs: list[ModelSpec], server_args: ServerArgs, sock: socket.socket,
