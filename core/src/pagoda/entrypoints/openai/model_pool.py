@@ -356,7 +356,7 @@ class ModelPool:
         """An engine-core process spawned and importing (torch, the engine) before a model not in memory is
         asked for: its load then takes it instead of spawning one, ~2 s off a fresh load on 2 Zen 3 vCPUs.
         Spawned after each load or unload, and by the monitor while nothing is in flight (one spare at most).
-        Measured (benchmarks.multimodel, 2 vCPUs): a reload 3.7 -> 1.3-1.7 s, a third model 4.2 -> 1.5-1.7 s;
+        Measured (benchmarks.multimodel, 2 vCPUs): a reload 3.7 -> 1.3-1.7 s, a third model 4.2 -> 1.5-1.8 s;
         spawning it only when idle came too late for back-to-back requests (2.3 and 3.4 s)."""
         waiting = [e.spec for e in self.entries if e.state in ("unloaded", "failed")]
         if self._spare_core is not None and waiting and not self._stopping:
